@@ -1,0 +1,32 @@
+package advlock
+
+import "github.com/advlock/advlock/internal/session"
+
+// Errors returned by this package. Match them with errors.Is; the server's own error (*pgconn.PgError) and the
+// context's error stay reachable through errors.As and errors.Is.
+var (
+	// ErrNotAcquired: a Try call found the key held by another session (or by another holder in this Locker).
+	ErrNotAcquired = session.ErrNotAcquired
+	// ErrNotHeld: Unlock of a lock that was already unlocked.
+	ErrNotHeld = session.ErrNotHeld
+	// ErrLockLost: the session holding the lock ended (terminated, timed out, server restart, network loss) or the
+	// server said it no longer held the key. The critical section may have overlapped with another holder.
+	ErrLockLost = session.ErrLockLost
+	// ErrClosed: the Locker was closed (also what Unlock returns for a lock that Close released).
+	ErrClosed = session.ErrClosed
+	// ErrNoPool: the Locker was made with New(nil).
+	ErrNoPool = session.ErrNoPool
+	// ErrStandby: the server is a hot standby (pg_is_in_recovery()); its locks would exclude nobody on the primary.
+	ErrStandby = session.ErrStandby
+	// ErrLockTableFull: SQLSTATE 53200, the server's shared lock table is full. Raise max_locks_per_transaction
+	// (needs a restart) or hold fewer locks; while it is full, new connections to the server fail too.
+	ErrLockTableFull = session.ErrLockTableFull
+	// ErrDeadlock: SQLSTATE 40P01. Session locks taken through a Locker each have their own session, so the server
+	// never sees a cycle between them; it arises with transaction-scoped locks.
+	ErrDeadlock = session.ErrDeadlock
+	// ErrUnlockFailed: Unlock could not get the server to confirm the release (error, timeout, cancelled ctx), so
+	// the session was closed instead of being pooled; the server drops the lock when it sees the socket close.
+	ErrUnlockFailed = session.ErrUnlockFailed
+	// ErrInvalidKey: the zero Key, or text that ParseKey cannot read.
+	ErrInvalidKey = session.ErrInvalidKey
+)

@@ -1,0 +1,126 @@
+// Package faults is a small TCP proxy for injecting network faults between a client and PostgreSQL in tests: cut
+// every connection, blackhole traffic (bytes vanish, sockets stay open, as when a network silently drops), or add
+// latency.
+package faults
+
+import (
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// Proxy forwards connections from its own 127.0.0.1 port to a target address.
+type Proxy struct {
+	ln        net.Listener
+	target    string
+	blackhole atomic.Bool
+	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
+
+	mu     sync.Mutex
+	closed bool
+	links  map[net.Conn]net.Conn // client side -> server side
+	wg     sync.WaitGroup
+}
+
+// Start listens on a free 127.0.0.1 port, forwards to target (host:port), and closes when the test ends.
+func Start(tb testing.TB, target string) *Proxy {
+	tb.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	p := &Proxy{ln: ln, target: target, links: map[net.Conn]net.Conn{}}
+	p.wg.Add(1)
+	go p.accept()
+	tb.Cleanup(p.Close)
+	return p
+}
+
+// Addr is the proxy's host:port.
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+
+// Port is the proxy's port.
+func (p *Proxy) Port() int { return p.ln.Addr().(*net.TCPAddr).Port }
+
+func (p *Proxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		s, err := net.DialTimeout("tcp", p.target, 5*time.Second)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			c.Close()
+			s.Close()
+			return
+		}
+		p.links[c] = s
+		p.mu.Unlock()
+		p.wg.Add(2)
+		go p.pipe(c, s)
+		go p.pipe(s, c)
+	}
+}
+
+func (p *Proxy) pipe(from, to net.Conn) {
+	defer p.wg.Done()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := from.Read(buf)
+		if n > 0 && !p.blackhole.Load() {
+			if d := time.Duration(p.latency.Load()); d > 0 {
+				time.Sleep(d)
+			}
+			if p.blackhole.Load() {
+				continue
+			}
+			if _, werr := to.Write(buf[:n]); werr != nil {
+				err = werr
+			}
+		}
+		if err != nil {
+			from.Close()
+			if !p.blackhole.Load() { // a blackhole swallows the close too
+				to.Close()
+			}
+			return
+		}
+	}
+}
+
+// Cut closes every current connection on both sides, as a network reset would.
+func (p *Proxy) Cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c, s := range p.links {
+		c.Close()
+		s.Close()
+		delete(p.links, c)
+	}
+}
+
+// Blackhole makes every byte in both directions, on current and new connections, vanish while on; sockets stay
+// open, so neither side learns anything until its own timeouts fire.
+func (p *Proxy) Blackhole(on bool) { p.blackhole.Store(on) }
+
+// Latency delays every forwarded chunk by d.
+func (p *Proxy) Latency(d time.Duration) { p.latency.Store(int64(d)) }
+
+// Close stops the proxy and closes every connection.
+func (p *Proxy) Close() {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	p.ln.Close()
+	p.Cut()
+	p.wg.Wait()
+}

@@ -1,0 +1,219 @@
+package pgtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// Cluster is a private throwaway PostgreSQL server.
+type Cluster struct {
+	Dir  string // data directory
+	Port int
+	URL  string // database postgres, user postgres, trust auth
+	bin  string
+	tmp  string
+	asPG bool // run server commands as the postgres user (we are root)
+}
+
+// StartCluster initialises and starts a private cluster with the given extra server settings (name=value), and
+// removes it when the test ends.
+func StartCluster(tb testing.TB, settings ...string) *Cluster {
+	tb.Helper()
+	c, err := startCluster(settings)
+	if err != nil {
+		tb.Fatalf("pgtest: start private cluster: %v", err)
+	}
+	tb.Cleanup(c.stop)
+	return c
+}
+
+// binDir finds initdb: on PATH, else the newest /usr/lib/postgresql/*/bin.
+func binDir() (string, error) {
+	if p, err := exec.LookPath("initdb"); err == nil {
+		return filepath.Dir(p), nil
+	}
+	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
+	sort.Slice(dirs, func(i, j int) bool { return version(dirs[i]) > version(dirs[j]) })
+	for _, d := range dirs {
+		if _, err := os.Stat(filepath.Join(d, "initdb")); err == nil {
+			return d, nil
+		}
+	}
+	return "", errors.New("initdb not found on PATH or under /usr/lib/postgresql/*/bin")
+}
+
+func version(dir string) int {
+	n, _ := strconv.Atoi(filepath.Base(filepath.Dir(dir)))
+	return n
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+func startCluster(settings []string) (*Cluster, error) {
+	bin, err := binDir()
+	if err != nil {
+		return nil, err
+	}
+	tmp, err := os.MkdirTemp("", "advlock-pg-")
+	if err != nil {
+		return nil, err
+	}
+	c := &Cluster{bin: bin, tmp: tmp, Dir: filepath.Join(tmp, "data")}
+	if os.Geteuid() == 0 {
+		c.asPG = true
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			os.RemoveAll(tmp)
+			return nil, fmt.Errorf("running as root needs a postgres user: %w", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		if err := os.Chown(tmp, uid, gid); err != nil {
+			os.RemoveAll(tmp)
+			return nil, err
+		}
+	}
+	if out, err := c.run("initdb", "-D", c.Dir, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"); err != nil {
+		os.RemoveAll(tmp)
+		return nil, fmt.Errorf("initdb: %v: %s", err, out)
+	}
+	conf := []string{"listen_addresses = '127.0.0.1'", "unix_socket_directories = '" + tmp + "'", "fsync = off",
+		"synchronous_commit = off", "full_page_writes = off", "max_connections = 50", "shared_buffers = 16MB"}
+	for _, s := range settings {
+		conf = append(conf, s)
+	}
+	f, err := os.OpenFile(filepath.Join(c.Dir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		c.stop()
+		return nil, err
+	}
+	_, err = f.WriteString("\n" + strings.Join(conf, "\n") + "\n")
+	f.Close()
+	if err != nil {
+		c.stop()
+		return nil, err
+	}
+	if err := c.startOnFreePort(); err != nil {
+		c.stop()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *Cluster) startOnFreePort() error {
+	var last error
+	for range 5 {
+		port, err := freePort()
+		if err != nil {
+			return err
+		}
+		c.Port = port
+		c.URL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
+		if last = c.Start(); last == nil {
+			return nil
+		}
+	}
+	return last
+}
+
+// Start starts the server (again) on its port and waits until it accepts connections.
+func (c *Cluster) Start() error {
+	out, err := c.run("pg_ctl", "-D", c.Dir, "-l", filepath.Join(c.tmp, "log"), "-w", "-t", "60",
+		"-o", fmt.Sprintf("-p %d", c.Port), "start")
+	if err != nil {
+		log, _ := os.ReadFile(filepath.Join(c.tmp, "log"))
+		return fmt.Errorf("pg_ctl start: %v: %s\n%s", err, out, log)
+	}
+	return nil
+}
+
+// Stop stops the server with the given shutdown mode (smart, fast or immediate).
+func (c *Cluster) Stop(mode string) error {
+	out, err := c.run("pg_ctl", "-D", c.Dir, "-m", mode, "-w", "-t", "60", "stop")
+	if err != nil {
+		return fmt.Errorf("pg_ctl stop: %v: %s", err, out)
+	}
+	return nil
+}
+
+// Restart stops the server with mode and starts it again on the same port.
+func (c *Cluster) Restart(mode string) error {
+	if err := c.Stop(mode); err != nil {
+		return err
+	}
+	return c.Start()
+}
+
+// Standby makes a hot standby of c with pg_basebackup, starts it, and removes it when the test ends.
+func (c *Cluster) Standby(tb testing.TB) *Cluster {
+	tb.Helper()
+	tmp, err := os.MkdirTemp("", "advlock-pg-standby-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	s := &Cluster{bin: c.bin, tmp: tmp, Dir: filepath.Join(tmp, "data"), asPG: c.asPG}
+	tb.Cleanup(s.stop)
+	if s.asPG {
+		u, _ := user.Lookup("postgres")
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		if err := os.Chown(tmp, uid, gid); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	if out, err := s.run("pg_basebackup", "-h", "127.0.0.1", "-p", strconv.Itoa(c.Port), "-U", "postgres",
+		"-D", s.Dir, "-R", "-X", "stream", "--no-sync"); err != nil {
+		tb.Fatalf("pg_basebackup: %v: %s", err, out)
+	}
+	f, err := os.OpenFile(filepath.Join(s.Dir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	_, _ = f.WriteString("\nunix_socket_directories = '" + tmp + "'\nhot_standby = on\n")
+	f.Close()
+	if err := s.startOnFreePort(); err != nil {
+		tb.Fatal(err)
+	}
+	return s
+}
+
+func (c *Cluster) run(name string, args ...string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	path := filepath.Join(c.bin, name)
+	var cmd *exec.Cmd
+	if c.asPG {
+		cmd = exec.CommandContext(ctx, "runuser", append([]string{"-u", "postgres", "--", path}, args...)...)
+	} else {
+		cmd = exec.CommandContext(ctx, path, args...)
+	}
+	cmd.Dir = c.tmp
+	return cmd.CombinedOutput()
+}
+
+func (c *Cluster) stop() {
+	if c.tmp == "" {
+		return
+	}
+	_, _ = c.run("pg_ctl", "-D", c.Dir, "-m", "immediate", "-w", "stop")
+	os.RemoveAll(c.tmp)
+	c.tmp = ""
+}

@@ -1,0 +1,223 @@
+// Package pgtest finds or starts the PostgreSQL that tests run against, and reads server truth from pg_locks.
+//
+// [URL] uses, in order: $ADVLOCK_TEST_DATABASE_URL; the local server on 127.0.0.1:5432 (database test, user
+// postgres) when it answers; else a private throwaway cluster started from the installed server binaries and
+// removed by [Cleanup]. Tests that restart or reconfigure a server call [StartCluster] for a cluster of their own,
+// never the shared one.
+package pgtest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// EnvURL names the variable that points tests at a server.
+const EnvURL = "ADVLOCK_TEST_DATABASE_URL"
+
+const localURL = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+
+var (
+	urlOnce   sync.Once
+	sharedURL string
+	sharedErr error
+	private   *Cluster
+)
+
+// URL returns the database URL for tests, failing the test if none can be had.
+func URL(tb testing.TB) string {
+	tb.Helper()
+	urlOnce.Do(func() {
+		if u := os.Getenv(EnvURL); u != "" {
+			sharedURL = u
+			return
+		}
+		if answers(localURL) {
+			sharedURL = localURL
+			return
+		}
+		private, sharedErr = startCluster(nil)
+		if sharedErr == nil {
+			sharedURL = private.URL
+		}
+	})
+	if sharedErr != nil {
+		tb.Fatalf("pgtest: no PostgreSQL: set %s, run one on 127.0.0.1:5432, or install the server binaries: %v", EnvURL, sharedErr)
+	}
+	return sharedURL
+}
+
+// Cleanup stops the private cluster URL may have started. Call it from TestMain after m.Run.
+func Cleanup() {
+	if private != nil {
+		private.stop()
+	}
+}
+
+func answers(url string) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	c, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return false
+	}
+	defer c.Close(ctx)
+	return c.Ping(ctx) == nil
+}
+
+// Pool returns a new pool on url, closed when the test ends. Settings in cfg (may be nil) are applied first.
+func Pool(tb testing.TB, url string, cfg func(*pgxpool.Config)) *pgxpool.Pool {
+	tb.Helper()
+	pc, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	pc.MaxConns = 32
+	if cfg != nil {
+		cfg(pc)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	p, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(p.Close)
+	return p
+}
+
+// Conn returns a plain connection on url (for observing pg_locks or for raw-pgx baselines), closed when the test
+// ends.
+func Conn(tb testing.TB, url string) *pgx.Conn {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := pgx.Connect(ctx, url)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+// Row is one advisory-lock row of pg_locks.
+type Row struct {
+	PID      uint32
+	ClassID  uint32
+	ObjID    uint32
+	ObjSubID int16
+	Mode     string // ExclusiveLock or ShareLock
+	Granted  bool
+}
+
+// Locks returns every advisory lock in the current database, granted or waited for.
+func Locks(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}) ([]Row, error) {
+	rows, err := q.Query(ctx, `SELECT pid, classid::text::int8, objid::text::int8, objsubid, mode, granted
+		FROM pg_locks WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database())`)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Row, error) {
+		var x Row
+		var pid int32
+		var cls, obj int64
+		err := r.Scan(&pid, &cls, &obj, &x.ObjSubID, &x.Mode, &x.Granted)
+		x.PID, x.ClassID, x.ObjID = uint32(pid), uint32(cls), uint32(obj)
+		return x, err
+	})
+}
+
+// Int64Key reports whether r is the int8 key v.
+func (r Row) Int64Key(v int64) bool {
+	return r.ObjSubID == 1 && r.ClassID == uint32(uint64(v)>>32) && r.ObjID == uint32(v)
+}
+
+// Holders returns the pids granted int8 key v.
+func Holders(ctx context.Context, c *pgx.Conn, v int64) ([]uint32, error) {
+	rows, err := Locks(ctx, c)
+	if err != nil {
+		return nil, err
+	}
+	var pids []uint32
+	for _, r := range rows {
+		if r.Granted && r.Int64Key(v) {
+			pids = append(pids, r.PID)
+		}
+	}
+	return pids, nil
+}
+
+// WaitFree polls until no session holds or waits for int8 key v, and fails the test after timeout. A destroyed
+// session's backend exits a moment after its socket closes; this is the wait for that.
+func WaitFree(tb testing.TB, c *pgx.Conn, v int64, timeout time.Duration) {
+	tb.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		rows, err := Locks(context.Background(), c)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		var left []Row
+		for _, r := range rows {
+			if r.Int64Key(v) {
+				left = append(left, r)
+			}
+		}
+		if len(left) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("key %d still in pg_locks after %v: %+v", v, timeout, left)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// NoIdleLocks fails the test if any idle connection of pool holds an advisory lock: it takes every idle
+// connection, reads their pids, and checks pg_locks through the separate connection obs.
+func NoIdleLocks(tb testing.TB, pool *pgxpool.Pool, obs *pgx.Conn) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	idle := pool.AcquireAllIdle(ctx)
+	defer func() {
+		for _, c := range idle {
+			c.Release()
+		}
+	}()
+	pids := map[uint32]bool{}
+	for _, c := range idle {
+		pids[c.Conn().PgConn().PID()] = true
+	}
+	rows, err := Locks(ctx, obs)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, r := range rows {
+		if pids[r.PID] {
+			tb.Errorf("idle pooled connection pid %d holds advisory lock %+v", r.PID, r)
+		}
+	}
+}
+
+// Terminate ends the backend pid with pg_terminate_backend through c.
+func Terminate(tb testing.TB, c *pgx.Conn, pid uint32) {
+	tb.Helper()
+	var ok bool
+	if err := c.QueryRow(context.Background(), "SELECT pg_terminate_backend($1)", int32(pid)).Scan(&ok); err != nil || !ok {
+		tb.Fatalf("pg_terminate_backend(%d) = %v, %v", pid, ok, err)
+	}
+}
+
+// String renders a row for messages.
+func (r Row) String() string {
+	return fmt.Sprintf("pid=%d key=(%d,%d,%d) %s granted=%v", r.PID, r.ClassID, r.ObjID, r.ObjSubID, r.Mode, r.Granted)
+}

@@ -1,0 +1,208 @@
+// Package session holds the one lifecycle every advisory lock goes through, whatever the driver:
+//
+//	acquire a connection -> lock -> watch -> unlock -> release, or destroy on any doubt.
+//
+// Backends (pgxpool, database/sql) implement the small [Pool] and [Conn] interfaces; all decisions about when a
+// session may go back to its pool live here.
+package session
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+)
+
+// Conn is one database session pinned from a pool for the life of one lock.
+type Conn interface {
+	// QueryInt runs sql and returns the integer in the first column of the last row. With args, sql is a single
+	// statement with $n placeholders; without, it may hold several statements (simple query protocol).
+	// Server errors come back translated with [Translate].
+	QueryInt(ctx context.Context, sql string, args ...any) (int64, error)
+	// Wait blocks reading the idle connection until the server sends something or the connection fails, and
+	// returns why the session ended (nil for a harmless message such as a notification). When ctx ends first it
+	// returns ctx.Err() and the connection stays usable.
+	Wait(ctx context.Context) error
+	// Ping makes one round trip.
+	Ping(ctx context.Context) error
+	// Release hands the connection back to its pool. Only called after the server confirmed the unlock.
+	Release()
+	// Destroy closes the network connection at once (the server then ends the backend and drops its locks) and
+	// makes the pool forget it. It must not block on the network.
+	Destroy()
+}
+
+// Pool hands out sessions.
+type Pool interface {
+	Acquire(ctx context.Context) (Conn, error)
+}
+
+// Config tunes a session.
+type Config struct {
+	// Keepalive is how long a held session may stay silent before a keepalive round trip, and how long that
+	// round trip may take. A silently dropped network is noticed within about twice this.
+	Keepalive time.Duration
+	// Wrap, when set, wraps each connection (tests use it to inject faults).
+	Wrap func(Conn) Conn
+}
+
+// Session is one held lock on its own pinned connection.
+type Session struct {
+	conn      Conn
+	target    Target
+	keepalive time.Duration
+
+	ctx       context.Context // ends when the lock is released or lost; context.Cause says which
+	end       context.CancelCauseFunc
+	stopWatch context.CancelFunc
+	watchDone chan struct{}
+	released  atomic.Bool
+}
+
+// Acquire pins a connection from pool and locks t on it. With wait it blocks in the server until granted or ctx
+// ends; without, it fails at once with ErrNotAcquired when the key is held elsewhere.
+//
+// On any error, or when ctx ended while the statement ran, the connection is destroyed, never pooled: a grant can
+// race a cancel (the server grants, then reports the cancel), and a late cancel can hit a later statement.
+func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config) (*Session, error) {
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return nil, WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
+	}
+	if cfg.Wrap != nil {
+		conn = cfg.Wrap(conn)
+	}
+	var r int64
+	if wait {
+		r, err = conn.QueryInt(ctx, WaitSQL(t))
+	} else {
+		sql, args := TrySQL(t)
+		r, err = conn.QueryInt(ctx, sql, args...)
+	}
+	if err != nil || ctx.Err() != nil {
+		conn.Destroy()
+		if err == nil {
+			err = errors.New("lock statement finished after the context ended; session closed")
+		}
+		return nil, WithContext(ctx, err)
+	}
+	switch r {
+	case resultAcquired:
+	case resultNotHeld:
+		conn.Release()
+		return nil, ErrNotAcquired
+	case resultStandby:
+		conn.Release() // the CASE took no lock
+		return nil, ErrStandby
+	default:
+		conn.Destroy()
+		return nil, fmt.Errorf("advlock: unexpected lock result %d; session closed", r)
+	}
+
+	s := &Session{conn: conn, target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{})}
+	if s.keepalive <= 0 {
+		s.keepalive = DefaultKeepalive
+	}
+	s.ctx, s.end = context.WithCancelCause(context.Background())
+	var watchCtx context.Context
+	watchCtx, s.stopWatch = context.WithCancel(context.Background())
+	go s.watch(watchCtx)
+	return s, nil
+}
+
+// DefaultKeepalive is used when Config.Keepalive is zero.
+const DefaultKeepalive = 5 * time.Second
+
+// Done is closed when the lock is released or lost.
+func (s *Session) Done() <-chan struct{} { return s.ctx.Done() }
+
+// Err is nil while the lock is held; afterwards it says why it ended.
+func (s *Session) Err() error { return context.Cause(s.ctx) }
+
+// Context ends with the lock; its cause is Err.
+func (s *Session) Context() context.Context { return s.ctx }
+
+// watch owns the idle connection while the lock is held. A FATAL from the server (terminate, idle timeout,
+// shutdown) or a closed socket ends Wait at once; a keepalive with a deadline bounds silent network loss.
+func (s *Session) watch(ctx context.Context) {
+	defer close(s.watchDone)
+	for {
+		wctx, cancel := context.WithTimeout(ctx, s.keepalive)
+		err := s.conn.Wait(wctx)
+		cancel()
+		if ctx.Err() != nil {
+			return // Release/Close asked; the connection is theirs again
+		}
+		switch {
+		case err == nil:
+			continue
+		case errors.Is(err, context.DeadlineExceeded) && wctx.Err() != nil:
+			// Silent for a whole interval: prove the session is alive. Not cut short by Release, so that a
+			// round trip is never left half done; Release waits at most one interval.
+			pctx, pcancel := context.WithTimeout(context.Background(), s.keepalive)
+			err = s.conn.Ping(pctx)
+			pcancel()
+			if err == nil {
+				continue
+			}
+			err = fmt.Errorf("keepalive: %w", err)
+		}
+		s.conn.Destroy()
+		s.end(fmt.Errorf("%w: %w", ErrLockLost, err))
+		return
+	}
+}
+
+// Release unlocks and returns the connection to its pool when the server confirms the unlock. When the unlock
+// returns false, fails, times out or ctx has ended, the connection is destroyed instead and the returned error
+// says so. after is what Err reports once released cleanly (ErrNotHeld or ErrClosed). A second call returns
+// ErrNotHeld.
+func (s *Session) Release(ctx context.Context, after error) error {
+	if !s.released.CompareAndSwap(false, true) {
+		return ErrNotHeld
+	}
+	s.stopWatch()
+	<-s.watchDone
+	if err := s.Err(); err != nil {
+		return err // lost; the watcher destroyed the connection
+	}
+	sql, args := UnlockSQL(s.target)
+	r, err := s.conn.QueryInt(ctx, sql, args...)
+	switch {
+	case err == nil && r == resultAcquired && ctx.Err() == nil:
+		s.conn.Release()
+		s.end(after)
+		return nil
+	case err == nil && r == resultNotHeld:
+		err = fmt.Errorf("%w: pg_advisory_unlock returned false: this session no longer held the key; session closed", ErrLockLost)
+	default:
+		if err == nil {
+			err = fmt.Errorf("unexpected unlock result %d", r)
+		}
+		err = WithContext(ctx, fmt.Errorf("%w: %w", ErrUnlockFailed, err))
+	}
+	s.conn.Destroy()
+	s.end(err)
+	return err
+}
+
+// withContext makes err match ctx.Err() and the context's cause when ctx has ended.
+func WithContext(ctx context.Context, err error) error {
+	cerr := ctx.Err()
+	if cerr == nil || errors.Is(err, cerr) && errors.Is(err, context.Cause(ctx)) {
+		return err
+	}
+	return &ctxError{ctx: cerr, cause: context.Cause(ctx), err: err}
+}
+
+type ctxError struct{ ctx, cause, err error }
+
+func (e *ctxError) Error() string {
+	if e.cause != e.ctx {
+		return e.cause.Error() + ": " + e.err.Error()
+	}
+	return e.ctx.Error() + ": " + e.err.Error()
+}
+
+func (e *ctxError) Unwrap() []error { return []error{e.cause, e.ctx, e.err} }

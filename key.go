@@ -1,0 +1,148 @@
+package advlock
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/advlock/advlock/internal/session"
+)
+
+// Key names an advisory lock. PostgreSQL has two key spaces that never overlap: one int8 ([Int64Key], and
+// [NameKey], which hashes a name into it) and a pair of int4 ([PairKey]). The zero Key is invalid.
+//
+// Keys are comparable, but == also compares how a key was made; [Key.Equal] says whether two keys name the same
+// server lock.
+type Key struct {
+	id   session.ID
+	kind keyKind
+	name string
+}
+
+type keyKind uint8
+
+const (
+	kindInvalid keyKind = iota
+	kindInt64
+	kindPair
+	kindName
+)
+
+// Int64Key is the lock PostgreSQL writes as pg_advisory_lock(n::bigint).
+func Int64Key(n int64) Key { return Key{id: session.ID{V: n}, kind: kindInt64} }
+
+// PairKey is the lock PostgreSQL writes as pg_advisory_lock(a::int, b::int). It never conflicts with any Int64Key.
+func PairKey(a, b int32) Key {
+	return Key{id: session.ID{Pair: true, V: int64(a)<<32 | int64(uint32(b))}, kind: kindPair}
+}
+
+// NameKey hashes name into the int8 key space. The hash is stable and documented so that other programs and SQL
+// can compute the same lock: the first 8 bytes of SHA-256(name), read as a big-endian two's-complement int64.
+// In SQL:
+//
+//	SELECT ('x' || left(encode(sha256(convert_to('billing-sync', 'UTF8')), 'hex'), 16))::bit(64)::bigint;
+//
+// NameKey("billing-sync") is Int64Key(6451652757638753977). Two names collide with probability about n²/2⁶⁵
+// for n names in use.
+func NameKey(name string) Key {
+	sum := sha256.Sum256([]byte(name))
+	return Key{id: session.ID{V: int64(binary.BigEndian.Uint64(sum[:8]))}, kind: kindName, name: name}
+}
+
+// Int64 returns the int8 key and true, or 0 and false for a PairKey.
+func (k Key) Int64() (int64, bool) {
+	if k.kind == kindInvalid || k.id.Pair {
+		return 0, false
+	}
+	return k.id.V, true
+}
+
+// Pair returns the two int4 keys and true for a PairKey.
+func (k Key) Pair() (a, b int32, ok bool) {
+	if !k.id.Pair {
+		return 0, 0, false
+	}
+	return int32(k.id.V >> 32), int32(k.id.V), true
+}
+
+// Name returns the name of a NameKey, or "" and false.
+func (k Key) Name() (string, bool) { return k.name, k.kind == kindName }
+
+// String renders the key in the syntax [ParseKey] reads: "int:42", "pair:1,2", or the name of a NameKey (prefixed
+// "name:" when the name itself starts with one of those prefixes, so that it reads back the same).
+func (k Key) String() string {
+	switch k.kind {
+	case kindInt64:
+		return "int:" + strconv.FormatInt(k.id.V, 10)
+	case kindPair:
+		a, b, _ := k.Pair()
+		return "pair:" + strconv.FormatInt(int64(a), 10) + "," + strconv.FormatInt(int64(b), 10)
+	case kindName:
+		if k.name == "" || hasKeyPrefix(k.name) {
+			return "name:" + k.name
+		}
+		return k.name
+	}
+	return "<invalid key>"
+}
+
+func hasKeyPrefix(s string) bool {
+	return strings.HasPrefix(s, "int:") || strings.HasPrefix(s, "pair:") || strings.HasPrefix(s, "name:")
+}
+
+// ParseKey reads the syntax [Key.String] writes: "int:N" is Int64Key(N), "pair:A,B" is PairKey(A, B), "name:S" or
+// any other non-empty text is NameKey. Errors match [ErrInvalidKey] and name the bad part.
+func ParseKey(s string) (Key, error) {
+	switch {
+	case strings.HasPrefix(s, "int:"):
+		n, err := strconv.ParseInt(s[len("int:"):], 10, 64)
+		if err != nil {
+			return Key{}, fmt.Errorf("%w %q: %q after int: is not a 64-bit integer", ErrInvalidKey, s, s[len("int:"):])
+		}
+		return Int64Key(n), nil
+	case strings.HasPrefix(s, "pair:"):
+		as, bs, ok := strings.Cut(s[len("pair:"):], ",")
+		if !ok {
+			return Key{}, fmt.Errorf("%w %q: pair: needs two 32-bit integers separated by a comma", ErrInvalidKey, s)
+		}
+		a, err := strconv.ParseInt(as, 10, 32)
+		if err != nil {
+			return Key{}, fmt.Errorf("%w %q: first number %q is not a 32-bit integer", ErrInvalidKey, s, as)
+		}
+		b, err := strconv.ParseInt(bs, 10, 32)
+		if err != nil {
+			return Key{}, fmt.Errorf("%w %q: second number %q is not a 32-bit integer", ErrInvalidKey, s, bs)
+		}
+		return PairKey(int32(a), int32(b)), nil
+	case strings.HasPrefix(s, "name:"):
+		return NameKey(s[len("name:"):]), nil
+	case s == "":
+		return Key{}, fmt.Errorf("%w: empty key (use name:, int:N or pair:A,B)", ErrInvalidKey)
+	}
+	return NameKey(s), nil
+}
+
+// KeyFromPgLocks decodes the classid, objid and objsubid columns of a pg_locks row whose locktype is 'advisory'.
+// objsubid 1 is an int8 key ((classid << 32) | objid); objsubid 2 is a pair (classid, objid). A NameKey comes back
+// as the Int64Key of its hash, since a hash cannot be reversed; compare with == against NameKey(name).
+func KeyFromPgLocks(classid, objid uint32, objsubid int16) (Key, error) {
+	switch objsubid {
+	case 1:
+		return Int64Key(int64(uint64(classid)<<32 | uint64(objid))), nil
+	case 2:
+		return PairKey(int32(classid), int32(objid)), nil
+	}
+	return Key{}, fmt.Errorf("%w: pg_locks objsubid %d is not an advisory key (want 1 or 2)", ErrInvalidKey, objsubid)
+}
+
+// Equal reports whether k and o name the same server lock (a NameKey equals the Int64Key of its hash).
+func (k Key) Equal(o Key) bool { return k.kind != kindInvalid && o.kind != kindInvalid && k.id == o.id }
+
+func (k Key) valid() error {
+	if k.kind == kindInvalid {
+		return fmt.Errorf("%w: the zero Key; use Int64Key, PairKey or NameKey", ErrInvalidKey)
+	}
+	return nil
+}

@@ -1,0 +1,56 @@
+package advlock
+
+import (
+	"context"
+	"sync/atomic"
+
+	"github.com/advlock/advlock/internal/session"
+)
+
+// Lock is a held advisory lock: one PostgreSQL session, pinned from the pool, holding one key. It is safe for
+// concurrent use.
+type Lock struct {
+	l        *Locker
+	key      Key
+	shared   bool
+	s        *session.Session
+	unlocked atomic.Bool
+	byClose  atomic.Bool
+	gone     chan struct{} // closed once released (or lost and acknowledged) and forgotten by the Locker
+}
+
+// Key returns the key this lock holds.
+func (lk *Lock) Key() Key { return lk.key }
+
+// Shared reports whether the lock is held in shared mode.
+func (lk *Lock) Shared() bool { return lk.shared }
+
+// Done is closed once the lock is released or lost. Watch it to learn at once that the session holding the lock
+// died: a terminated backend, an idle-session timeout or a server shutdown is seen as soon as the server says so;
+// a network that silently drops is noticed within about twice the keepalive interval ([WithKeepalive]).
+func (lk *Lock) Done() <-chan struct{} { return lk.s.Done() }
+
+// Err is nil while the lock is held. After Done is closed it matches ErrLockLost if the lock was lost (wrapping the
+// reason, such as the server's *pgconn.PgError), ErrNotHeld after Unlock, or ErrClosed after [Locker.Close].
+func (lk *Lock) Err() error { return lk.s.Err() }
+
+// Unlock releases the lock. When the server confirms the unlock the session goes back to the pool and Unlock
+// returns nil. Otherwise the session is closed, never pooled, so that the server drops the lock, and Unlock says
+// why: ErrLockLost if the lock had been lost (or the server said the session no longer held it), ErrUnlockFailed if
+// the unlock failed, timed out or ctx had ended. A second call returns ErrNotHeld; a call after Close released the
+// lock returns ErrClosed.
+func (lk *Lock) Unlock(ctx context.Context) error {
+	if lk == nil {
+		return ErrNotHeld
+	}
+	if !lk.unlocked.CompareAndSwap(false, true) {
+		if lk.byClose.Load() {
+			return &keyError{op: "unlock", key: lk.key, err: ErrClosed}
+		}
+		return &keyError{op: "unlock", key: lk.key, err: ErrNotHeld}
+	}
+	if err := lk.l.releaseCtx(ctx, lk, ErrNotHeld); err != nil {
+		return &keyError{op: "unlock", key: lk.key, err: err}
+	}
+	return nil
+}

@@ -1,0 +1,249 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Locker takes PostgreSQL session-level advisory locks, each on its own connection pinned from a pool until the
+// lock is released. It is safe for concurrent use.
+//
+// Within one Locker there is at most one exclusive holder per key, or any number of shared holders, each on its
+// own session: a second Lock of a key this Locker holds waits in-process (no second connection) until the first
+// is unlocked, and TryLock fails at once with ErrNotAcquired. This is what keeps PostgreSQL's per-session
+// re-entrancy from granting one key twice.
+type Locker struct {
+	pool     session.Pool
+	ownsPool *pgxpool.Pool
+	opts     options
+	cfg      session.Config
+
+	closeCtx    context.Context
+	closeCancel context.CancelCauseFunc
+	inflight    sync.WaitGroup
+
+	mu     sync.Mutex
+	closed bool
+	gates  map[session.ID]*gate
+	held   map[*Lock]struct{}
+}
+
+// New returns a Locker over a pool the caller owns and closes (after [Locker.Close]). A nil pool gives a Locker
+// whose every call returns ErrNoPool. The pool's sessions keep whatever settings the application gave them; see
+// [Open] for a pool tuned for locking.
+func New(pool *pgxpool.Pool, opts ...Option) *Locker {
+	o := defaultOptions()
+	for _, opt := range opts {
+		opt(&o)
+	}
+	return newLocker(pool, o)
+}
+
+func newLocker(pool *pgxpool.Pool, o options) *Locker {
+	l := &Locker{
+		opts:  o,
+		cfg:   session.Config{Keepalive: o.keepalive, Wrap: o.wrap},
+		gates: make(map[session.ID]*gate),
+		held:  make(map[*Lock]struct{}),
+	}
+	if pool != nil {
+		l.pool = pgxPool{pool}
+	}
+	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
+	return l
+}
+
+// TryLock takes key exclusively if no other session holds it, or fails at once with ErrNotAcquired.
+func (l *Locker) TryLock(ctx context.Context, key Key) (*Lock, error) {
+	return l.lock(ctx, key, false, false)
+}
+
+// Lock takes key exclusively, waiting inside PostgreSQL (no polling) until it is granted or ctx ends. When ctx
+// ends first the error wraps ctx.Err(), and the key is not held: if the server granted it as the wait was
+// cancelled, the session is closed so that the server drops it.
+func (l *Locker) Lock(ctx context.Context, key Key) (*Lock, error) {
+	return l.lock(ctx, key, false, true)
+}
+
+// TryRLock is TryLock in shared mode: any number of shared holders, no exclusive one.
+func (l *Locker) TryRLock(ctx context.Context, key Key) (*Lock, error) {
+	return l.lock(ctx, key, true, false)
+}
+
+// RLock is Lock in shared mode.
+func (l *Locker) RLock(ctx context.Context, key Key) (*Lock, error) {
+	return l.lock(ctx, key, true, true)
+}
+
+func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool) (*Lock, error) {
+	lk, err := l.lock1(ctx, key, shared, wait)
+	if err != nil {
+		verb := "lock"
+		switch {
+		case shared && wait:
+			verb = "rlock"
+		case shared:
+			verb = "try rlock"
+		case !wait:
+			verb = "try lock"
+		}
+		return nil, &keyError{op: verb, key: key, err: err}
+	}
+	return lk, nil
+}
+
+func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, error) {
+	if l == nil || l.pool == nil {
+		return nil, ErrNoPool
+	}
+	if err := key.valid(); err != nil {
+		return nil, err
+	}
+	ctx, done, err := l.begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	t := session.Target{ID: key.id, Shared: shared}
+	if err := l.enter(ctx, t, wait); err != nil {
+		return nil, err
+	}
+	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg)
+	if err != nil {
+		l.leave(t)
+		return nil, err
+	}
+	lk := &Lock{l: l, key: key, shared: shared, s: s, gone: make(chan struct{})}
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		// Close is already releasing; this lock was not in its list.
+		_ = l.release(lk, ErrClosed)
+		return nil, ErrClosed
+	}
+	l.held[lk] = struct{}{}
+	l.mu.Unlock()
+	return lk, nil
+}
+
+// begin registers an operation that Close must wait for and returns a context that also ends, with cause
+// ErrClosed, when Close is called.
+func (l *Locker) begin(ctx context.Context) (context.Context, func(), error) {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return nil, nil, ErrClosed
+	}
+	l.inflight.Add(1)
+	l.mu.Unlock()
+	cctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(l.closeCtx, func() { cancel(ErrClosed) })
+	return cctx, func() {
+		stop()
+		cancel(nil)
+		l.inflight.Done()
+	}, nil
+}
+
+// release unlocks lk's session and frees its in-process slot; after is what lk.Err reports on a clean release.
+func (l *Locker) release(lk *Lock, after error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), l.opts.releaseTimeout)
+	defer cancel()
+	return l.releaseCtx(ctx, lk, after)
+}
+
+func (l *Locker) releaseCtx(ctx context.Context, lk *Lock, after error) error {
+	err := lk.s.Release(ctx, after)
+	l.mu.Lock()
+	delete(l.held, lk)
+	l.mu.Unlock()
+	l.leave(session.Target{ID: lk.key.id, Shared: lk.shared})
+	close(lk.gone)
+	return err
+}
+
+// Close releases every lock still held (each unlock bounded by WithReleaseTimeout), makes pending and later calls
+// fail with ErrClosed, and waits for its goroutines. It closes the pool only if [Open] made it. Locks released
+// this way report ErrClosed from Err and Unlock. Close is idempotent.
+func (l *Locker) Close() {
+	if l == nil {
+		return
+	}
+	l.mu.Lock()
+	wasClosed := l.closed
+	l.closed = true
+	held := make([]*Lock, 0, len(l.held))
+	for lk := range l.held {
+		held = append(held, lk)
+	}
+	l.mu.Unlock()
+	l.closeCancel(ErrClosed)
+	var wg sync.WaitGroup
+	for _, lk := range held {
+		if lk.unlocked.CompareAndSwap(false, true) {
+			lk.byClose.Store(true)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_ = l.release(lk, ErrClosed)
+			}()
+		}
+	}
+	wg.Wait()
+	for _, lk := range held {
+		<-lk.gone // also those a concurrent Unlock is releasing
+	}
+	l.inflight.Wait()
+	if !wasClosed && l.ownsPool != nil {
+		l.ownsPool.Close()
+	}
+}
+
+// Do takes key exclusively (waiting like Lock), runs fn, and unlocks, also when fn panics. The context given to fn
+// is cancelled, with cause ErrLockLost, as soon as the lock is lost. Do returns fn's error joined with the
+// unlock's; when the lock was lost at any point the result matches ErrLockLost, since fn may have overlapped with
+// another holder.
+func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) error) (err error) {
+	lk, err := l.Lock(ctx, key)
+	if err != nil {
+		return err
+	}
+	fctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(lk.s.Context(), func() { cancel(lk.Err()) })
+	defer func() {
+		stop()
+		cancel(nil)
+		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.releaseTimeout)
+		defer ucancel()
+		if uerr := lk.Unlock(uctx); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
+	}()
+	return fn(fctx)
+}
+
+// keyError names the operation and key in an error while keeping the cause matchable.
+type keyError struct {
+	op  string
+	key Key
+	err error
+}
+
+func (e *keyError) Error() string {
+	return fmt.Sprintf("advlock: %s %s: %s", e.op, e.key, trimPrefix(e.err.Error()))
+}
+
+func (e *keyError) Unwrap() error { return e.err }
+
+func trimPrefix(s string) string {
+	const p = "advlock: "
+	if len(s) >= len(p) && s[:len(p)] == p {
+		return s[len(p):]
+	}
+	return s
+}
