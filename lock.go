@@ -10,13 +10,14 @@ import (
 // Lock is a held advisory lock: one PostgreSQL session, pinned from the pool, holding one key. It is safe for
 // concurrent use.
 type Lock struct {
-	l        *Locker
-	key      Key
-	shared   bool
-	s        *session.Session
-	unlocked atomic.Bool
-	byClose  atomic.Bool
-	gone     chan struct{} // closed once released (or lost and acknowledged) and forgotten by the Locker
+	l         *Locker
+	key       Key
+	shared    bool
+	s         *session.Session
+	unlocked  atomic.Bool
+	byClose   atomic.Bool
+	gone      chan struct{} // closed once released or lost, and forgotten by the Locker
+	forgotten bool          // guarded by l.mu
 }
 
 // Key returns the key this lock holds.

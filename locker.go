@@ -113,12 +113,15 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	if err := l.enter(ctx, t, wait); err != nil {
 		return nil, err
 	}
-	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg)
+	lk := &Lock{l: l, key: key, shared: shared, gone: make(chan struct{})}
+	// A lost lock gives its in-process slot back at once: its session is gone, so nothing can be shared, and a
+	// holder that re-acquires without calling Unlock on the lost handle must not wait on itself.
+	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, func() { l.forget(lk) })
 	if err != nil {
 		l.leave(t)
 		return nil, err
 	}
-	lk := &Lock{l: l, key: key, shared: shared, s: s, gone: make(chan struct{})}
+	lk.s = s
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
@@ -126,7 +129,9 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 		_ = l.release(lk, ErrClosed)
 		return nil, ErrClosed
 	}
-	l.held[lk] = struct{}{}
+	if !lk.forgotten {
+		l.held[lk] = struct{}{}
+	}
 	l.mu.Unlock()
 	return lk, nil
 }
@@ -159,12 +164,22 @@ func (l *Locker) release(lk *Lock, after error) error {
 
 func (l *Locker) releaseCtx(ctx context.Context, lk *Lock, after error) error {
 	err := lk.s.Release(ctx, after)
+	l.forget(lk)
+	return err
+}
+
+// forget drops lk from the Locker and gives its in-process slot back, once.
+func (l *Locker) forget(lk *Lock) {
 	l.mu.Lock()
+	if lk.forgotten {
+		l.mu.Unlock()
+		return
+	}
+	lk.forgotten = true
 	delete(l.held, lk)
 	l.mu.Unlock()
 	l.leave(session.Target{ID: lk.key.id, Shared: lk.shared})
 	close(lk.gone)
-	return err
 }
 
 // Close releases every lock still held (each unlock bounded by WithReleaseTimeout), makes pending and later calls

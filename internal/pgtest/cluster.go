@@ -41,6 +41,9 @@ func StartCluster(tb testing.TB, settings ...string) *Cluster {
 // binDir finds initdb: on PATH, else the newest /usr/lib/postgresql/*/bin.
 func binDir() (string, error) {
 	if p, err := exec.LookPath("initdb"); err == nil {
+		if real, err := filepath.EvalSymlinks(p); err == nil {
+			p = real // a link on PATH into the server's bin directory, which also has pg_basebackup
+		}
 		return filepath.Dir(p), nil
 	}
 	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")

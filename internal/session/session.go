@@ -58,6 +58,7 @@ type Session struct {
 	stopWatch context.CancelFunc
 	watchDone chan struct{}
 	released  atomic.Bool
+	onLost    func()
 }
 
 // Acquire pins a connection from pool and locks t on it. With wait it blocks in the server until granted or ctx
@@ -65,7 +66,9 @@ type Session struct {
 //
 // On any error, or when ctx ended while the statement ran, the connection is destroyed, never pooled: a grant can
 // race a cancel (the server grants, then reports the cancel), and a late cancel can hit a later statement.
-func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config) (*Session, error) {
+//
+// onLost, if not nil, is called once from the watcher goroutine right after the lock is found lost.
+func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onLost func()) (*Session, error) {
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
 		return nil, WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
@@ -100,7 +103,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config) (*
 		return nil, fmt.Errorf("advlock: unexpected lock result %d; session closed", r)
 	}
 
-	s := &Session{conn: conn, target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{})}
+	s := &Session{conn: conn, target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{}), onLost: onLost}
 	if s.keepalive <= 0 {
 		s.keepalive = DefaultKeepalive
 	}
@@ -150,6 +153,9 @@ func (s *Session) watch(ctx context.Context) {
 		}
 		s.conn.Destroy()
 		s.end(fmt.Errorf("%w: %w", ErrLockLost, err))
+		if s.onLost != nil {
+			s.onLost()
+		}
 		return
 	}
 }

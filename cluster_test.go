@@ -1,0 +1,244 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/pgtest"
+)
+
+// Faults that need a server of their own: restarts, a standby, a full lock table, server-side timeouts.
+func TestPrivateCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts private PostgreSQL clusters")
+	}
+	c := pgtest.StartCluster(t, "max_locks_per_transaction = 10")
+	obs := pgtest.Conn(t, c.URL)
+	b := &bundle{url: c.URL, obs: obs}
+
+	t.Run("standby refuses", func(t *testing.T) {
+		s := c.Standby(t)
+		l := New(pgtest.Pool(t, s.URL, nil))
+		defer l.Close()
+		ctx := ctxT(t, 10*time.Second)
+		k := key(t)
+		for name, lock := range map[string]func(context.Context, Key) (*Lock, error){
+			"TryLock": l.TryLock, "Lock": l.Lock, "RLock": l.RLock, "TryRLock": l.TryRLock,
+		} {
+			if _, err := lock(ctx, k); !errors.Is(err, ErrStandby) {
+				t.Errorf("%s on a standby: %v, want ErrStandby", name, err)
+			}
+		}
+		rows, err := pgtest.Locks(ctx, pgtest.Conn(t, s.URL))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(rows) != 0 {
+			t.Errorf("standby holds advisory locks after refusing: %v", rows)
+		}
+	})
+
+	t.Run("role default timeouts do not cut a wait", func(t *testing.T) {
+		ctx := ctxT(t, 20*time.Second)
+		if _, err := obs.Exec(ctx, "ALTER ROLE postgres SET statement_timeout = '100ms'"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := obs.Exec(ctx, "ALTER ROLE postgres SET lock_timeout = '100ms'"); err != nil {
+			t.Fatal(err)
+		}
+		defer obs.Exec(context.Background(), "ALTER ROLE postgres RESET ALL")
+		pool := pgtest.Pool(t, c.URL, nil)
+		l := New(pool)
+		defer l.Close()
+		k := key(t)
+		holder := New(pgtest.Pool(t, c.URL, nil))
+		defer holder.Close()
+		h, err := holder.TryLock(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.AfterFunc(600*time.Millisecond, func() { _ = h.Unlock(context.Background()) })
+		lk, err := l.Lock(ctx, k)
+		if err != nil {
+			t.Fatalf("Lock waiting 600ms under a 100ms role statement_timeout: %v", err)
+		}
+		var st string
+		if err := pool.QueryRow(ctx, "SHOW statement_timeout").Scan(&st); err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		// The pooled sessions keep the application's own setting.
+		if err := pool.QueryRow(ctx, "SHOW statement_timeout").Scan(&st); err != nil || st != "100ms" {
+			t.Errorf("pooled session statement_timeout = %q, %v; want the role's 100ms back", st, err)
+		}
+		pgtest.NoIdleLocks(t, pool, obs)
+	})
+
+	t.Run("lock table full", func(t *testing.T) {
+		ctx := ctxT(t, 30*time.Second)
+		pool := pgtest.Pool(t, c.URL, nil)
+		l := New(pool)
+		defer l.Close()
+		// Warm the pool: while the table is full, new connections fail too.
+		warm, err := l.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := warm.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		filler := pgtest.Conn(t, c.URL)
+		_, err = filler.Exec(ctx, "SELECT pg_advisory_lock(g) FROM generate_series(1, 1000000) g")
+		if errCode(err) != "53200" {
+			t.Fatalf("filling the lock table: %v, want SQLSTATE 53200", err)
+		}
+		_, err = l.TryLock(ctx, key(t))
+		if !errors.Is(err, ErrLockTableFull) || errCode(err) != "53200" || !strings.Contains(err.Error(), "max_locks_per_transaction") {
+			t.Errorf("TryLock with the lock table full: %v, want ErrLockTableFull naming max_locks_per_transaction", err)
+		}
+		filler.Close(ctx)
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			lk, err := l.TryLock(ctx, key(t))
+			if err == nil {
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
+				}
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("lock table still full after the filler left: %v", err)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+
+	t.Run("idle_session_timeout", func(t *testing.T) {
+		ctx := ctxT(t, 30*time.Second)
+		if _, err := obs.Exec(ctx, "ALTER DATABASE postgres SET idle_session_timeout = '300ms'"); err != nil {
+			t.Fatal(err)
+		}
+		defer obs.Exec(context.Background(), "ALTER DATABASE postgres RESET idle_session_timeout")
+		// Over a plain pool the server ends the idle holder; its FATAL is seen at once.
+		plain := New(pgtest.Pool(t, c.URL, nil), WithKeepalive(time.Minute))
+		defer plain.Close()
+		lk, err := plain.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitDone(t, lk, 10*time.Second)
+		if !errors.Is(lk.Err(), ErrLockLost) || errCode(lk.Err()) != "57P05" {
+			t.Errorf("Err = %v, want ErrLockLost wrapping SQLSTATE 57P05", lk.Err())
+		}
+		// Open's sessions turn it off: the lock survives well past the timeout.
+		ol, err := Open(ctx, c.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ol.Close()
+		lk, err = ol.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-lk.Done():
+			t.Fatalf("lock taken through Open lost: %v", lk.Err())
+		case <-time.After(1500 * time.Millisecond):
+		}
+		b.pidOf(t, lk)
+		var app string
+		if err := obs.QueryRow(ctx, "SELECT application_name FROM pg_stat_activity WHERE pid = $1", int32(b.pidOf(t, lk))).Scan(&app); err != nil || app != "advlock" {
+			t.Errorf("application_name of an Open session = %q, %v; want advlock", app, err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("server restart", func(t *testing.T) {
+		for _, mode := range []string{"fast", "immediate"} {
+			ctx := ctxT(t, 60*time.Second)
+			l, err := Open(ctx, c.URL, WithKeepalive(time.Minute))
+			if err != nil {
+				t.Fatal(err)
+			}
+			k := key(t)
+			lk, err := l.TryLock(ctx, k)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var wg sync.WaitGroup
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := c.Stop(mode); err != nil {
+					t.Error(err)
+				}
+			}()
+			waitDone(t, lk, 30*time.Second)
+			if !errors.Is(lk.Err(), ErrLockLost) {
+				t.Errorf("%s shutdown: Err = %v, want ErrLockLost", mode, lk.Err())
+			}
+			if mode == "fast" && errCode(lk.Err()) != "57P01" {
+				t.Errorf("fast shutdown: Err = %v, want the server's FATAL 57P01", lk.Err())
+			}
+			wg.Wait()
+			if err := c.Start(); err != nil {
+				t.Fatal(err)
+			}
+			again, err := l.Lock(ctx, k)
+			if err != nil {
+				t.Fatalf("re-acquire after %s restart: %v", mode, err)
+			}
+			if err := again.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			l.Close()
+		}
+	})
+}
+
+// The server's deadlock error (only possible with transaction-scoped locks, several on one session) is
+// translated to ErrDeadlock at the adapter boundary.
+func TestDeadlockTranslated(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 20*time.Second)
+	a, c := pgtest.Conn(t, url), pgtest.Conn(t, url)
+	k1, k2 := key(t), key(t)
+	v1, _ := k1.Int64()
+	v2, _ := k2.Int64()
+	ta, err := a.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc, err := c.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tc.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v2); err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 2)
+	// Each side rolls back after its statement, so the survivor is granted once the victim's transaction ends.
+	go func() { _, err := ta.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v2); _ = ta.Rollback(ctx); errs <- err }()
+	go func() { _, err := tc.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v1); _ = tc.Rollback(ctx); errs <- err }()
+	err = <-errs
+	if errCode(err) != "40P01" {
+		t.Fatalf("want a server deadlock, got %v", err)
+	}
+	if terr := translate(err); !errors.Is(terr, ErrDeadlock) || errCode(terr) != "40P01" {
+		t.Errorf("translate(%v) = %v, want ErrDeadlock keeping the PgError", err, terr)
+	}
+	if err := <-errs; err != nil {
+		t.Errorf("the surviving side failed too: %v", err)
+	}
+}
