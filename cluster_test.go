@@ -229,16 +229,24 @@ func TestDeadlockTranslated(t *testing.T) {
 	}
 	errs := make(chan error, 2)
 	// Each side rolls back after its statement, so the survivor is granted once the victim's transaction ends.
-	go func() { _, err := ta.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v2); _ = ta.Rollback(ctx); errs <- err }()
-	go func() { _, err := tc.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v1); _ = tc.Rollback(ctx); errs <- err }()
-	err = <-errs
-	if errCode(err) != "40P01" {
-		t.Fatalf("want a server deadlock, got %v", err)
+	go func() {
+		_, err := ta.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v2)
+		_ = ta.Rollback(ctx)
+		errs <- err
+	}()
+	go func() {
+		_, err := tc.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", v1)
+		_ = tc.Rollback(ctx)
+		errs <- err
+	}()
+	e1, e2 := <-errs, <-errs
+	if errCode(e2) == "40P01" {
+		e1, e2 = e2, e1
 	}
-	if terr := translate(err); !errors.Is(terr, ErrDeadlock) || errCode(terr) != "40P01" {
-		t.Errorf("translate(%v) = %v, want ErrDeadlock keeping the PgError", err, terr)
+	if errCode(e1) != "40P01" || e2 != nil {
+		t.Fatalf("want one server deadlock and one success, got %v and %v", e1, e2)
 	}
-	if err := <-errs; err != nil {
-		t.Errorf("the surviving side failed too: %v", err)
+	if terr := translate(e1); !errors.Is(terr, ErrDeadlock) || errCode(terr) != "40P01" {
+		t.Errorf("translate(%v) = %v, want ErrDeadlock keeping the PgError", e1, terr)
 	}
 }

@@ -14,7 +14,7 @@ type gate struct {
 	shared         int
 	waiting        int // callers blocked in enter
 	waitingWriters int
-	wake           chan struct{} // closed and replaced whenever the gate changes
+	wake           chan struct{} // made by a waiter; closed (and dropped) whenever the gate changes
 }
 
 func (g *gate) admits(shared bool) bool {
@@ -25,8 +25,10 @@ func (g *gate) admits(shared bool) bool {
 }
 
 func (g *gate) changed() {
-	close(g.wake)
-	g.wake = make(chan struct{})
+	if g.wake != nil {
+		close(g.wake)
+		g.wake = nil
+	}
 }
 
 // enter takes t's in-process slot, waiting (if wait) until it is free or ctx ends.
@@ -35,7 +37,7 @@ func (l *Locker) enter(ctx context.Context, t session.Target, wait bool) error {
 	defer l.mu.Unlock()
 	g := l.gates[t.ID]
 	if g == nil {
-		g = &gate{wake: make(chan struct{})}
+		g = &gate{}
 		l.gates[t.ID] = g
 	}
 	writerQueued := false
@@ -53,6 +55,9 @@ func (l *Locker) enter(ctx context.Context, t session.Target, wait bool) error {
 		if !t.Shared && !writerQueued {
 			writerQueued = true
 			g.waitingWriters++
+		}
+		if g.wake == nil {
+			g.wake = make(chan struct{})
 		}
 		ch := g.wake
 		g.waiting++
@@ -79,6 +84,10 @@ func (l *Locker) enter(ctx context.Context, t session.Target, wait bool) error {
 func (l *Locker) leave(t session.Target) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.leaveLocked(t)
+}
+
+func (l *Locker) leaveLocked(t session.Target) {
 	g := l.gates[t.ID]
 	if t.Shared {
 		g.shared--

@@ -16,8 +16,7 @@ type Lock struct {
 	s         *session.Session
 	unlocked  atomic.Bool
 	byClose   atomic.Bool
-	gone      chan struct{} // closed once released or lost, and forgotten by the Locker
-	forgotten bool          // guarded by l.mu
+	forgotten bool // guarded by l.mu: released or lost, and dropped by the Locker
 }
 
 // Key returns the key this lock holds.

@@ -25,7 +25,8 @@ type Locker struct {
 
 	closeCtx    context.Context
 	closeCancel context.CancelCauseFunc
-	inflight    sync.WaitGroup
+	inflight    sync.WaitGroup // Lock calls under way
+	heldWG      sync.WaitGroup // locks in held
 
 	mu     sync.Mutex
 	closed bool
@@ -104,7 +105,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	if err := key.valid(); err != nil {
 		return nil, err
 	}
-	ctx, done, err := l.begin(ctx)
+	ctx, done, err := l.begin(ctx, wait)
 	if err != nil {
 		return nil, err
 	}
@@ -113,7 +114,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	if err := l.enter(ctx, t, wait); err != nil {
 		return nil, err
 	}
-	lk := &Lock{l: l, key: key, shared: shared, gone: make(chan struct{})}
+	lk := &Lock{l: l, key: key, shared: shared}
 	// A lost lock gives its in-process slot back at once: its session is gone, so nothing can be shared, and a
 	// holder that re-acquires without calling Unlock on the lost handle must not wait on itself.
 	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, func() { l.forget(lk) })
@@ -131,14 +132,15 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	}
 	if !lk.forgotten {
 		l.held[lk] = struct{}{}
+		l.heldWG.Add(1) // under mu and before closed: happens before Close's Wait
 	}
 	l.mu.Unlock()
 	return lk, nil
 }
 
-// begin registers an operation that Close must wait for and returns a context that also ends, with cause
-// ErrClosed, when Close is called.
-func (l *Locker) begin(ctx context.Context) (context.Context, func(), error) {
+// begin registers an operation that Close must wait for. For an operation that may wait, it returns a context
+// that also ends, with cause ErrClosed, when Close is called; a Try makes one round trip and is simply waited for.
+func (l *Locker) begin(ctx context.Context, wait bool) (context.Context, func(), error) {
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
@@ -146,6 +148,9 @@ func (l *Locker) begin(ctx context.Context) (context.Context, func(), error) {
 	}
 	l.inflight.Add(1)
 	l.mu.Unlock()
+	if !wait {
+		return ctx, l.inflight.Done, nil
+	}
 	cctx, cancel := context.WithCancelCause(ctx)
 	stop := context.AfterFunc(l.closeCtx, func() { cancel(ErrClosed) })
 	return cctx, func() {
@@ -176,10 +181,13 @@ func (l *Locker) forget(lk *Lock) {
 		return
 	}
 	lk.forgotten = true
+	_, wasHeld := l.held[lk]
 	delete(l.held, lk)
+	l.leaveLocked(session.Target{ID: lk.key.id, Shared: lk.shared})
 	l.mu.Unlock()
-	l.leave(session.Target{ID: lk.key.id, Shared: lk.shared})
-	close(lk.gone)
+	if wasHeld {
+		l.heldWG.Done()
+	}
 }
 
 // Close releases every lock still held (each unlock bounded by WithReleaseTimeout), makes pending and later calls
@@ -210,9 +218,7 @@ func (l *Locker) Close() {
 		}
 	}
 	wg.Wait()
-	for _, lk := range held {
-		<-lk.gone // also those a concurrent Unlock is releasing
-	}
+	l.heldWG.Wait() // also those a concurrent Unlock is releasing
 	l.inflight.Wait()
 	if !wasClosed && l.ownsPool != nil {
 		l.ownsPool.Close()

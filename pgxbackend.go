@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/advlock/advlock/internal/session"
@@ -21,10 +22,14 @@ func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &pgxConn{c: c}, nil
+	return &pgxConn{c: c, pc: c.Conn().PgConn()}, nil
 }
 
-type pgxConn struct{ c *pgxpool.Conn }
+type pgxConn struct {
+	c           *pgxpool.Conn
+	pc          *pgconn.PgConn // kept: c forgets it once released or hijacked
+	interrupted atomic.Bool
+}
 
 func translate(err error) error {
 	var pgErr *pgconn.PgError
@@ -40,7 +45,7 @@ func (a *pgxConn) QueryInt(ctx context.Context, sql string, args ...any) (int64,
 		err := a.c.QueryRow(ctx, sql, args...).Scan(&v)
 		return v, translate(err)
 	}
-	results, err := a.c.Conn().PgConn().Exec(ctx, sql).ReadAll()
+	results, err := a.pc.Exec(ctx, sql).ReadAll()
 	if err != nil {
 		return 0, translate(err)
 	}
@@ -51,30 +56,35 @@ func (a *pgxConn) QueryInt(ctx context.Context, sql string, args ...any) (int64,
 	return v, err
 }
 
-// Wait blocks in pgconn's reader on the idle connection. The context is not handed to pgconn (whose context
-// handler may be configured to send a cancel request, which could hit a later statement); instead a read deadline
-// in the past interrupts the read, which pgconn treats as a harmless timeout.
-func (a *pgxConn) Wait(ctx context.Context) error {
-	pc := a.c.Conn().PgConn()
-	nc := pc.Conn()
-	fired := make(chan struct{})
-	stop := context.AfterFunc(ctx, func() {
-		_ = nc.SetReadDeadline(time.Unix(1, 0))
-		close(fired)
-	})
+// Wait blocks in pgconn's reader on the idle connection. No context is handed to pgconn (whose context handler may
+// be configured to send a cancel request, which could hit a later statement); a read deadline bounds the read
+// instead, which pgconn treats as a harmless timeout.
+func (a *pgxConn) Wait(deadline time.Time) error {
+	pc := a.pc
+	_ = pc.Conn().SetReadDeadline(deadline)
+	if a.interrupted.Load() {
+		// Interrupt's deadline may have been overwritten just now.
+		return session.ErrWaitTimeout
+	}
 	err := pc.WaitForNotification(context.Background())
-	if !stop() {
-		<-fired
-		_ = nc.SetReadDeadline(time.Time{})
-		var netErr net.Error
-		if err != nil && errors.As(err, &netErr) && netErr.Timeout() && !pc.IsClosed() {
-			return ctx.Err()
-		}
+	if err == nil {
+		return nil
 	}
-	if err != nil {
-		return fmt.Errorf("session ended: %w", translate(err))
+	var netErr net.Error
+	if errors.As(err, &netErr) && netErr.Timeout() && !pc.IsClosed() {
+		return session.ErrWaitTimeout
 	}
-	return nil
+	return fmt.Errorf("session ended: %w", translate(err))
+}
+
+func (a *pgxConn) Interrupt() {
+	a.interrupted.Store(true)
+	_ = a.pc.Conn().SetReadDeadline(time.Unix(1, 0))
+}
+
+func (a *pgxConn) ClearDeadline() {
+	a.interrupted.Store(false)
+	_ = a.pc.Conn().SetReadDeadline(time.Time{})
 }
 
 func (a *pgxConn) Ping(ctx context.Context) error { return a.c.Ping(ctx) }

@@ -20,10 +20,15 @@ type Conn interface {
 	// statement with $n placeholders; without, it may hold several statements (simple query protocol).
 	// Server errors come back translated with [Translate].
 	QueryInt(ctx context.Context, sql string, args ...any) (int64, error)
-	// Wait blocks reading the idle connection until the server sends something or the connection fails, and
-	// returns why the session ended (nil for a harmless message such as a notification). When ctx ends first it
-	// returns ctx.Err() and the connection stays usable.
-	Wait(ctx context.Context) error
+	// Wait blocks reading the idle connection until the server sends something, the connection fails, the
+	// deadline passes or Interrupt is called. It returns ErrWaitTimeout for the last two (the connection stays
+	// usable, with its read deadline still set: the caller clears it with Wait's next call or ClearDeadline),
+	// nil for a harmless message such as a notification, and otherwise why the session ended.
+	Wait(deadline time.Time) error
+	// Interrupt makes a current or next Wait return ErrWaitTimeout at once. It may be called from any goroutine.
+	Interrupt()
+	// ClearDeadline undoes what Wait and Interrupt left on the connection before it is used for a statement.
+	ClearDeadline()
 	// Ping makes one round trip.
 	Ping(ctx context.Context) error
 	// Release hands the connection back to its pool. Only called after the server confirmed the unlock.
@@ -55,7 +60,8 @@ type Session struct {
 
 	ctx       context.Context // ends when the lock is released or lost; context.Cause says which
 	end       context.CancelCauseFunc
-	stopWatch context.CancelFunc
+	stopping  atomic.Bool
+	timer     *time.Timer // starts watch
 	watchDone chan struct{}
 	released  atomic.Bool
 	onLost    func()
@@ -108,11 +114,14 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		s.keepalive = DefaultKeepalive
 	}
 	s.ctx, s.end = context.WithCancelCause(context.Background())
-	var watchCtx context.Context
-	watchCtx, s.stopWatch = context.WithCancel(context.Background())
-	go s.watch(watchCtx)
+	// The watcher starts after WatchDelay: a lock released sooner never needs the goroutine, and a loss in that
+	// first moment is seen when it starts.
+	s.timer = time.AfterFunc(WatchDelay, s.watch)
 	return s, nil
 }
+
+// WatchDelay is how long after the grant the watcher starts reading the connection.
+const WatchDelay = time.Millisecond
 
 // DefaultKeepalive is used when Config.Keepalive is zero.
 const DefaultKeepalive = 5 * time.Second
@@ -128,24 +137,23 @@ func (s *Session) Context() context.Context { return s.ctx }
 
 // watch owns the idle connection while the lock is held. A FATAL from the server (terminate, idle timeout,
 // shutdown) or a closed socket ends Wait at once; a keepalive with a deadline bounds silent network loss.
-func (s *Session) watch(ctx context.Context) {
+func (s *Session) watch() {
 	defer close(s.watchDone)
-	for {
-		wctx, cancel := context.WithTimeout(ctx, s.keepalive)
-		err := s.conn.Wait(wctx)
-		cancel()
-		if ctx.Err() != nil {
-			return // Release/Close asked; the connection is theirs again
+	for !s.stopping.Load() {
+		err := s.conn.Wait(time.Now().Add(s.keepalive))
+		if s.stopping.Load() {
+			return // Release asked; the connection is theirs again
 		}
 		switch {
 		case err == nil:
 			continue
-		case errors.Is(err, context.DeadlineExceeded) && wctx.Err() != nil:
+		case errors.Is(err, ErrWaitTimeout):
 			// Silent for a whole interval: prove the session is alive. Not cut short by Release, so that a
 			// round trip is never left half done; Release waits at most one interval.
-			pctx, pcancel := context.WithTimeout(context.Background(), s.keepalive)
-			err = s.conn.Ping(pctx)
-			pcancel()
+			s.conn.ClearDeadline()
+			ctx, cancel := context.WithTimeout(context.Background(), s.keepalive)
+			err = s.conn.Ping(ctx)
+			cancel()
 			if err == nil {
 				continue
 			}
@@ -160,6 +168,9 @@ func (s *Session) watch(ctx context.Context) {
 	}
 }
 
+// ErrWaitTimeout is what Conn.Wait returns when its deadline passed or it was interrupted.
+var ErrWaitTimeout = errors.New("wait timed out")
+
 // Release unlocks and returns the connection to its pool when the server confirms the unlock. When the unlock
 // returns false, fails, times out or ctx has ended, the connection is destroyed instead and the returned error
 // says so. after is what Err reports once released cleanly (ErrNotHeld or ErrClosed). A second call returns
@@ -168,8 +179,12 @@ func (s *Session) Release(ctx context.Context, after error) error {
 	if !s.released.CompareAndSwap(false, true) {
 		return ErrNotHeld
 	}
-	s.stopWatch()
-	<-s.watchDone
+	if !s.timer.Stop() { // the watcher has started: stop it and take the connection back
+		s.stopping.Store(true)
+		s.conn.Interrupt()
+		<-s.watchDone
+		s.conn.ClearDeadline()
+	}
 	if err := s.Err(); err != nil {
 		return err // lost; the watcher destroyed the connection
 	}
