@@ -48,7 +48,7 @@ func New(pool *pgxpool.Pool, opts ...Option) *Locker {
 func newLocker(pool *pgxpool.Pool, o options) *Locker {
 	l := &Locker{
 		opts:  o,
-		cfg:   session.Config{Keepalive: o.keepalive, Wrap: o.wrap},
+		cfg:   session.Config{Keepalive: o.keepalive, Wrap: o.wrap, Starter: new(session.Starter)},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
 	}

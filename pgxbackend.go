@@ -32,6 +32,9 @@ type pgxConn struct {
 }
 
 func translate(err error) error {
+	if err == nil {
+		return nil
+	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return session.Translate(err, pgErr.Code)

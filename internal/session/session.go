@@ -50,6 +50,8 @@ type Config struct {
 	Keepalive time.Duration
 	// Wrap, when set, wraps each connection (tests use it to inject faults).
 	Wrap func(Conn) Conn
+	// Starter batches the start of watchers; nil gives each session its own.
+	Starter *Starter
 }
 
 // Session is one held lock on its own pinned connection.
@@ -61,8 +63,9 @@ type Session struct {
 	ctx       context.Context // ends when the lock is released or lost; context.Cause says which
 	end       context.CancelCauseFunc
 	stopping  atomic.Bool
-	timer     *time.Timer // starts watch
-	watchDone chan struct{}
+	starter    *Starter
+	pendingIdx int // index in starter.pending while not yet watched, else -1; guarded by starter.mu
+	watchDone  chan struct{}
 	released  atomic.Bool
 	onLost    func()
 }
@@ -82,12 +85,12 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	if cfg.Wrap != nil {
 		conn = cfg.Wrap(conn)
 	}
-	var r int64
-	if wait {
+	// Try first (a prepared statement, one round trip): it fails while anyone holds or queues for the key, so it
+	// never jumps the server's queue. Only then wait, in the server.
+	sql, args := TrySQL(t)
+	r, err := conn.QueryInt(ctx, sql, args...)
+	if wait && err == nil && r == resultNotHeld {
 		r, err = conn.QueryInt(ctx, WaitSQL(t))
-	} else {
-		sql, args := TrySQL(t)
-		r, err = conn.QueryInt(ctx, sql, args...)
 	}
 	if err != nil || ctx.Err() != nil {
 		conn.Destroy()
@@ -114,14 +117,13 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		s.keepalive = DefaultKeepalive
 	}
 	s.ctx, s.end = context.WithCancelCause(context.Background())
-	// The watcher starts after WatchDelay: a lock released sooner never needs the goroutine, and a loss in that
-	// first moment is seen when it starts.
-	s.timer = time.AfterFunc(WatchDelay, s.watch)
+	s.starter = cfg.Starter
+	if s.starter == nil {
+		s.starter = new(Starter)
+	}
+	s.starter.add(s)
 	return s, nil
 }
-
-// WatchDelay is how long after the grant the watcher starts reading the connection.
-const WatchDelay = time.Millisecond
 
 // DefaultKeepalive is used when Config.Keepalive is zero.
 const DefaultKeepalive = 5 * time.Second
@@ -179,7 +181,7 @@ func (s *Session) Release(ctx context.Context, after error) error {
 	if !s.released.CompareAndSwap(false, true) {
 		return ErrNotHeld
 	}
-	if !s.timer.Stop() { // the watcher has started: stop it and take the connection back
+	if !s.starter.remove(s) { // the watcher has started: stop it and take the connection back
 		s.stopping.Store(true)
 		s.conn.Interrupt()
 		<-s.watchDone
