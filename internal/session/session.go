@@ -60,14 +60,14 @@ type Session struct {
 	target    Target
 	keepalive time.Duration
 
-	ctx       context.Context // ends when the lock is released or lost; context.Cause says which
-	end       context.CancelCauseFunc
-	stopping  atomic.Bool
+	ctx        context.Context // ends when the lock is released or lost; context.Cause says which
+	end        context.CancelCauseFunc
+	stopping   atomic.Bool
 	starter    *Starter
 	pendingIdx int // index in starter.pending while not yet watched, else -1; guarded by starter.mu
 	watchDone  chan struct{}
-	released  atomic.Bool
-	onLost    func()
+	released   atomic.Bool
+	onLost     func()
 }
 
 // Acquire pins a connection from pool and locks t on it. With wait it blocks in the server until granted or ctx
