@@ -21,7 +21,7 @@ func TestPrivateCluster(t *testing.T) {
 	b := &bundle{url: c.URL, obs: obs}
 
 	t.Run("standby refuses", func(t *testing.T) {
-		s := c.Standby(t)
+		s := pgtest.Standby(t, c)
 		l := New(pgtest.Pool(t, s.URL, nil))
 		defer l.Close()
 		ctx := ctxT(t, 10*time.Second)

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/pgcluster"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -27,8 +28,30 @@ var (
 	urlOnce   sync.Once
 	sharedURL string
 	sharedErr error
-	private   *Cluster
+	private   *pgcluster.Cluster
 )
+
+// StartCluster starts a private cluster with extra postgresql.conf lines and removes it when the test ends.
+func StartCluster(tb testing.TB, settings ...string) *pgcluster.Cluster {
+	tb.Helper()
+	c, err := pgcluster.Start(settings...)
+	if err != nil {
+		tb.Fatalf("pgtest: start private cluster: %v", err)
+	}
+	tb.Cleanup(c.Remove)
+	return c
+}
+
+// Standby starts a hot standby of c and removes it when the test ends.
+func Standby(tb testing.TB, c *pgcluster.Cluster) *pgcluster.Cluster {
+	tb.Helper()
+	s, err := c.Standby()
+	if err != nil {
+		tb.Fatalf("pgtest: start standby: %v", err)
+	}
+	tb.Cleanup(s.Remove)
+	return s
+}
 
 // URL returns the database URL for tests, failing the test if none can be had.
 func URL(tb testing.TB) string {
@@ -42,7 +65,7 @@ func URL(tb testing.TB) string {
 			sharedURL = localURL
 			return
 		}
-		private, sharedErr = startCluster(nil)
+		private, sharedErr = pgcluster.Start()
 		if sharedErr == nil {
 			sharedURL = private.URL
 		}
@@ -56,7 +79,7 @@ func URL(tb testing.TB) string {
 // Cleanup stops the private cluster URL may have started. Call it from TestMain after m.Run.
 func Cleanup() {
 	if private != nil {
-		private.stop()
+		private.Remove()
 	}
 }
 

@@ -1,4 +1,7 @@
-package pgtest
+// Package pgcluster starts private throwaway PostgreSQL clusters from the installed server binaries (initdb on
+// PATH or under /usr/lib/postgresql/*/bin). Running as root, it runs them as the postgres user. Tests use it for
+// anything that restarts or reconfigures a server; advlock demo uses it when no server answers.
+package pgcluster
 
 import (
 	"context"
@@ -12,7 +15,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"testing"
 	"time"
 )
 
@@ -26,17 +28,9 @@ type Cluster struct {
 	asPG bool // run server commands as the postgres user (we are root)
 }
 
-// StartCluster initialises and starts a private cluster with the given extra server settings (name=value), and
-// removes it when the test ends.
-func StartCluster(tb testing.TB, settings ...string) *Cluster {
-	tb.Helper()
-	c, err := startCluster(settings)
-	if err != nil {
-		tb.Fatalf("pgtest: start private cluster: %v", err)
-	}
-	tb.Cleanup(c.stop)
-	return c
-}
+// Start initialises and starts a private cluster with extra postgresql.conf lines (name = value). Remove stops it
+// and deletes its files.
+func Start(settings ...string) (*Cluster, error) { return startCluster(settings) }
 
 // binDir finds initdb: on PATH, else the newest /usr/lib/postgresql/*/bin.
 func binDir() (string, error) {
@@ -79,20 +73,10 @@ func startCluster(settings []string) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Cluster{bin: bin, tmp: tmp, Dir: filepath.Join(tmp, "data")}
-	if os.Geteuid() == 0 {
-		c.asPG = true
-		u, err := user.Lookup("postgres")
-		if err != nil {
-			os.RemoveAll(tmp)
-			return nil, fmt.Errorf("running as root needs a postgres user: %w", err)
-		}
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
-		if err := os.Chown(tmp, uid, gid); err != nil {
-			os.RemoveAll(tmp)
-			return nil, err
-		}
+	c := &Cluster{bin: bin, tmp: tmp, Dir: filepath.Join(tmp, "data"), asPG: os.Geteuid() == 0}
+	if err := c.chownTmp(); err != nil {
+		os.RemoveAll(tmp)
+		return nil, err
 	}
 	if out, err := c.run("initdb", "-D", c.Dir, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"); err != nil {
 		os.RemoveAll(tmp)
@@ -100,22 +84,12 @@ func startCluster(settings []string) (*Cluster, error) {
 	}
 	conf := []string{"listen_addresses = '127.0.0.1'", "unix_socket_directories = '" + tmp + "'", "fsync = off",
 		"synchronous_commit = off", "full_page_writes = off", "max_connections = 50", "shared_buffers = 16MB"}
-	for _, s := range settings {
-		conf = append(conf, s)
-	}
-	f, err := os.OpenFile(filepath.Join(c.Dir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
-	if err != nil {
-		c.stop()
-		return nil, err
-	}
-	_, err = f.WriteString("\n" + strings.Join(conf, "\n") + "\n")
-	f.Close()
-	if err != nil {
-		c.stop()
+	if err := c.appendConf(append(conf, settings...)...); err != nil {
+		c.Remove()
 		return nil, err
 	}
 	if err := c.startOnFreePort(); err != nil {
-		c.stop()
+		c.Remove()
 		return nil, err
 	}
 	return c, nil
@@ -165,37 +139,56 @@ func (c *Cluster) Restart(mode string) error {
 	return c.Start()
 }
 
-// Standby makes a hot standby of c with pg_basebackup, starts it, and removes it when the test ends.
-func (c *Cluster) Standby(tb testing.TB) *Cluster {
-	tb.Helper()
+// Standby makes a hot standby of c with pg_basebackup and starts it. Remove it when done.
+func (c *Cluster) Standby() (*Cluster, error) {
 	tmp, err := os.MkdirTemp("", "advlock-pg-standby-")
 	if err != nil {
-		tb.Fatal(err)
+		return nil, err
 	}
 	s := &Cluster{bin: c.bin, tmp: tmp, Dir: filepath.Join(tmp, "data"), asPG: c.asPG}
-	tb.Cleanup(s.stop)
-	if s.asPG {
-		u, _ := user.Lookup("postgres")
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
-		if err := os.Chown(tmp, uid, gid); err != nil {
-			tb.Fatal(err)
-		}
+	if err := s.chownTmp(); err != nil {
+		s.Remove()
+		return nil, err
 	}
 	if out, err := s.run("pg_basebackup", "-h", "127.0.0.1", "-p", strconv.Itoa(c.Port), "-U", "postgres",
 		"-D", s.Dir, "-R", "-X", "stream", "--no-sync"); err != nil {
-		tb.Fatalf("pg_basebackup: %v: %s", err, out)
+		s.Remove()
+		return nil, fmt.Errorf("pg_basebackup: %v: %s", err, out)
 	}
-	f, err := os.OpenFile(filepath.Join(s.Dir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
-	if err != nil {
-		tb.Fatal(err)
+	if err := s.appendConf("unix_socket_directories = '"+tmp+"'", "hot_standby = on"); err != nil {
+		s.Remove()
+		return nil, err
 	}
-	_, _ = f.WriteString("\nunix_socket_directories = '" + tmp + "'\nhot_standby = on\n")
-	f.Close()
 	if err := s.startOnFreePort(); err != nil {
-		tb.Fatal(err)
+		s.Remove()
+		return nil, err
 	}
-	return s
+	return s, nil
+}
+
+func (c *Cluster) chownTmp() error {
+	if !c.asPG {
+		return nil
+	}
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return fmt.Errorf("running as root needs a postgres user: %w", err)
+	}
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	return os.Chown(c.tmp, uid, gid)
+}
+
+func (c *Cluster) appendConf(lines ...string) error {
+	f, err := os.OpenFile(filepath.Join(c.Dir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString("\n" + strings.Join(lines, "\n") + "\n")
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	return err
 }
 
 func (c *Cluster) run(name string, args ...string) ([]byte, error) {
@@ -212,7 +205,8 @@ func (c *Cluster) run(name string, args ...string) ([]byte, error) {
 	return cmd.CombinedOutput()
 }
 
-func (c *Cluster) stop() {
+// Remove stops the server at once and deletes its files. It is idempotent.
+func (c *Cluster) Remove() {
 	if c.tmp == "" {
 		return
 	}

@@ -1,0 +1,81 @@
+package cli
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+const breakSynopsis = "[--yes] [--dsn DSN] KEY"
+
+func breakCmd(ctx context.Context, args []string, std Stdio) int {
+	fs := newFlags("break", breakSynopsis, std)
+	yes := fs.Bool("yes", false, "do not ask for confirmation")
+	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
+	if code, done := parse(fs, args, std); done {
+		return code
+	}
+	if fs.NArg() != 1 {
+		return usageError(std, "break: need exactly one KEY\nUsage: advlock break %s", breakSynopsis)
+	}
+	key, err := advlock.ParseKey(fs.Arg(0))
+	if err != nil {
+		return usageError(std, "break: %s", describe(err))
+	}
+	rows, err := inspect(ctx, dsn(*flagDSN), &key)
+	if err != nil {
+		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
+		return exitUnavailable
+	}
+	var holders []advlock.LockInfo
+	for _, r := range rows {
+		if r.Granted {
+			holders = append(holders, r)
+		}
+	}
+	if len(holders) == 0 {
+		fmt.Fprintf(std.Out, "no session holds %s\n", key)
+		return exitOK
+	}
+	fmt.Fprintf(std.Out, "%s is held by:\n", key)
+	printTable(std.Out, holders, time.Now())
+	if !*yes {
+		fmt.Fprintf(std.Out, "terminate %d backend(s)? [y/N] ", len(holders))
+		line, _ := bufio.NewReader(std.In).ReadString('\n')
+		if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
+			fmt.Fprintln(std.Out, "not confirmed; nothing terminated")
+			return exitFailure
+		}
+	}
+	c, err := pgx.Connect(ctx, dsn(*flagDSN))
+	if err != nil {
+		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
+		return exitUnavailable
+	}
+	defer c.Close(context.WithoutCancel(ctx))
+	for _, h := range holders {
+		var ok bool
+		err := c.QueryRow(ctx, "SELECT pg_terminate_backend($1)", h.PID).Scan(&ok)
+		var pgErr *pgconn.PgError
+		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "42501":
+			fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
+			return exitNoPerm
+		case err != nil:
+			fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
+			return exitUnavailable
+		case !ok:
+			fmt.Fprintf(std.Out, "pid %d had already gone\n", h.PID)
+		default:
+			fmt.Fprintf(std.Out, "terminated pid %d (%s)\n", h.PID, h.ApplicationName)
+		}
+	}
+	return exitOK
+}

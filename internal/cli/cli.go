@@ -1,0 +1,163 @@
+// Package cli is the advlock command. Main takes the arguments and standard streams and returns the exit status,
+// so that tests call it directly.
+package cli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Exit statuses (sysexits.h where one fits).
+const (
+	exitOK          = 0
+	exitFailure     = 1  // break not confirmed, other failures
+	exitUsage       = 2  // bad flags, bad KEY
+	exitUnavailable = 69 // database unreachable or refused the connection
+	exitLost        = 70 // the lock was lost while COMMAND ran
+	exitNotAcquired = 75 // --no-wait, or --wait elapsed
+	exitNoPerm      = 77 // break without the privilege to terminate the holder
+	exitCannotExec  = 126
+	exitNotFound    = 127
+)
+
+// Stdio is the command's standard streams.
+type Stdio struct {
+	In       io.Reader
+	Out, Err io.Writer
+}
+
+const usage = `advlock: PostgreSQL advisory locks from the shell
+
+Usage:
+  advlock run [--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--dsn DSN] KEY -- COMMAND [ARGS...]
+  advlock ls [--json] [--dsn DSN] [KEY]
+  advlock break [--yes] [--dsn DSN] KEY
+  advlock demo
+  advlock help | --version
+
+KEY:
+  NAME        a name, hashed to a 64-bit key (first 8 bytes of SHA-256); also name:NAME
+  int:N       a 64-bit key, as pg_advisory_lock(N)
+  pair:A,B    two 32-bit keys, as pg_advisory_lock(A, B)
+
+Connection: --dsn, else $DATABASE_URL, else the libpq PG* variables and defaults.
+
+Exit status:
+  run     COMMAND's status (128+N if it died of signal N); 75 not acquired (--no-wait, or --wait elapsed);
+          69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND got SIGTERM, then
+          SIGKILL after --grace); 126 COMMAND not executable; 127 COMMAND not found; 2 usage error;
+          128+N if advlock got signal N while waiting for the lock
+  ls      0; 69 database unreachable; 2 usage error
+  break   0 holders terminated (or none held KEY); 1 not confirmed; 77 no privilege to terminate;
+          69 database unreachable; 2 usage error
+  demo    0; 1 if a step failed
+`
+
+// Main runs the advlock command and returns its exit status.
+func Main(ctx context.Context, args []string, std Stdio) int {
+	if len(args) == 0 {
+		fmt.Fprint(std.Err, usage)
+		return exitUsage
+	}
+	switch args[0] {
+	case "help", "-h", "-help", "--help":
+		fmt.Fprint(std.Out, usage)
+		return exitOK
+	case "--version", "-version", "version":
+		fmt.Fprintln(std.Out, "advlock", version())
+		return exitOK
+	case "run":
+		return runCmd(ctx, args[1:], std)
+	case "ls":
+		return lsCmd(ctx, args[1:], std)
+	case "break":
+		return breakCmd(ctx, args[1:], std)
+	case "demo":
+		return demoCmd(ctx, args[1:], std)
+	case demoWorkerCmd:
+		return demoWorker(ctx, args[1:], std)
+	}
+	fmt.Fprintf(std.Err, "advlock: unknown command %q\n\n%s", args[0], usage)
+	return exitUsage
+}
+
+func version() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" && bi.Main.Version != "(devel)" {
+		return bi.Main.Version
+	}
+	return "devel"
+}
+
+// newFlags makes a subcommand's flag set; -h prints its usage line and flags to stdout.
+func newFlags(name, synopsis string, std Stdio) *flag.FlagSet {
+	fs := flag.NewFlagSet("advlock "+name, flag.ContinueOnError)
+	fs.SetOutput(std.Err)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: advlock %s %s\n", name, synopsis)
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+// parse parses flags; it returns a status to exit with when parsing ends the command (-h or an error).
+func parse(fs *flag.FlagSet, args []string, std Stdio) (int, bool) {
+	err := fs.Parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fs.SetOutput(std.Out)
+		fs.Usage()
+		return exitOK, true
+	}
+	if err != nil {
+		return exitUsage, true
+	}
+	return 0, false
+}
+
+func usageError(std Stdio, format string, a ...any) int {
+	fmt.Fprintf(std.Err, "advlock: "+format+"\n", a...)
+	return exitUsage
+}
+
+// dsn picks the connection string: --dsn, then $DATABASE_URL, then "" (pgx reads the PG* variables).
+func dsn(flagDSN string) string {
+	if flagDSN != "" {
+		return flagDSN
+	}
+	return os.Getenv("DATABASE_URL")
+}
+
+// open connects a Locker for the command, named in pg_stat_activity by app.
+func open(ctx context.Context, conn, app string, opts ...advlock.Option) (*advlock.Locker, error) {
+	if len(app) > 63 {
+		app = app[:63]
+	}
+	opts = append(opts, advlock.WithPoolConfig(func(c *pgxpool.Config) {
+		if c.ConnConfig.RuntimeParams["application_name"] == "advlock" {
+			c.ConnConfig.RuntimeParams["application_name"] = app
+		}
+		if c.ConnConfig.ConnectTimeout == 0 {
+			c.ConnConfig.ConnectTimeout = 10 * time.Second
+		}
+	}))
+	return advlock.Open(ctx, conn, opts...)
+}
+
+// describe renders an error for people. pgx already redacts passwords in its errors; nothing here prints a DSN.
+func describe(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+		return strings.TrimPrefix(err.Error(), "advlock: ") + " (needs superuser, the pg_signal_backend role, or membership in the holder's role)"
+	}
+	return strings.TrimPrefix(err.Error(), "advlock: ")
+}

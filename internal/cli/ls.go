@@ -1,0 +1,120 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/jackc/pgx/v5"
+)
+
+const lsSynopsis = "[--json] [--dsn DSN] [KEY]"
+
+func lsCmd(ctx context.Context, args []string, std Stdio) int {
+	fs := newFlags("ls", lsSynopsis, std)
+	asJSON := fs.Bool("json", false, "print a JSON array (stable field names) instead of a table")
+	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
+	if code, done := parse(fs, args, std); done {
+		return code
+	}
+	var filter *advlock.Key
+	switch fs.NArg() {
+	case 0:
+	case 1:
+		k, err := advlock.ParseKey(fs.Arg(0))
+		if err != nil {
+			return usageError(std, "ls: %s", describe(err))
+		}
+		filter = &k
+	default:
+		return usageError(std, "ls: at most one KEY\nUsage: advlock ls %s", lsSynopsis)
+	}
+	rows, err := inspect(ctx, dsn(*flagDSN), filter)
+	if err != nil {
+		fmt.Fprintf(std.Err, "advlock: ls: %s\n", describe(err))
+		return exitUnavailable
+	}
+	if *asJSON {
+		if rows == nil {
+			rows = []advlock.LockInfo{}
+		}
+		enc := json.NewEncoder(std.Out)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(rows)
+		return exitOK
+	}
+	printTable(std.Out, rows, time.Now())
+	return exitOK
+}
+
+// inspect connects once and lists the advisory locks, those of key only when key is not nil.
+func inspect(ctx context.Context, conn string, key *advlock.Key) ([]advlock.LockInfo, error) {
+	cfg, err := pgx.ParseConfig(conn)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = 10 * time.Second
+	}
+	cfg.RuntimeParams["application_name"] = "advlock ls"
+	c, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close(context.WithoutCancel(ctx))
+	rows, err := advlock.Inspect(ctx, c)
+	if err != nil || key == nil {
+		return rows, err
+	}
+	var out []advlock.LockInfo
+	for _, r := range rows {
+		if r.Key.Equal(*key) {
+			r.Key = *key // show the name the user gave
+			out = append(out, r)
+		}
+	}
+	return out, nil
+}
+
+// printTable writes rows as an aligned table for people; now dates the WAITING column.
+func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
+	if len(rows) == 0 {
+		fmt.Fprintln(w, "no advisory locks held or awaited")
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "KEY\tMODE\tSTATUS\tWAITING\tBLOCKED BY\tPID\tAPPLICATION\tCLIENT\tBACKEND START\tSTATE")
+	for _, r := range rows {
+		status, waiting := "held", "-"
+		if !r.Granted {
+			status = "waiting"
+			if r.WaitStart != nil {
+				waiting = now.Sub(*r.WaitStart).Round(time.Millisecond).String()
+			}
+		}
+		blocked := "-"
+		if len(r.BlockedBy) > 0 {
+			s := make([]string, len(r.BlockedBy))
+			for i, p := range r.BlockedBy {
+				s[i] = fmt.Sprint(p)
+			}
+			blocked = strings.Join(s, ",")
+		}
+		start := "-"
+		if !r.BackendStart.IsZero() {
+			start = r.BackendStart.Local().Format("2006-01-02 15:04:05")
+		}
+		app := r.ApplicationName
+		if app == "" {
+			app = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", r.Key, r.Mode(), status, waiting, blocked, r.PID,
+			app, r.ClientAddr, start, r.State)
+	}
+	tw.Flush()
+}
