@@ -16,7 +16,11 @@ import (
 const breakSynopsis = "[--yes] [--dsn DSN] KEY"
 
 func breakCmd(ctx context.Context, args []string, std Stdio) int {
-	fs := newFlags("break", breakSynopsis, std)
+	fs := newFlags("break", breakSynopsis, std, `
+Shows the sessions holding KEY, asks for confirmation (unless --yes), and terminates them with
+pg_terminate_backend. Exit status: 0 terminated (or nobody held KEY); 1 not confirmed; 77 no privilege to
+terminate a holder; 69 database unreachable; 2 usage error.
+`)
 	yes := fs.Bool("yes", false, "do not ask for confirmation")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	if code, done := parse(fs, args, std); done {

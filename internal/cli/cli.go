@@ -100,25 +100,33 @@ func version() string {
 }
 
 // newFlags makes a subcommand's flag set; -h prints its usage line and flags to stdout.
-func newFlags(name, synopsis string, std Stdio) *flag.FlagSet {
+func newFlags(name, synopsis string, std Stdio, more ...string) *flag.FlagSet {
 	fs := flag.NewFlagSet("advlock "+name, flag.ContinueOnError)
 	fs.SetOutput(std.Err)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: advlock %s %s\n", name, synopsis)
 		fs.PrintDefaults()
+		for _, m := range more {
+			fmt.Fprint(fs.Output(), m)
+		}
 	}
 	return fs
 }
 
-// parse parses flags; it returns a status to exit with when parsing ends the command (-h or an error).
+// parse parses flags; it returns a status to exit with when parsing ends the command: -h prints the usage to
+// stdout (exit 0), a bad flag prints the error and the usage to stderr (exit 2).
 func parse(fs *flag.FlagSet, args []string, std Stdio) (int, bool) {
+	usage := fs.Usage
+	fs.Usage = func() {}
 	err := fs.Parse(args)
+	fs.Usage = usage
 	if errors.Is(err, flag.ErrHelp) {
 		fs.SetOutput(std.Out)
 		fs.Usage()
 		return exitOK, true
 	}
 	if err != nil {
+		fs.Usage()
 		return exitUsage, true
 	}
 	return 0, false

@@ -15,8 +15,18 @@ import (
 
 const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--dsn DSN] KEY -- COMMAND [ARGS...]"
 
+const runExits = `
+Holds KEY while COMMAND runs (in its own process group; SIGINT, SIGTERM and SIGHUP are forwarded to it) and
+releases it when COMMAND exits.
+
+Exit status: COMMAND's (128+N if it died of signal N); 75 KEY not acquired (--no-wait, or --wait elapsed);
+69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND got SIGTERM, then SIGKILL after
+--grace); 126 COMMAND could not be run; 127 COMMAND not found; 2 usage error; 128+N if advlock got signal N
+while waiting for KEY.
+`
+
 func runCmd(ctx context.Context, args []string, std Stdio) int {
-	fs := newFlags("run", runSynopsis, std)
+	fs := newFlags("run", runSynopsis, std, runExits)
 	wait := fs.Duration("wait", 0, "give up (exit 75) if KEY is not acquired within `DURATION`; default: wait as long as it takes")
 	noWait := fs.Bool("no-wait", false, "exit 75 at once if KEY is held elsewhere")
 	shared := fs.Bool("shared", false, "take KEY in shared mode (any number of shared holders, no exclusive one)")
