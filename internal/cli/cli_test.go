@@ -174,7 +174,9 @@ func (p *proc) wait(t *testing.T, within time.Duration) int {
 	}
 }
 
-func keyName(t *testing.T) string { return "cli-" + strings.ReplaceAll(t.Name(), "/", "-") + "-" + fmt.Sprint(time.Now().UnixNano()) }
+func keyName(t *testing.T) string {
+	return "cli-" + strings.ReplaceAll(t.Name(), "/", "-") + "-" + fmt.Sprint(time.Now().UnixNano())
+}
 
 func dbEnv(t *testing.T) []string { return []string{"DATABASE_URL=" + pgtest.URL(t)} }
 
