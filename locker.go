@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/advlock/advlock/internal/bridge"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -19,6 +20,7 @@ import (
 // re-entrancy from granting one key twice.
 type Locker struct {
 	pool     session.Pool
+	pgxPool  *pgxpool.Pool // for DoTx; nil for other backends
 	ownsPool *pgxpool.Pool
 	opts     options
 	cfg      session.Config
@@ -42,19 +44,34 @@ func New(pool *pgxpool.Pool, opts ...Option) *Locker {
 	for _, opt := range opts {
 		opt(&o)
 	}
-	return newLocker(pool, o)
+	if pool == nil {
+		return newLocker(nil, nil, o)
+	}
+	return newLocker(pgxPool{pool}, pool, o)
 }
 
-func newLocker(pool *pgxpool.Pool, o options) *Locker {
+func init() {
+	bridge.NewLocker = func(pool session.Pool, opts any) any {
+		o := defaultOptions()
+		for _, opt := range opts.([]Option) {
+			opt(&o)
+		}
+		return newLocker(pool, nil, o)
+	}
+	bridge.WithWrap = func(w func(session.Conn) session.Conn) any {
+		return Option(func(o *options) { o.wrap = w })
+	}
+}
+
+// newLocker makes a Locker over a backend; pgxp is the pgxpool behind it, if any (for DoTx).
+func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o options) *Locker {
 	l := &Locker{
 		opts:  o,
 		cfg:   session.Config{Keepalive: o.keepalive, Wrap: o.wrap, Starter: new(session.Starter)},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
 	}
-	if pool != nil {
-		l.pool = pgxPool{pool}
-	}
+	l.pool, l.pgxPool = pool, pgxp
 	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
 	return l
 }

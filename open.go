@@ -66,7 +66,7 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 		pool.Close()
 		return nil, fmt.Errorf("advlock: connect: %w", err)
 	}
-	l := newLocker(pool, o)
+	l := newLocker(pgxPool{pool}, pool, o)
 	l.ownsPool = pool
 	return l, nil
 }

@@ -15,7 +15,30 @@ var (
 	ErrDeadlock      = errors.New("advlock: deadlock detected by the server (SQLSTATE 40P01)")
 	ErrUnlockFailed  = errors.New("advlock: unlock not confirmed; the session was closed so the server releases the lock")
 	ErrInvalidKey    = errors.New("advlock: invalid key")
+	ErrTxPooling     = errors.New("advlock: the connection goes through a pooler in transaction mode (another client " +
+		"got the same server session): a session-level lock would stay on a server session that other clients use; " +
+		"use pool_mode=session for session locks, or transaction-scoped locks (XactLock, DoTx)")
+	ErrUnverified = errors.New("advlock: the connection goes through a pooler and no second connection was free to " +
+		"prove that it pins server sessions; refusing a session-level lock that could leak")
 )
+
+// SQLState returns the SQLSTATE of the server error in err (any driver whose errors have a SQLState method:
+// pgconn.PgError, lib/pq's Error), or "".
+func SQLState(err error) string {
+	var s interface{ SQLState() string }
+	if errors.As(err, &s) {
+		return s.SQLState()
+	}
+	return ""
+}
+
+// TranslateErr is Translate with the SQLSTATE read from err.
+func TranslateErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	return Translate(err, SQLState(err))
+}
 
 // Translate maps a server error, identified by its SQLSTATE, to the sentinel it stands for, keeping the original
 // error reachable with errors.As. Adapters call it at their boundary so that nobody matches error strings.

@@ -33,6 +33,13 @@ type Conn interface {
 	Ping(ctx context.Context) error
 	// Release hands the connection back to its pool. Only called after the server confirmed the unlock.
 	Release()
+	// ClientPID is the server pid the connection was given at startup (BackendKeyData), or 0 when the driver does
+	// not say. A pooler such as PgBouncer hands out its own, so it differs from pg_backend_pid().
+	ClientPID() uint32
+	// Verified reports whether this physical connection was proved to be a pinned server session; MarkVerified
+	// records that it was. Adapters keep the mark with the physical connection.
+	Verified() bool
+	MarkVerified()
 	// Destroy closes the network connection at once (the server then ends the backend and drops its locks) and
 	// makes the pool forget it. It must not block on the network.
 	Destroy()
@@ -85,6 +92,14 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	if cfg.Wrap != nil {
 		conn = cfg.Wrap(conn)
 	}
+	if err := verify(ctx, pool, conn); err != nil {
+		if errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified) {
+			conn.Release() // no lock was taken
+		} else {
+			conn.Destroy()
+		}
+		return nil, WithContext(ctx, err)
+	}
 	// Try first (a prepared statement, one round trip): it fails while anyone holds or queues for the key, so it
 	// never jumps the server's queue. Only then wait, in the server.
 	sql, args := TrySQL(t)
@@ -123,6 +138,44 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	s.starter.add(s)
 	return s, nil
+}
+
+// verify proves, once per physical connection, that conn is a server session of its own: either the pid the
+// server gave at startup is the session's pid (a direct connection), or a second client connection from the same
+// pool does not land on the same server session (which a transaction-mode pooler, reusing the most recently
+// released server session, would do). It takes no lock.
+func verify(ctx context.Context, pool Pool, conn Conn) error {
+	if conn.Verified() {
+		return nil
+	}
+	p1, err := conn.QueryInt(ctx, "SELECT pg_backend_pid()")
+	if err != nil {
+		return fmt.Errorf("check session: %w", err)
+	}
+	if cp := conn.ClientPID(); cp != 0 && int64(cp) == p1 {
+		conn.MarkVerified()
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	other, err := pool.Acquire(pctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("check session: %w", err)
+		}
+		return fmt.Errorf("%w: %v", ErrUnverified, err)
+	}
+	p2, err := other.QueryInt(ctx, "SELECT pg_backend_pid()")
+	if err != nil {
+		other.Destroy()
+		return fmt.Errorf("check session: %w", err)
+	}
+	other.Release()
+	if p1 == p2 {
+		return fmt.Errorf("%w (server pid %d)", ErrTxPooling, p1)
+	}
+	conn.MarkVerified()
+	return nil
 }
 
 // DefaultKeepalive is used when Config.Keepalive is zero.

@@ -1,6 +1,9 @@
 package session
 
-import "strconv"
+import (
+	"errors"
+	"strconv"
+)
 
 // ID is a lock key as PostgreSQL sees it: one int8, or a pair of int4 (the two key spaces never overlap).
 type ID struct {
@@ -85,4 +88,49 @@ func WaitSQL(t Target) string {
 	}
 	return "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; " +
 		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE (SELECT 1 FROM " + fn + "(" + t.ID.literal() + ")) END"
+}
+
+// Transaction-scoped statements, indexed by [pair][shared]. They yield 1, 0 (try only) or -1 (standby).
+var (
+	xactTrySQL = [2][2]string{
+		{
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock($1::int8) THEN 1 ELSE 0 END",
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock_shared($1::int8) THEN 1 ELSE 0 END",
+		},
+		{
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock($1::int4, $2::int4) THEN 1 ELSE 0 END",
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock_shared($1::int4, $2::int4) THEN 1 ELSE 0 END",
+		},
+	}
+	xactWaitSQL = [2][2]string{
+		{
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE (SELECT 1 FROM pg_advisory_xact_lock($1::int8)) END",
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE (SELECT 1 FROM pg_advisory_xact_lock_shared($1::int8)) END",
+		},
+		{
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE (SELECT 1 FROM pg_advisory_xact_lock($1::int4, $2::int4)) END",
+			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE (SELECT 1 FROM pg_advisory_xact_lock_shared($1::int4, $2::int4)) END",
+		},
+	}
+)
+
+// XactSQL returns the transaction-scoped lock statement and its arguments: blocking with wait, else a try.
+func XactSQL(t Target, wait bool) (string, []any) {
+	if wait {
+		return xactWaitSQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
+	}
+	return xactTrySQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
+}
+
+// XactResult turns an xact statement's result into an error.
+func XactResult(r int64) error {
+	switch r {
+	case resultAcquired:
+		return nil
+	case resultNotHeld:
+		return ErrNotAcquired
+	case resultStandby:
+		return ErrStandby
+	}
+	return errors.New("advlock: unexpected lock result " + strconv.FormatInt(r, 10))
 }

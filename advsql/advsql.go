@@ -1,0 +1,249 @@
+// Package advsql gives database/sql programs the advisory locks of package advlock: the same [advlock.Locker],
+// over a *sql.DB, with the same guarantees, plus transaction-scoped locks over a *sql.Tx. It works with the pgx
+// driver (github.com/jackc/pgx/v5/stdlib) and with lib/pq (github.com/lib/pq).
+//
+// Each held lock pins a connection with db.Conn. A connection is returned to the pool (Conn.Close) only after the
+// server confirmed the unlock; on any doubt it is discarded instead, by returning driver.ErrBadConn from Conn.Raw
+// (Conn.Close alone would pool it still holding the lock).
+//
+// With the pgx driver a lost session is seen at once, as with pgxpool: the watcher reads the idle connection. lib/pq
+// gives no access to its socket, so with lib/pq a loss is noticed by the keepalive round trip, within about twice
+// the keepalive interval ([advlock.WithKeepalive]), and, for a connection not proved to be a direct one, the
+// first lock on each new connection takes a second connection for a moment to prove that no transaction-mode
+// pooler sits in between.
+//
+//	db, _ := sql.Open("pgx", dsn) // or "postgres" with lib/pq
+//	l := advsql.New(db)
+//	defer l.Close()
+//	err := l.Do(ctx, advlock.NameKey("billing-sync"), func(ctx context.Context) error { ... })
+package advsql
+
+import (
+	"context"
+	"database/sql"
+	"database/sql/driver"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/bridge"
+	"github.com/advlock/advlock/internal/pgxwait"
+	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5"
+)
+
+// New returns a Locker over db, which the caller owns and closes after [advlock.Locker.Close]. A nil db gives a
+// Locker whose every call returns advlock.ErrNoPool. Locker.DoTx is not available on it; use [DoTx].
+func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
+	if db == nil {
+		return bridge.NewLocker(nil, opts).(*advlock.Locker)
+	}
+	return bridge.NewLocker(&pool{db: db, verified: map[any]struct{}{}}, opts).(*advlock.Locker)
+}
+
+type pool struct {
+	db       *sql.DB
+	mu       sync.Mutex
+	verified map[any]struct{} // driver connections proved to be sessions of their own (drivers without a pid)
+}
+
+func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
+	c, err := p.db.Conn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	a := &conn{c: c, p: p, intr: make(chan struct{})}
+	_ = c.Raw(func(dc any) error {
+		a.dc = dc
+		if pc, ok := dc.(interface{ Conn() *pgx.Conn }); ok { // pgx's stdlib driver
+			a.pgx = &pgxwait.Reader{PC: pc.Conn().PgConn()}
+		}
+		return nil
+	})
+	return a, nil
+}
+
+// conn is one pinned *sql.Conn.
+type conn struct {
+	c   *sql.Conn
+	p   *pool
+	dc  any             // the driver connection
+	pgx *pgxwait.Reader // nil unless the driver is pgx
+
+	mu    sync.Mutex
+	intr  chan struct{} // closed by Interrupt (drivers other than pgx)
+	stuck chan struct{} // closed when a statement that outlived its ctx ends (drivers other than pgx)
+}
+
+func (a *conn) QueryInt(ctx context.Context, q string, args ...any) (int64, error) {
+	if len(args) == 0 && a.pgx != nil {
+		var v int64
+		err := a.c.Raw(func(any) error {
+			var err error
+			v, err = a.pgx.ExecInt(ctx, q)
+			return err
+		})
+		return v, err
+	}
+	v, err := a.bounded(ctx, func() (int64, error) {
+		var v int64
+		err := a.c.QueryRowContext(ctx, q, args...).Scan(&v)
+		return v, err
+	})
+	return v, session.TranslateErr(err)
+}
+
+// bounded runs f, a statement on the connection, and returns when it does or when ctx ends, whichever is first.
+// pgx honours ctx itself; lib/pq answers a cancelled ctx only once the server does, which on a dead network is
+// never. A statement left running marks the connection stuck: Destroy then discards it once the statement ends.
+func (a *conn) bounded(ctx context.Context, f func() (int64, error)) (int64, error) {
+	if a.pgx != nil {
+		return f()
+	}
+	type result struct {
+		v   int64
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		v, err := f()
+		done <- result{v, err}
+		close(done)
+	}()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	case <-ctx.Done():
+		select {
+		case r := <-done:
+			return r.v, r.err
+		default:
+		}
+		a.stuck = make(chan struct{})
+		go func(stuck chan struct{}) {
+			for range done {
+			}
+			close(stuck)
+		}(a.stuck)
+		return 0, ctx.Err()
+	}
+}
+
+func (a *conn) Wait(deadline time.Time) error {
+	if a.pgx != nil {
+		var err error
+		_ = a.c.Raw(func(any) error {
+			err = a.pgx.Wait(deadline)
+			return nil
+		})
+		return err
+	}
+	// No access to the socket: wait out the interval; the keepalive that follows checks the session.
+	a.mu.Lock()
+	intr := a.intr
+	a.mu.Unlock()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-intr:
+	}
+	return session.ErrWaitTimeout
+}
+
+func (a *conn) Interrupt() {
+	if a.pgx != nil {
+		a.pgx.Interrupt()
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	select {
+	case <-a.intr:
+	default:
+		close(a.intr)
+	}
+}
+
+func (a *conn) ClearDeadline() {
+	if a.pgx != nil {
+		a.pgx.ClearDeadline()
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	select {
+	case <-a.intr:
+		a.intr = make(chan struct{})
+	default:
+	}
+}
+
+func (a *conn) Ping(ctx context.Context) error {
+	_, err := a.bounded(ctx, func() (int64, error) {
+		var one int64
+		return one, a.c.QueryRowContext(ctx, "SELECT 1").Scan(&one)
+	})
+	return err
+}
+
+func (a *conn) Release() { _ = a.c.Close() }
+
+// Destroy discards the connection: driver.ErrBadConn from Raw makes database/sql close it instead of pooling it.
+// With pgx the socket is closed first, so the server ends the backend at once.
+func (a *conn) Destroy() {
+	a.p.mu.Lock()
+	delete(a.p.verified, a.dc)
+	a.p.mu.Unlock()
+	discard := func() {
+		_ = a.c.Raw(func(any) error {
+			if a.pgx != nil {
+				a.pgx.CloseSocket()
+			}
+			return driver.ErrBadConn
+		})
+		_ = a.c.Close()
+	}
+	if a.stuck == nil {
+		discard()
+		return
+	}
+	// A statement still runs on it (see bounded); database/sql lets nobody else at the connection until it ends.
+	go func() {
+		<-a.stuck
+		discard()
+	}()
+}
+
+func (a *conn) ClientPID() uint32 {
+	if a.pgx != nil {
+		return a.pgx.ClientPID()
+	}
+	return 0
+}
+
+func (a *conn) Verified() bool {
+	if a.pgx != nil {
+		return a.pgx.Verified()
+	}
+	a.p.mu.Lock()
+	defer a.p.mu.Unlock()
+	_, ok := a.p.verified[a.dc]
+	return ok
+}
+
+func (a *conn) MarkVerified() {
+	if a.pgx != nil {
+		a.pgx.MarkVerified()
+		return
+	}
+	a.p.mu.Lock()
+	defer a.p.mu.Unlock()
+	if len(a.p.verified) > 10000 { // connections closed by database/sql leave entries behind; start over
+		clear(a.p.verified)
+	}
+	a.p.verified[a.dc] = struct{}{}
+}
+
+var errNilTx = errors.New("nil transaction")

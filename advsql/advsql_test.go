@@ -1,0 +1,209 @@
+package advsql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/advsql"
+	"github.com/advlock/advlock/internal/conformance"
+	"github.com/advlock/advlock/internal/pgtest"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	_ "github.com/lib/pq"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	pgtest.Cleanup()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// openDB opens a *sql.DB with driver ("pgx" or "postgres") and closes it when the test ends.
+func openDB(t *testing.T, driver, url string) *sql.DB {
+	t.Helper()
+	db, err := sql.Open(driver, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// Backend is the conformance backend for Lockers over database/sql with driver.
+func Backend(driver, url, obsURL string) conformance.Backend {
+	return conformance.Backend{
+		Name: "database/sql+" + driver, URL: url, ObsURL: obsURL, EventDriven: driver == "pgx",
+		Open: func(t *testing.T, url string, opts ...advlock.Option) conformance.Harness {
+			db := openDB(t, driver, url)
+			return conformance.Harness{
+				L:     advsql.New(db, opts...),
+				InUse: func() int { return db.Stats().InUse },
+				Idle:  func(t *testing.T) []uint32 { return idlePIDs(t, db) },
+			}
+		},
+	}
+}
+
+// idlePIDs takes as many connections as are idle (database/sql hands out idle ones first), reads their server
+// pids, and puts them back.
+func idlePIDs(t *testing.T, db *sql.DB) []uint32 {
+	t.Helper()
+	ctx := context.Background()
+	n := db.Stats().Idle
+	var conns []*sql.Conn
+	var pids []uint32
+	for range n {
+		c, err := db.Conn(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+		var pid int64
+		if err := c.QueryRowContext(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			t.Fatal(err)
+		}
+		pids = append(pids, uint32(pid))
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	return pids
+}
+
+func TestConformance(t *testing.T) {
+	url := pgtest.URL(t)
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) { conformance.Run(t, Backend(driver, url, url)) })
+	}
+}
+
+func TestNilDB(t *testing.T) {
+	if _, err := advsql.New(nil).TryLock(context.Background(), advlock.Int64Key(1)); !errors.Is(err, advlock.ErrNoPool) {
+		t.Errorf("New(nil).TryLock = %v, want ErrNoPool", err)
+	}
+	if err := advsql.DoTx(context.Background(), nil, advlock.Int64Key(1), nil); !errors.Is(err, advlock.ErrNoPool) {
+		t.Errorf("DoTx(nil db) = %v, want ErrNoPool", err)
+	}
+}
+
+// Transaction-scoped locks over *sql.Tx: released by COMMIT, by ROLLBACK, and by ROLLBACK TO SAVEPOINT.
+func TestXact(t *testing.T) {
+	url := pgtest.URL(t)
+	obs := pgtest.Conn(t, url)
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			db := openDB(t, driver, url)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			held := func(k advlock.Key) int {
+				v, _ := k.Int64()
+				pids, err := pgtest.Holders(ctx, obs, v)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return len(pids)
+			}
+			for _, end := range []string{"commit", "rollback"} {
+				k := conformance.Key(t)
+				tx, err := db.BeginTx(ctx, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := advsql.XactLock(ctx, tx, k); err != nil {
+					t.Fatal(err)
+				}
+				if held(k) != 1 {
+					t.Fatalf("%s: not held inside the transaction", end)
+				}
+				other, err := db.BeginTx(ctx, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := advsql.TryXactLock(ctx, other, k); !errors.Is(err, advlock.ErrNotAcquired) {
+					t.Errorf("TryXactLock from another transaction: %v, want ErrNotAcquired", err)
+				}
+				if err := advsql.TryXactRLock(ctx, other, k); !errors.Is(err, advlock.ErrNotAcquired) {
+					t.Errorf("TryXactRLock from another transaction: %v, want ErrNotAcquired", err)
+				}
+				_ = other.Rollback()
+				if end == "commit" {
+					err = tx.Commit()
+				} else {
+					err = tx.Rollback()
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				if held(k) != 0 {
+					t.Errorf("still held after %s", end)
+				}
+			}
+
+			k := conformance.Key(t)
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback()
+			if _, err := tx.ExecContext(ctx, "SAVEPOINT s"); err != nil {
+				t.Fatal(err)
+			}
+			if err := advsql.XactRLock(ctx, tx, k); err != nil {
+				t.Fatal(err)
+			}
+			if held(k) != 1 {
+				t.Fatal("shared xact lock not held after the savepoint")
+			}
+			if _, err := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT s"); err != nil {
+				t.Fatal(err)
+			}
+			if held(k) != 0 {
+				t.Error("lock taken after a SAVEPOINT survived ROLLBACK TO SAVEPOINT")
+			}
+		})
+	}
+}
+
+func TestDoTx(t *testing.T) {
+	url := pgtest.URL(t)
+	obs := pgtest.Conn(t, url)
+	db := openDB(t, "postgres", url)
+	ctx := context.Background()
+	k := conformance.Key(t)
+	v, _ := k.Int64()
+	err := advsql.DoTx(ctx, db, k, func(ctx context.Context, tx *sql.Tx) error {
+		if pids, _ := pgtest.Holders(ctx, obs, v); len(pids) != 1 {
+			t.Errorf("inside DoTx, holders %v", pids)
+		}
+		_, err := tx.ExecContext(ctx, "SELECT 1")
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	boom := errors.New("boom")
+	if err := advsql.DoTx(ctx, db, k, func(context.Context, *sql.Tx) error { return boom }); !errors.Is(err, boom) {
+		t.Errorf("DoTx = %v, want fn's error", err)
+	}
+	func() {
+		defer func() {
+			if r := recover(); r != "panic in fn" {
+				t.Errorf("recovered %v", r)
+			}
+		}()
+		_ = advsql.DoTx(ctx, db, k, func(context.Context, *sql.Tx) error { panic("panic in fn") })
+	}()
+	pgtest.WaitFree(t, obs, v, 5*time.Second)
+}

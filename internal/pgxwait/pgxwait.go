@@ -1,0 +1,81 @@
+// Package pgxwait holds what every pgx-based backend adapter does on a pinned connection: run a multi-statement
+// query for one integer, and block reading the idle connection with a read deadline that another goroutine can
+// pull in.
+package pgxwait
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Reader watches one pgconn connection.
+type Reader struct {
+	PC          *pgconn.PgConn
+	interrupted atomic.Bool
+}
+
+// ExecInt runs sql (several statements allowed) over the simple protocol and returns the integer in the first
+// column of the last statement's first row.
+func (r *Reader) ExecInt(ctx context.Context, sql string) (int64, error) {
+	results, err := r.PC.Exec(ctx, sql).ReadAll()
+	if err != nil {
+		return 0, session.TranslateErr(err)
+	}
+	if len(results) == 0 || len(results[len(results)-1].Rows) == 0 || len(results[len(results)-1].Rows[0]) == 0 {
+		return 0, errors.New("advlock: statement returned no row")
+	}
+	return strconv.ParseInt(string(results[len(results)-1].Rows[0][0]), 10, 64)
+}
+
+// Wait blocks in pgconn's reader on the idle connection (see session.Conn.Wait). No context is handed to pgconn,
+// whose context handler may be configured to send a cancel request that could hit a later statement; a read
+// deadline bounds the read instead, which pgconn treats as a harmless timeout.
+func (r *Reader) Wait(deadline time.Time) error {
+	_ = r.PC.Conn().SetReadDeadline(deadline)
+	if r.interrupted.Load() {
+		return session.ErrWaitTimeout // Interrupt's deadline may have just been overwritten
+	}
+	err := r.PC.WaitForNotification(context.Background())
+	if err == nil {
+		return nil
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) && netErr.Timeout() && !r.PC.IsClosed() {
+		return session.ErrWaitTimeout
+	}
+	return fmt.Errorf("session ended: %w", session.TranslateErr(err))
+}
+
+// Interrupt makes a current or next Wait return at once.
+func (r *Reader) Interrupt() {
+	r.interrupted.Store(true)
+	_ = r.PC.Conn().SetReadDeadline(time.Unix(1, 0))
+}
+
+// ClearDeadline readies the connection for statements again.
+func (r *Reader) ClearDeadline() {
+	r.interrupted.Store(false)
+	_ = r.PC.Conn().SetReadDeadline(time.Time{})
+}
+
+const verifiedKey = "advlock.verified"
+
+// Verified reports whether the connection was marked with MarkVerified.
+func (r *Reader) Verified() bool { return r.PC.CustomData()[verifiedKey] != nil }
+
+// MarkVerified marks the physical connection as a proven server session of its own.
+func (r *Reader) MarkVerified() { r.PC.CustomData()[verifiedKey] = true }
+
+// ClientPID is the pid from the startup BackendKeyData.
+func (r *Reader) ClientPID() uint32 { return r.PC.PID() }
+
+// CloseSocket closes the network connection at once, so the server ends the backend now.
+func (r *Reader) CloseSocket() { _ = r.PC.Conn().Close() }
