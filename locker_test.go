@@ -10,10 +10,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-
-
-
-
 func TestMisuse(t *testing.T) {
 	b := setup(t)
 	ctx := ctxT(t, 10*time.Second)

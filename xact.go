@@ -17,7 +17,9 @@ import (
 // The wait follows the transaction's own statement_timeout and lock_timeout (advlock does not change settings
 // inside a caller's transaction). When the wait fails or ctx ends, the transaction is aborted and must be rolled
 // back; that also drops the lock if the server granted it at the last moment.
-func XactLock(ctx context.Context, tx pgx.Tx, key Key) error { return xactLock(ctx, tx, key, false, true) }
+func XactLock(ctx context.Context, tx pgx.Tx, key Key) error {
+	return xactLock(ctx, tx, key, false, true)
+}
 
 // TryXactLock is XactLock without waiting: ErrNotAcquired when the key is held elsewhere (the transaction stays
 // usable).
@@ -26,7 +28,9 @@ func TryXactLock(ctx context.Context, tx pgx.Tx, key Key) error {
 }
 
 // XactRLock is XactLock in shared mode.
-func XactRLock(ctx context.Context, tx pgx.Tx, key Key) error { return xactLock(ctx, tx, key, true, true) }
+func XactRLock(ctx context.Context, tx pgx.Tx, key Key) error {
+	return xactLock(ctx, tx, key, true, true)
+}
 
 // TryXactRLock is TryXactLock in shared mode.
 func TryXactRLock(ctx context.Context, tx pgx.Tx, key Key) error {

@@ -11,7 +11,9 @@ import (
 
 // XactLock takes key exclusively for the rest of tx, waiting in PostgreSQL until granted or ctx ends; COMMIT or
 // ROLLBACK releases it. See advlock.XactLock.
-func XactLock(ctx context.Context, tx *sql.Tx, key advlock.Key) error { return xact(ctx, tx, key, false, true) }
+func XactLock(ctx context.Context, tx *sql.Tx, key advlock.Key) error {
+	return xact(ctx, tx, key, false, true)
+}
 
 // TryXactLock is XactLock without waiting: advlock.ErrNotAcquired when the key is held elsewhere.
 func TryXactLock(ctx context.Context, tx *sql.Tx, key advlock.Key) error {
@@ -19,7 +21,9 @@ func TryXactLock(ctx context.Context, tx *sql.Tx, key advlock.Key) error {
 }
 
 // XactRLock is XactLock in shared mode.
-func XactRLock(ctx context.Context, tx *sql.Tx, key advlock.Key) error { return xact(ctx, tx, key, true, true) }
+func XactRLock(ctx context.Context, tx *sql.Tx, key advlock.Key) error {
+	return xact(ctx, tx, key, true, true)
+}
 
 // TryXactRLock is TryXactLock in shared mode.
 func TryXactRLock(ctx context.Context, tx *sql.Tx, key advlock.Key) error {
