@@ -2,11 +2,17 @@ package advlock_test
 
 import (
 	"context"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/conformance"
 	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -43,4 +49,97 @@ func idlePIDs(t *testing.T, pool *pgxpool.Pool) []uint32 {
 func TestConformance(t *testing.T) {
 	url := pgtest.URL(t)
 	conformance.Run(t, pgxBackend(url, url))
+}
+
+// Through PgBouncer in session pooling mode, session locks keep every guarantee.
+func TestConformancePgBouncerSession(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts pgbouncer")
+	}
+	url := pgtest.URL(t)
+	be := pgxBackend(pgtest.Bouncer(t, url, "session"), url)
+	be.Pooled = true
+	conformance.Run(t, be)
+}
+
+// Through PgBouncer in transaction pooling mode, session locks cannot work: they are detected and refused, never
+// reported as held, and never left on a server session. Transaction-scoped locks work.
+func TestPgBouncerTransactionMode(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts pgbouncer")
+	}
+	url := pgtest.URL(t)
+	// Simple protocol: PgBouncer 1.18 in transaction mode cannot keep prepared statements.
+	burl := pgtest.Bouncer(t, url, "transaction") + "&default_query_exec_mode=simple_protocol"
+	obs := pgtest.Conn(t, url)
+	pool := pgtest.Pool(t, burl, nil)
+	l := advlock.New(pool)
+	defer l.Close()
+	ctx := context.Background()
+	for i := range 20 {
+		k := conformance.Key(t)
+		var err error
+		if i%2 == 0 {
+			_, err = l.TryLock(ctx, k)
+		} else {
+			_, err = l.Lock(ctx, k)
+		}
+		if !errors.Is(err, advlock.ErrTxPooling) || !strings.Contains(err.Error(), "XactLock") {
+			t.Fatalf("session lock through transaction pooling: %v, want ErrTxPooling pointing to XactLock", err)
+		}
+		rows, err := pgtest.Locks(ctx, obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(rows) != 0 {
+			t.Fatalf("a refused lock left advisory locks on the server: %v", rows)
+		}
+	}
+
+	// Transaction-scoped locks pass through: two DoTx on one key never overlap, and nothing outlives them.
+	k := conformance.Key(t)
+	v, _ := k.Int64()
+	var inside, overlaps atomic.Int32
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 10 {
+				err := l.DoTx(ctx, k, func(ctx context.Context, tx pgx.Tx) error {
+					if inside.Add(1) > 1 {
+						overlaps.Add(1)
+					}
+					time.Sleep(2 * time.Millisecond)
+					inside.Add(-1)
+					_, err := tx.Exec(ctx, "SELECT 1")
+					return err
+				})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if overlaps.Load() != 0 {
+		t.Errorf("%d overlapping DoTx runs through transaction pooling", overlaps.Load())
+	}
+	pgtest.WaitFree(t, obs, v, 5*time.Second)
+
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := advlock.XactLock(ctx, tx, k); err != nil {
+		t.Fatal(err)
+	}
+	if pids, _ := pgtest.Holders(ctx, obs, v); len(pids) != 1 {
+		t.Errorf("xact lock through transaction pooling: holders %v, want 1", pids)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.WaitFree(t, obs, v, 5*time.Second)
 }

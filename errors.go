@@ -29,4 +29,11 @@ var (
 	ErrUnlockFailed = session.ErrUnlockFailed
 	// ErrInvalidKey: the zero Key, or text that ParseKey cannot read.
 	ErrInvalidKey = session.ErrInvalidKey
+	// ErrTxPooling: the connection goes through a pooler in transaction mode (PgBouncer pool_mode=transaction),
+	// where a session lock would stay on a server session other clients use. Nothing was locked. Use session
+	// pooling, or the transaction-scoped XactLock and DoTx.
+	ErrTxPooling = session.ErrTxPooling
+	// ErrUnverified: the connection goes through a pooler, and no second connection could be had within 2s to
+	// prove that the pooler pins server sessions. Nothing was locked.
+	ErrUnverified = session.ErrUnverified
 )

@@ -207,3 +207,57 @@ func TestDoTx(t *testing.T) {
 	}()
 	pgtest.WaitFree(t, obs, v, 5*time.Second)
 }
+
+func TestPgBouncer(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts pgbouncer")
+	}
+	url := pgtest.URL(t)
+	t.Run("session", func(t *testing.T) {
+		burl := pgtest.Bouncer(t, url, "session")
+		for _, driver := range []string{"pgx", "postgres"} {
+			t.Run(driver, func(t *testing.T) {
+				be := Backend(driver, burl, url)
+				be.Pooled = true
+				conformance.Run(t, be)
+			})
+		}
+	})
+	t.Run("transaction", func(t *testing.T) {
+		burl := pgtest.Bouncer(t, url, "transaction")
+		obs := pgtest.Conn(t, url)
+		for _, driver := range []string{"pgx", "postgres"} {
+			t.Run(driver, func(t *testing.T) {
+				durl := burl
+				if driver == "pgx" { // PgBouncer 1.18 in transaction mode cannot keep pgx's prepared statements
+					durl += "&default_query_exec_mode=simple_protocol"
+				}
+				db := openDB(t, driver, durl)
+				l := advsql.New(db)
+				defer l.Close()
+				ctx := context.Background()
+				for range 10 {
+					_, err := l.TryLock(ctx, conformance.Key(t))
+					if !errors.Is(err, advlock.ErrTxPooling) {
+						t.Fatalf("session lock through transaction pooling: %v, want ErrTxPooling", err)
+					}
+					if rows, _ := pgtest.Locks(ctx, obs); len(rows) != 0 {
+						t.Fatalf("a refused lock left advisory locks on the server: %v", rows)
+					}
+				}
+				k := conformance.Key(t)
+				v, _ := k.Int64()
+				err := advsql.DoTx(ctx, db, k, func(ctx context.Context, tx *sql.Tx) error {
+					if pids, _ := pgtest.Holders(ctx, obs, v); len(pids) != 1 {
+						t.Errorf("inside DoTx through transaction pooling: holders %v", pids)
+					}
+					return nil
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				pgtest.WaitFree(t, obs, v, 5*time.Second)
+			})
+		}
+	})
+}
