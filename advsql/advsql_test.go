@@ -237,12 +237,14 @@ func TestPgBouncer(t *testing.T) {
 				defer l.Close()
 				ctx := context.Background()
 				for range 10 {
-					_, err := l.TryLock(ctx, conformance.Key(t))
+					k := conformance.Key(t)
+					_, err := l.TryLock(ctx, k)
 					if !errors.Is(err, advlock.ErrTxPooling) {
 						t.Fatalf("session lock through transaction pooling: %v, want ErrTxPooling", err)
 					}
-					if rows, _ := pgtest.Locks(ctx, obs); len(rows) != 0 {
-						t.Fatalf("a refused lock left advisory locks on the server: %v", rows)
+					v, _ := k.Int64()
+					if pids, _ := pgtest.Holders(ctx, obs, v); len(pids) != 0 {
+						t.Fatalf("a refused lock left %s held on the server by %v", k, pids)
 					}
 				}
 				k := conformance.Key(t)
