@@ -11,20 +11,9 @@ import (
 	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	pgtest.Cleanup()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			os.Stderr.WriteString("goleak: " + err.Error() + "\n")
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // bundle is what most tests need: a pool, a Locker over it, and a separate connection to observe pg_locks.
 type bundle struct {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -15,20 +14,9 @@ import (
 	"github.com/advlock/advlock/internal/pgtest"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	_ "github.com/lib/pq"
-	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	pgtest.Cleanup()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "goleak:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
 // openDB opens a *sql.DB with driver ("pgx" or "postgres") and closes it when the test ends.
 func openDB(t *testing.T, driver, url string) *sql.DB {

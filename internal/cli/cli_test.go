@@ -17,7 +17,6 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/pgtest"
-	"go.uber.org/goleak"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -37,15 +36,8 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "build advlock: %v\n%s", err, out)
 		os.Exit(1)
 	}
-	code := m.Run()
-	pgtest.Cleanup()
+	code := pgtest.Main(m)
 	os.RemoveAll(dir)
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintln(os.Stderr, "goleak:", err)
-			code = 1
-		}
-	}
 	os.Exit(code)
 }
 

@@ -17,6 +17,7 @@ import (
 	"github.com/advlock/advlock/internal/pgcluster"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
 )
 
 // EnvURL names the variable that points tests at a server.
@@ -243,4 +244,18 @@ func Terminate(tb testing.TB, c *pgx.Conn, pid uint32) {
 // String renders a row for messages.
 func (r Row) String() string {
 	return fmt.Sprintf("pid=%d key=(%d,%d,%d) %s granted=%v", r.PID, r.ClassID, r.ObjID, r.ObjSubID, r.Mode, r.Granted)
+}
+
+// Main runs a package's tests, stops the private cluster URL may have started, and fails the run if goroutines
+// are left behind (goleak). Call it as os.Exit(pgtest.Main(m)) from TestMain.
+func Main(m *testing.M) int {
+	code := m.Run()
+	Cleanup()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	return code
 }
