@@ -71,7 +71,8 @@ type Session struct {
 	end        context.CancelCauseFunc
 	stopping   atomic.Bool
 	starter    *Starter
-	pendingIdx int // index in starter.pending while not yet watched, else -1; guarded by starter.mu
+	pendingIdx int       // index in starter.pending while not yet watched, else -1; guarded by starter.mu
+	granted    time.Time // when the lock was granted (set by starter.add)
 	watchDone  chan struct{}
 	released   atomic.Bool
 	onLost     func()
@@ -100,11 +101,14 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		return nil, WithContext(ctx, err)
 	}
-	// Try first (a prepared statement, one round trip): it fails while anyone holds or queues for the key, so it
-	// never jumps the server's queue. Only then wait, in the server.
+	// One prepared statement: a try, or a wait in the server. Only when the session carries a statement_timeout
+	// or lock_timeout (a role or pool default) and the key is held does a second statement wait with them lifted.
 	sql, args := TrySQL(t)
+	if wait {
+		sql, args = LockSQL(t)
+	}
 	r, err := conn.QueryInt(ctx, sql, args...)
-	if wait && err == nil && r == resultNotHeld {
+	if wait && err == nil && r == resultTimeouts {
 		r, err = conn.QueryInt(ctx, WaitSQL(t))
 	}
 	if err != nil || ctx.Err() != nil {

@@ -5,7 +5,8 @@ import (
 	"time"
 )
 
-// WatchDelay is how long after the grant a lock's watcher starts reading its connection (at most twice this).
+// WatchDelay is about how long after the grant a lock's watcher starts reading its connection: between half of
+// it and twice it.
 // A lock released sooner never needs the goroutine; a loss in that first moment is seen when it starts.
 const WatchDelay = time.Millisecond
 
@@ -19,6 +20,7 @@ type Starter struct {
 
 // add queues s to be watched after WatchDelay.
 func (st *Starter) add(s *Session) {
+	s.granted = time.Now()
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	s.pendingIdx = len(st.pending)
@@ -46,15 +48,28 @@ func (st *Starter) remove(s *Session) bool {
 	return true
 }
 
-// flush starts a watcher for every queued session.
+// flush starts a watcher for every session queued for at least half of WatchDelay (so that a lock released a
+// moment after the timer fires does not pay for a goroutine) and re-arms for the rest: a watcher starts between
+// WatchDelay/2 and 2*WatchDelay after the grant.
 func (st *Starter) flush() {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	st.armed = false
-	for i, s := range st.pending {
+	now := time.Now()
+	kept := st.pending[:0]
+	for _, s := range st.pending {
+		if now.Sub(s.granted) < WatchDelay/2 {
+			s.pendingIdx = len(kept)
+			kept = append(kept, s)
+			continue
+		}
 		s.pendingIdx = -1
 		go s.watch()
-		st.pending[i] = nil
 	}
-	st.pending = st.pending[:0]
+	clear(st.pending[len(kept):])
+	st.pending = kept
+	if len(kept) > 0 {
+		st.armed = true
+		time.AfterFunc(WatchDelay, st.flush)
+	}
 }

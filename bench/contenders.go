@@ -1,0 +1,216 @@
+package main
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/advsql"
+	"github.com/go-redsync/redsync/v4"
+	"github.com/go-redsync/redsync/v4/redis/goredis/v9"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib"
+	goredislib "github.com/redis/go-redis/v9"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"go.uber.org/zap"
+)
+
+// client is one process's view of a lock service: it takes and releases locks by name.
+type client interface {
+	// lock blocks until key is held and returns its release.
+	lock(ctx context.Context, key string) (func(context.Context) error, error)
+	close()
+}
+
+// contender makes clients of one kind.
+type contender struct {
+	name string
+	// blocking: lock waits in the service; false for try-only contenders, which skip the contended workloads.
+	blocking bool
+	pg       bool // PostgreSQL-based (has a server session to terminate)
+	new      func(ctx context.Context) (client, error)
+}
+
+func pgKey(key string) int64 { v, _ := advlock.NameKey("bench-" + key).Int64(); return v }
+
+type env struct {
+	pgURL    string
+	poolURL  string // pgURL with a pool big enough to hold 50 locks at once
+	redis    *goredislib.Client
+	etcdURLs []string
+}
+
+func contenders(e *env) []contender {
+	return []contender{
+		{name: "raw pgx (dedicated conn)", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+			c, err := pgx.Connect(ctx, e.pgURL)
+			return &rawPgx{c: c}, err
+		}},
+		{name: "raw pgxpool", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+			p, err := pgxpool.New(ctx, e.poolURL)
+			return &rawPool{p: p}, err
+		}},
+		{name: "advlock TryLock", pg: true, new: func(ctx context.Context) (client, error) {
+			p, err := pgxpool.New(ctx, e.poolURL)
+			return &advClient{p: p, l: advlock.New(p), try: true}, err
+		}},
+		{name: "advlock Lock", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+			p, err := pgxpool.New(ctx, e.poolURL)
+			return &advClient{p: p, l: advlock.New(p)}, err
+		}},
+		{name: "advlock Do", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+			p, err := pgxpool.New(ctx, e.poolURL)
+			return &advClient{p: p, l: advlock.New(p), do: true}, err
+		}},
+		{name: "advlock database/sql", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+			db, err := sql.Open("pgx", e.pgURL)
+			return &advClient{db: db, l: advsql.New(db)}, err
+		}},
+		{name: "redsync (Redis)", blocking: true, new: func(ctx context.Context) (client, error) {
+			return &redsyncClient{rs: redsync.New(goredis.NewPool(e.redis))}, nil
+		}},
+		{name: "etcd concurrency.Mutex", blocking: true, new: func(ctx context.Context) (client, error) {
+			c, err := clientv3.New(clientv3.Config{Endpoints: e.etcdURLs, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+			if err != nil {
+				return nil, err
+			}
+			s, err := concurrency.NewSession(c, concurrency.WithTTL(10))
+			if err != nil {
+				c.Close()
+				return nil, err
+			}
+			return &etcdClient{c: c, s: s}, nil
+		}},
+	}
+}
+
+type rawPgx struct{ c *pgx.Conn }
+
+func (r *rawPgx) lock(ctx context.Context, key string) (func(context.Context) error, error) {
+	k := pgKey(key)
+	if _, err := r.c.Exec(ctx, "SELECT pg_advisory_lock($1)", k); err != nil {
+		return nil, err
+	}
+	return func(ctx context.Context) error {
+		var ok bool
+		if err := r.c.QueryRow(ctx, "SELECT pg_advisory_unlock($1)", k).Scan(&ok); err != nil || !ok {
+			return fmt.Errorf("unlock: %v %v", ok, err)
+		}
+		return nil
+	}, nil
+}
+
+func (r *rawPgx) close() { r.c.Close(context.Background()) }
+
+type rawPool struct{ p *pgxpool.Pool }
+
+func (r *rawPool) lock(ctx context.Context, key string) (func(context.Context) error, error) {
+	k := pgKey(key)
+	c, err := r.p.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := c.Exec(ctx, "SELECT pg_advisory_lock($1)", k); err != nil {
+		c.Release()
+		return nil, err
+	}
+	return func(ctx context.Context) error {
+		defer c.Release()
+		var ok bool
+		if err := c.QueryRow(ctx, "SELECT pg_advisory_unlock($1)", k).Scan(&ok); err != nil || !ok {
+			return fmt.Errorf("unlock: %v %v", ok, err)
+		}
+		return nil
+	}, nil
+}
+
+func (r *rawPool) close() { r.p.Close() }
+
+type advClient struct {
+	p       *pgxpool.Pool
+	db      *sql.DB
+	l       *advlock.Locker
+	try, do bool
+}
+
+func (a *advClient) lock(ctx context.Context, key string) (func(context.Context) error, error) {
+	k := advlock.NameKey("bench-" + key)
+	if a.do {
+		// Do holds the lock only while fn runs: run fn until release is called.
+		got, release, done := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+		go func() {
+			done <- a.l.Do(ctx, k, func(context.Context) error {
+				close(got)
+				<-release
+				return nil
+			})
+		}()
+		select {
+		case <-got:
+		case err := <-done:
+			return nil, err
+		}
+		return func(context.Context) error { close(release); return <-done }, nil
+	}
+	var lk *advlock.Lock
+	var err error
+	if a.try {
+		lk, err = a.l.TryLock(ctx, k)
+	} else {
+		lk, err = a.l.Lock(ctx, k)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return lk.Unlock, nil
+}
+
+func (a *advClient) close() {
+	a.l.Close()
+	if a.p != nil {
+		a.p.Close()
+	}
+	if a.db != nil {
+		a.db.Close()
+	}
+}
+
+type redsyncClient struct{ rs *redsync.Redsync }
+
+func (r *redsyncClient) lock(ctx context.Context, key string) (func(context.Context) error, error) {
+	m := r.rs.NewMutex("bench-"+key, redsync.WithExpiry(30*time.Second), redsync.WithTries(10000))
+	if err := m.LockContext(ctx); err != nil {
+		return nil, err
+	}
+	return func(ctx context.Context) error {
+		ok, err := m.UnlockContext(ctx)
+		if err == nil && !ok {
+			err = fmt.Errorf("redsync unlock returned false")
+		}
+		return err
+	}, nil
+}
+
+func (r *redsyncClient) close() {}
+
+type etcdClient struct {
+	c *clientv3.Client
+	s *concurrency.Session
+}
+
+func (e *etcdClient) lock(ctx context.Context, key string) (func(context.Context) error, error) {
+	m := concurrency.NewMutex(e.s, "/bench/"+key)
+	if err := m.Lock(ctx); err != nil {
+		return nil, err
+	}
+	return m.Unlock, nil
+}
+
+func (e *etcdClient) close() {
+	e.s.Close()
+	e.c.Close()
+}

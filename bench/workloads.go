@@ -1,0 +1,550 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"runtime"
+	"slices"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/go-redsync/redsync/v4"
+	"github.com/go-redsync/redsync/v4/redis/goredis/v9"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"go.uber.org/zap"
+)
+
+const (
+	wUncontended = "1. uncontended, 1 goroutine"
+	wDistinct    = "2. 8 goroutines, distinct keys"
+	wOneKey      = "3. 8 goroutines, one key"
+	wHandoff     = "4. handoff latency"
+	wLoss        = "5. loss noticed"
+	wMemory      = "6. client memory"
+)
+
+const rawName = "raw pgx (dedicated conn)"
+
+// collector gathers one value per round for each (workload, contender, metric).
+type collector struct {
+	mu      sync.Mutex
+	order   []string
+	samples map[string]*result
+}
+
+func (c *collector) add(w, who, metric, unit string, v float64, note string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	id := w + "|" + who + "|" + metric
+	r := c.samples[id]
+	if r == nil {
+		r = &result{Workload: w, Contender: who, Metric: metric, Unit: unit, Note: note}
+		c.samples[id] = r
+		c.order = append(c.order, id)
+	}
+	r.values = append(r.values, v)
+}
+
+func run(ctx context.Context, e *env, cs []contender) *results {
+	col := &collector{samples: map[string]*result{}}
+	for round := 1; round <= *flagRounds; round++ {
+		log.Printf("round %d of %d", round, *flagRounds)
+		// Each round starts with a different contender, so that no one always runs first (or last).
+		order := append(slices.Clone(cs[(round-1)%len(cs):]), cs[:(round-1)%len(cs)]...)
+		tag := fmt.Sprintf("r%d-%d", round, time.Now().UnixNano())
+		for _, w := range []struct {
+			name    string
+			n       int
+			sameKey bool
+		}{{wUncontended, 1, false}, {wDistinct, 8, false}, {wOneKey, 8, true}} {
+			for name, tp := range throughput(ctx, order, w.n, w.sameKey, tag+"-"+w.name[:1]) {
+				col.add(w.name, name, "throughput", "cycles/s", tp.ops, "")
+				if w.sameKey {
+					col.add(w.name, name, "fairness (max/min per goroutine)", "x", tp.fair, "")
+				}
+			}
+		}
+		for _, c := range order {
+			tag := fmt.Sprintf("r%d-%s-%d", round, c.name, time.Now().UnixNano())
+			if c.blocking {
+				n := *flagHandoffs
+				if !c.pg {
+					n = 20
+				}
+				if lat, err := handoff(ctx, c, n, tag+"-w4"); check(c, wHandoff, err) {
+					col.add(wHandoff, c.name, "p50", "ms", ms(percentile(lat, 50)), "")
+					col.add(wHandoff, c.name, "p99", "ms", ms(percentile(lat, 99)), "")
+				}
+			}
+			if b, a, err := memory(ctx, c, tag+"-w6"); check(c, wMemory, err) {
+				col.add(wMemory, c.name, "per acquire+release", "B/op", b, "")
+				col.add(wMemory, c.name, "per acquire+release", "allocs/op", a, "")
+			}
+		}
+		loss(ctx, e, col, round)
+	}
+	held(ctx, e, cs, col)
+	return collate(col)
+}
+
+func check(c contender, w string, err error) bool {
+	if err != nil {
+		log.Printf("%s / %s: %v", w, c.name, err)
+		return false
+	}
+	return true
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func percentile(d []time.Duration, p int) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := slices.Clone(d)
+	slices.Sort(s)
+	i := (len(s)*p + 99) / 100
+	if i > 0 {
+		i--
+	}
+	return s[i]
+}
+
+func newClients(ctx context.Context, c contender, n int) ([]client, func(), error) {
+	var cl []client
+	closeAll := func() {
+		for _, x := range cl {
+			x.close()
+		}
+	}
+	for range n {
+		x, err := c.new(ctx)
+		if err != nil {
+			closeAll()
+			return nil, nil, err
+		}
+		cl = append(cl, x)
+	}
+	return cl, closeAll, nil
+}
+
+type tput struct{ ops, fair float64 }
+
+// throughput measures every contender on one workload: n goroutines each, each its own client (a separate
+// process, say), taking and releasing a lock; one key for all with sameKey (blocking contenders only), else one
+// key each. The contenders take turns in 50 ms slices until each has run *flagDur, so that they share the
+// machine's weather. It returns cycles/s and max/min cycles per goroutine.
+func throughput(ctx context.Context, cs []contender, n int, sameKey bool, tag string) map[string]tput {
+	type runner struct {
+		c      contender
+		cl     []client
+		close  func()
+		counts []int64
+		spent  time.Duration
+		err    error
+	}
+	var rs []*runner
+	for _, c := range cs {
+		if sameKey && !c.blocking {
+			continue
+		}
+		cl, closeAll, err := newClients(ctx, c, n)
+		if !check(c, "throughput", err) {
+			continue
+		}
+		rs = append(rs, &runner{c: c, cl: cl, close: closeAll, counts: make([]int64, n)})
+	}
+	defer func() {
+		for _, r := range rs {
+			r.close()
+		}
+	}()
+	key := func(r *runner, g int) string {
+		if sameKey {
+			return tag + "-" + r.c.name
+		}
+		return fmt.Sprintf("%s-%s-%d", tag, r.c.name, g)
+	}
+	cycle := func(r *runner, g int) error {
+		un, err := r.cl[g].lock(ctx, key(r, g))
+		if err == nil {
+			err = un(ctx)
+		}
+		return err
+	}
+	for _, r := range rs { // warm up: connections, prepared statements
+		for g := range r.cl {
+			for range 3 {
+				if err := cycle(r, g); err != nil && r.err == nil {
+					r.err = err
+				}
+			}
+		}
+	}
+	const slice = 50 * time.Millisecond
+	for spent := time.Duration(0); spent < *flagDur; spent += slice {
+		for _, r := range rs {
+			if r.err != nil {
+				continue
+			}
+			var wg sync.WaitGroup
+			var failed atomic.Value
+			start := time.Now()
+			stop := start.Add(slice)
+			for g := range r.cl {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for time.Now().Before(stop) {
+						if err := cycle(r, g); err != nil {
+							failed.Store(err)
+							return
+						}
+						r.counts[g]++
+					}
+				}()
+			}
+			wg.Wait()
+			r.spent += time.Since(start)
+			if err, _ := failed.Load().(error); err != nil {
+				r.err = err
+			}
+		}
+	}
+	out := map[string]tput{}
+	for _, r := range rs {
+		if !check(r.c, "throughput", r.err) {
+			continue
+		}
+		var total int64
+		lo, hi := r.counts[0], r.counts[0]
+		for _, v := range r.counts {
+			total += v
+			lo, hi = min(lo, v), max(hi, v)
+		}
+		fair := 0.0
+		if lo > 0 {
+			fair = float64(hi) / float64(lo)
+		}
+		out[r.c.name] = tput{float64(total) / r.spent.Seconds(), fair}
+	}
+	return out
+}
+
+// handoff measures the time from the holder's release to the blocked waiter's grant.
+func handoff(ctx context.Context, c contender, samples int, tag string) ([]time.Duration, error) {
+	cl, closeAll, err := newClients(ctx, c, 2)
+	if err != nil {
+		return nil, err
+	}
+	defer closeAll()
+	holder, waiter := cl[0], cl[1]
+	var lat []time.Duration
+	for i := range samples {
+		key := fmt.Sprintf("%s-%d", tag, i)
+		un, err := holder.lock(ctx, key)
+		if err != nil {
+			return nil, err
+		}
+		type grant struct {
+			at  time.Time
+			un  func(context.Context) error
+			err error
+		}
+		got := make(chan grant, 1)
+		go func() {
+			wun, err := waiter.lock(ctx, key)
+			got <- grant{time.Now(), wun, err}
+		}()
+		time.Sleep(10 * time.Millisecond) // the waiter is queued (or polling) by now
+		t0 := time.Now()
+		if err := un(ctx); err != nil {
+			return nil, err
+		}
+		g := <-got
+		if g.err != nil {
+			return nil, g.err
+		}
+		lat = append(lat, g.at.Sub(t0))
+		if err := g.un(ctx); err != nil {
+			return nil, err
+		}
+	}
+	return lat, nil
+}
+
+// memory measures heap bytes and allocations per acquire+release on one client.
+func memory(ctx context.Context, c contender, tag string) (float64, float64, error) {
+	cl, closeAll, err := newClients(ctx, c, 1)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer closeAll()
+	n := 2000
+	if !c.pg {
+		n = 300
+	}
+	cycle := func() error {
+		un, err := cl[0].lock(ctx, tag)
+		if err != nil {
+			return err
+		}
+		return un(ctx)
+	}
+	for range 20 {
+		if err := cycle(); err != nil {
+			return 0, 0, err
+		}
+	}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for range n {
+		if err := cycle(); err != nil {
+			return 0, 0, err
+		}
+	}
+	runtime.ReadMemStats(&after)
+	return float64(after.TotalAlloc-before.TotalAlloc) / float64(n), float64(after.Mallocs-before.Mallocs) / float64(n), nil
+}
+
+// loss measures how long a holder takes to learn that its lock is gone: advlock after pg_terminate_backend of its
+// session, etcd after its session's lease is revoked, redsync (which has no notification) by a watchdog polling
+// Valid every 100 ms after the key disappears (as on expiry).
+func loss(ctx context.Context, e *env, col *collector, round int) {
+	obs, err := pgx.Connect(ctx, e.pgURL)
+	if err != nil {
+		log.Printf("loss: %v", err)
+		return
+	}
+	defer obs.Close(ctx)
+
+	// advlock
+	pool, err := pgxpool.New(ctx, e.poolURL)
+	if err == nil {
+		l := advlock.New(pool)
+		var lat []time.Duration
+		for i := range 10 {
+			k := advlock.NameKey(fmt.Sprintf("bench-loss-%d-%d-%d", round, i, time.Now().UnixNano()))
+			lk, err := l.Lock(ctx, k)
+			if err != nil {
+				log.Printf("loss/advlock: %v", err)
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+			v, _ := k.Int64()
+			var pid int32
+			if err := obs.QueryRow(ctx, `SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1
+				AND ((classid::text::int8 << 32) | objid::text::int8) = $1`, v).Scan(&pid); err != nil {
+				log.Printf("loss/advlock: %v", err)
+				break
+			}
+			if _, err := obs.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
+				log.Printf("loss/advlock: %v", err)
+				break
+			}
+			t0 := time.Now()
+			<-lk.Done()
+			lat = append(lat, time.Since(t0))
+			_ = lk.Unlock(ctx)
+		}
+		l.Close()
+		pool.Close()
+		if len(lat) > 0 {
+			col.add(wLoss, "advlock Lock", "p50 after pg_terminate_backend", "ms", ms(percentile(lat, 50)), "")
+		}
+	}
+
+	// etcd
+	if c, err := clientv3.New(clientv3.Config{Endpoints: e.etcdURLs, DialTimeout: 5 * time.Second, Logger: zap.NewNop()}); err == nil {
+		var lat []time.Duration
+		for i := range 5 {
+			s, err := concurrency.NewSession(c, concurrency.WithTTL(5))
+			if err != nil {
+				log.Printf("loss/etcd: %v", err)
+				break
+			}
+			m := concurrency.NewMutex(s, fmt.Sprintf("/bench/loss-%d-%d", round, i))
+			if err := m.Lock(ctx); err != nil {
+				log.Printf("loss/etcd: %v", err)
+				s.Close()
+				break
+			}
+			t0 := time.Now()
+			if _, err := c.Revoke(ctx, s.Lease()); err != nil {
+				log.Printf("loss/etcd: %v", err)
+			}
+			<-s.Done()
+			lat = append(lat, time.Since(t0))
+			s.Close()
+		}
+		c.Close()
+		if len(lat) > 0 {
+			col.add(wLoss, "etcd concurrency.Mutex", "p50 after lease revoke (TTL 5s)", "ms", ms(percentile(lat, 50)), "")
+		}
+	}
+
+	// redsync
+	rs := redsync.New(goredis.NewPool(e.redis))
+	var lat []time.Duration
+	for i := range 10 {
+		name := fmt.Sprintf("bench-loss-%d-%d-%d", round, i, time.Now().UnixNano())
+		m := rs.NewMutex(name, redsync.WithExpiry(30*time.Second))
+		if err := m.LockContext(ctx); err != nil {
+			log.Printf("loss/redsync: %v", err)
+			break
+		}
+		noticed := make(chan time.Time, 1)
+		stop := make(chan struct{})
+		go func() { // the watchdog a redsync user has to write
+			t := time.NewTicker(100 * time.Millisecond)
+			defer t.Stop()
+			for {
+				select {
+				case <-stop:
+					return
+				case <-t.C:
+					if ok, err := m.ValidContext(ctx); !ok || err != nil {
+						noticed <- time.Now()
+						return
+					}
+				}
+			}
+		}()
+		time.Sleep(time.Duration(i*7%100) * time.Millisecond) // spread the loss over the polling period
+		t0 := time.Now()
+		e.redis.Del(ctx, name)
+		select {
+		case at := <-noticed:
+			lat = append(lat, at.Sub(t0))
+		case <-time.After(5 * time.Second):
+			log.Printf("loss/redsync: not noticed in 5s")
+		}
+		close(stop)
+	}
+	if len(lat) > 0 {
+		col.add(wLoss, "redsync (Redis)", "p50 after key expiry, 100ms watchdog", "ms", ms(percentile(lat, 50)), "")
+	}
+	col.add(wLoss, rawName, "p50", "ms", -1, "never: learns at its next statement")
+}
+
+// held measures memory per held lock and the server connections used to hold locks at once.
+func held(ctx context.Context, e *env, cs []contender, col *collector) {
+	obs, err := pgx.Connect(ctx, e.pgURL)
+	if err != nil {
+		return
+	}
+	defer obs.Close(ctx)
+	// pgHolders counts the server sessions holding the keys of a held() run (their names start with tag).
+	pgHolders := func(tag string) int {
+		var n int
+		var keys []int64
+		for i := range 1000 {
+			keys = append(keys, pgKey(fmt.Sprintf("%s-%d", tag, i)))
+		}
+		_ = obs.QueryRow(ctx, `SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
+			AND objsubid = 1 AND ((classid::text::int8 << 32) | objid::text::int8) = ANY($1)`, keys).Scan(&n)
+		return n
+	}
+	redisConns := func() int {
+		info, _ := e.redis.Info(ctx, "clients").Result()
+		var n int
+		for _, line := range splitLines(info) {
+			if _, err := fmt.Sscanf(line, "connected_clients:%d", &n); err == nil {
+				return n
+			}
+		}
+		return 0
+	}
+	for _, c := range cs {
+		if c.name == "advlock TryLock" || c.name == "advlock Do" {
+			continue // same sessions as advlock Lock
+		}
+		m := 1000
+		if c.pg && c.name != rawName {
+			m = 50 // one connection per held lock; 1,000 would exceed max_connections
+		}
+		connsBefore := 0
+		if !c.pg {
+			connsBefore = redisConns()
+		}
+		cl, closeAll, err := newClients(ctx, c, 1)
+		if err != nil {
+			log.Printf("held/%s: %v", c.name, err)
+			continue
+		}
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		var unlocks []func(context.Context) error
+		tag := fmt.Sprintf("held-%d", time.Now().UnixNano())
+		for i := range m {
+			un, err := cl[0].lock(ctx, fmt.Sprintf("%s-%d", tag, i))
+			if err != nil {
+				log.Printf("held/%s: %v", c.name, err)
+				break
+			}
+			unlocks = append(unlocks, un)
+		}
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		conns := pgHolders(tag)
+		note := fmt.Sprintf("%d connections for %d locks", conns, len(unlocks))
+		switch {
+		case c.name == "etcd concurrency.Mutex":
+			note = "one gRPC connection per client"
+			conns = -1
+		case !c.pg:
+			conns = redisConns() - connsBefore
+			note = fmt.Sprintf("%d new connections for %d locks", conns, len(unlocks))
+		}
+		if len(unlocks) > 0 {
+			perLock := max(0, float64(int64(after.HeapAlloc)-int64(before.HeapAlloc))/float64(len(unlocks)))
+			col.add(wMemory, c.name, "heap per held lock", "B", perLock, "")
+			per := float64(conns) / float64(len(unlocks))
+			if conns < 0 {
+				per = -1
+			}
+			col.add(wMemory, c.name, "server connections per held lock", "conns", per, note)
+		}
+		for _, un := range unlocks {
+			_ = un(ctx)
+		}
+		closeAll()
+	}
+}
+
+func splitLines(s string) []string {
+	var out []string
+	start := 0
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\n' {
+			out = append(out, trimCR(s[start:i]))
+			start = i + 1
+		}
+	}
+	return append(out, trimCR(s[start:]))
+}
+
+func trimCR(s string) string {
+	if len(s) > 0 && s[len(s)-1] == '\r' {
+		return s[:len(s)-1]
+	}
+	return s
+}
+
+func median(v []float64) float64 {
+	s := slices.Clone(v)
+	sort.Float64s(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
