@@ -9,6 +9,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -33,7 +34,9 @@ type results struct {
 	Rows  []*result `json:"rows"`
 }
 
-func collate(c *collector) *results {
+// collate takes the median of each result's rounds, computes the ratio to raw pgx, and orders the rows by
+// workload, then by contender in the order of cs.
+func collate(c *collector, cs []contender) *results {
 	res := &results{When: time.Now().UTC(), Setup: fmt.Sprintf("rounds=%d dur=%v handoffs=%d", *flagRounds, *flagDur, *flagHandoffs)}
 	raw := map[string]float64{}
 	for _, id := range c.order {
@@ -44,6 +47,16 @@ func collate(c *collector) *results {
 		}
 		res.Rows = append(res.Rows, r)
 	}
+	rank := map[string]int{}
+	for i, x := range cs {
+		rank[x.name] = i
+	}
+	slices.SortStableFunc(res.Rows, func(a, b *result) int {
+		if a.Workload != b.Workload {
+			return strings.Compare(a.Workload, b.Workload)
+		}
+		return rank[a.Contender] - rank[b.Contender]
+	})
 	for _, r := range res.Rows {
 		if v, ok := raw[r.Workload+"|"+r.Metric+"|"+r.Unit]; ok && v > 0 && r.Value >= 0 {
 			r.XRaw = r.Value / v
@@ -69,6 +82,8 @@ func num(v float64) string {
 		return strconv.FormatFloat(math.Round(v), 'f', 0, 64)
 	case v >= 10:
 		return strconv.FormatFloat(v, 'f', 1, 64)
+	case v > 0 && v < 0.01:
+		return strconv.FormatFloat(v, 'g', 2, 64)
 	}
 	return strconv.FormatFloat(v, 'f', 2, 64)
 }

@@ -42,7 +42,7 @@ type collector struct {
 func (c *collector) add(w, who, metric, unit string, v float64, note string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	id := w + "|" + who + "|" + metric
+	id := w + "|" + who + "|" + metric + "|" + unit
 	r := c.samples[id]
 	if r == nil {
 		r = &result{Workload: w, Contender: who, Metric: metric, Unit: unit, Note: note}
@@ -91,7 +91,7 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 		loss(ctx, e, col, round)
 	}
 	held(ctx, e, cs, col)
-	return collate(col)
+	return collate(col, cs)
 }
 
 func check(c contender, w string, err error) bool {
