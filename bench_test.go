@@ -71,34 +71,20 @@ func BenchmarkCycleRawPgx(b *testing.B) {
 	}
 }
 
-// BenchmarkCycleTryLock: Locker.TryLock + Lock.Unlock (pin a pooled session, lock, start the watcher, stop it,
-// unlock, return the session).
-func BenchmarkCycleTryLock(b *testing.B) {
-	l := New(pgtest.Pool(b, pgtest.URL(b), nil))
-	defer l.Close()
-	ctx := context.Background()
-	k := Int64Key(time.Now().UnixNano())
-	b.ReportAllocs()
-	for b.Loop() {
-		lk, err := l.TryLock(ctx, k)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := lk.Unlock(ctx); err != nil {
-			b.Fatal(err)
-		}
-	}
-}
+// BenchmarkCycleTryLock: Locker.TryLock + Lock.Unlock (pin a pooled session, lock, unlock, return the session).
+func BenchmarkCycleTryLock(b *testing.B) { benchCycle(b, (*Locker).TryLock) }
 
 // BenchmarkCycleLock: Locker.Lock (the blocking statement) + Unlock, uncontended.
-func BenchmarkCycleLock(b *testing.B) {
+func BenchmarkCycleLock(b *testing.B) { benchCycle(b, (*Locker).Lock) }
+
+func benchCycle(b *testing.B, lock func(*Locker, context.Context, Key) (*Lock, error)) {
 	l := New(pgtest.Pool(b, pgtest.URL(b), nil))
 	defer l.Close()
 	ctx := context.Background()
 	k := Int64Key(time.Now().UnixNano())
 	b.ReportAllocs()
 	for b.Loop() {
-		lk, err := l.Lock(ctx, k)
+		lk, err := lock(l, ctx, k)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -55,7 +55,8 @@ func version(dir string) int {
 	return n
 }
 
-func freePort() (int, error) {
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, err
@@ -98,7 +99,7 @@ func startCluster(settings []string) (*Cluster, error) {
 func (c *Cluster) startOnFreePort() error {
 	var last error
 	for range 5 {
-		port, err := freePort()
+		port, err := FreePort()
 		if err != nil {
 			return err
 		}

@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/advlock/advlock/internal/pgcluster"
 )
 
 var (
@@ -97,7 +99,7 @@ func Bouncer(tb testing.TB, serverURL, mode string) string {
 		}
 		args = append(args, "-u", "postgres")
 	}
-	listen, err := freeTCPPort()
+	listen, err := pgcluster.FreePort()
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -160,13 +162,4 @@ pidfile = %s
 	}
 	u.Host = addr
 	return u.String()
-}
-
-func freeTCPPort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
