@@ -68,6 +68,9 @@ func (l *Locker) enter(ctx context.Context, t session.Target, wait bool) error {
 		}
 		l.mu.Lock()
 		g.waiting--
+		if l.closed {
+			return ErrClosed
+		}
 		if ctx.Err() != nil {
 			return session.WithContext(ctx, errors.New("gave up waiting behind another holder of the key in this process"))
 		}

@@ -66,8 +66,9 @@ func init() {
 // newLocker makes a Locker over a backend; pgxp is the pgxpool behind it, if any (for DoTx).
 func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o options) *Locker {
 	l := &Locker{
-		opts:  o,
-		cfg:   session.Config{Keepalive: o.keepalive, Wrap: o.wrap, Starter: new(session.Starter)},
+		opts: o,
+		cfg: session.Config{Keepalive: o.keepalive, Wrap: o.wrap, Starter: new(session.Starter),
+			Waits: new(session.Waits)},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
 	}
@@ -122,7 +123,9 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	if err := key.valid(); err != nil {
 		return nil, err
 	}
-	ctx, done, err := l.begin(ctx, wait)
+	// Close aborts waits itself (in-process gates are woken, server waits have their sockets closed), so the
+	// caller's ctx goes to the statement as it is.
+	_, done, err := l.begin(ctx, false)
 	if err != nil {
 		return nil, err
 	}
@@ -137,6 +140,9 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, func() { l.forget(lk) })
 	if err != nil {
 		l.leave(t)
+		if l.isClosed() && ctx.Err() == nil {
+			return nil, fmt.Errorf("%w: %w", ErrClosed, err)
+		}
 		return nil, err
 	}
 	lk.s = s
@@ -175,6 +181,12 @@ func (l *Locker) begin(ctx context.Context, wait bool) (context.Context, func(),
 		cancel(nil)
 		l.inflight.Done()
 	}, nil
+}
+
+func (l *Locker) isClosed() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.closed
 }
 
 // release unlocks lk's session and frees its in-process slot; after is what lk.Err reports on a clean release.
@@ -223,6 +235,12 @@ func (l *Locker) Close() {
 	}
 	l.mu.Unlock()
 	l.closeCancel(ErrClosed)
+	l.cfg.Waits.Close()
+	l.mu.Lock()
+	for _, g := range l.gates { // in-process waiters see closed and give up
+		g.changed()
+	}
+	l.mu.Unlock()
 	var wg sync.WaitGroup
 	for _, lk := range held {
 		if lk.unlocked.CompareAndSwap(false, true) {

@@ -86,34 +86,6 @@ func TestMisuse(t *testing.T) {
 	pgtest.NoIdleLocks(t, b.pool, b.obs)
 }
 
-// Close aborts a Lock that is waiting, with ErrClosed.
-func TestCloseAbortsWaiters(t *testing.T) {
-	b := setup(t)
-	ctx := ctxT(t, 20*time.Second)
-	k := key(t)
-	holder := pgtest.Conn(t, b.url)
-	v, _ := k.Int64()
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", v); err != nil {
-		t.Fatal(err)
-	}
-	l := New(b.pool)
-	errc := make(chan error, 2)
-	go func() { _, err := l.Lock(ctx, k); errc <- err }() // waits in the server
-	go func() { _, err := l.Lock(ctx, k); errc <- err }() // waits in-process
-	time.Sleep(100 * time.Millisecond)
-	l.Close()
-	for range 2 {
-		if err := <-errc; !errors.Is(err, ErrClosed) {
-			t.Errorf("waiting Lock after Close: %v, want ErrClosed", err)
-		}
-	}
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", v); err != nil {
-		t.Fatal(err)
-	}
-	b.waitFree(t, k)
-	pgtest.NoIdleLocks(t, b.pool, b.obs)
-}
-
 // A Lock whose ctx ends while it waits returns an error wrapping ctx.Err() and holds nothing.
 func TestLockContextEnds(t *testing.T) {
 	b := setup(t)

@@ -41,6 +41,8 @@ func (a *pgxConn) Ping(ctx context.Context) error { return a.c.Ping(ctx) }
 
 func (a *pgxConn) Release() { a.c.Release() }
 
+func (a *pgxConn) Abort() { a.CloseSocket() }
+
 // Destroy closes the socket first, so that the server ends the backend now even if a polite close would wait on
 // a bad network, then takes the connection out of the pool.
 func (a *pgxConn) Destroy() {

@@ -53,7 +53,7 @@ func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	a := &conn{c: c, p: p, intr: make(chan struct{})}
+	a := &conn{c: c, p: p, intr: make(chan struct{}), abort: make(chan struct{})}
 	_ = c.Raw(func(dc any) error {
 		a.dc = dc
 		if pc, ok := dc.(interface{ Conn() *pgx.Conn }); ok { // pgx's stdlib driver
@@ -74,6 +74,8 @@ type conn struct {
 	mu    sync.Mutex
 	intr  chan struct{} // closed by Interrupt (drivers other than pgx)
 	stuck chan struct{} // closed when a statement that outlived its ctx ends (drivers other than pgx)
+	abort chan struct{} // closed by Abort (drivers other than pgx)
+	once  sync.Once
 }
 
 func (a *conn) QueryInt(ctx context.Context, q string, args ...any) (int64, error) {
@@ -111,23 +113,38 @@ func (a *conn) bounded(ctx context.Context, f func() (int64, error)) (int64, err
 		done <- result{v, err}
 		close(done)
 	}()
+	var gaveUp error
 	select {
 	case r := <-done:
 		return r.v, r.err
 	case <-ctx.Done():
-		select {
-		case r := <-done:
-			return r.v, r.err
-		default:
-		}
-		a.stuck = make(chan struct{})
-		go func(stuck chan struct{}) {
-			for range done {
-			}
-			close(stuck)
-		}(a.stuck)
-		return 0, ctx.Err()
+		gaveUp = ctx.Err()
+	case <-a.abort:
+		gaveUp = errAborted
 	}
+	select {
+	case r := <-done:
+		return r.v, r.err
+	default:
+	}
+	a.stuck = make(chan struct{})
+	go func(stuck chan struct{}) {
+		for range done {
+		}
+		close(stuck)
+	}(a.stuck)
+	return 0, gaveUp
+}
+
+var errAborted = errors.New("statement abandoned: the Locker was closed")
+
+// Abort closes the socket (pgx) or abandons the running statement (other drivers; see bounded).
+func (a *conn) Abort() {
+	if a.pgx != nil {
+		a.pgx.CloseSocket()
+		return
+	}
+	a.once.Do(func() { close(a.abort) })
 }
 
 func (a *conn) Wait(deadline time.Time) error {

@@ -70,6 +70,7 @@ func Run(t *testing.T, be Backend) {
 		{"LockWaits", s.lockWaits},
 		{"Shared", s.shared},
 		{"Misuse", s.misuse},
+		{"CloseAbortsWaiters", s.closeAbortsWaiters},
 		{"ReleaseExact", s.releaseExact},
 		{"CancelRace", s.cancelRace},
 		{"LostOnTerminate", s.lostOnTerminate},
@@ -418,6 +419,39 @@ func (s *suite) misuse(t *testing.T) {
 	}
 	noIdleLocks(t, h, obs)
 	noIdleLocks(t, h2, obs)
+}
+
+// Close aborts Lock calls that wait, in the server or in-process, with ErrClosed, and leaves nothing held.
+func (s *suite) closeAbortsWaiters(t *testing.T) {
+	holder, obs := s.open(t), s.observer(t)
+	ctx := ctxT(t, 20*time.Second)
+	k := Key(t)
+	hl, err := holder.L.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := s.be.Open(t, s.be.URL)
+	errc := make(chan error, 2)
+	go func() { _, err := h.L.Lock(ctx, k); errc <- err }() // waits in the server
+	waitQueued(t, obs, k)
+	go func() { _, err := h.L.Lock(ctx, k); errc <- err }() // waits in-process
+	time.Sleep(50 * time.Millisecond)
+	h.L.Close()
+	for range 2 {
+		select {
+		case err := <-errc:
+			if !errors.Is(err, advlock.ErrClosed) {
+				t.Errorf("waiting Lock after Close: %v, want ErrClosed", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("a waiting Lock did not return after Close")
+		}
+	}
+	if err := hl.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFree(t, obs, k)
+	noIdleLocks(t, h, obs)
 }
 
 // wrongUnlock makes the unlock statement release a different key, so the server really answers false.

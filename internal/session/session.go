@@ -31,6 +31,9 @@ type Conn interface {
 	ClearDeadline()
 	// Ping makes one round trip.
 	Ping(ctx context.Context) error
+	// Abort makes a statement that is running now fail at once (closing the socket where the adapter can), from
+	// any goroutine. The connection is then destroyed by its owner.
+	Abort()
 	// Release hands the connection back to its pool. Only called after the server confirmed the unlock.
 	Release()
 	// ClientPID is the server pid the connection was given at startup (BackendKeyData), or 0 when the driver does
@@ -59,6 +62,8 @@ type Config struct {
 	Wrap func(Conn) Conn
 	// Starter batches the start of watchers; nil gives each session its own.
 	Starter *Starter
+	// Waits, when set, lets Close abort lock statements that wait in the server.
+	Waits *Waits
 }
 
 // Session is one held lock on its own pinned connection.
@@ -106,6 +111,13 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	sql, args := TrySQL(t)
 	if wait {
 		sql, args = LockSQL(t)
+		if cfg.Waits != nil {
+			if !cfg.Waits.add(conn) {
+				conn.Release() // nothing was sent
+				return nil, ErrClosed
+			}
+			defer cfg.Waits.remove(conn)
+		}
 	}
 	r, err := conn.QueryInt(ctx, sql, args...)
 	if wait && err == nil && r == resultTimeouts {
