@@ -146,3 +146,25 @@ func TestPgBouncerTransactionMode(t *testing.T) {
 	}
 	pgtest.WaitFree(t, obs, v, 5*time.Second)
 }
+
+// Behind a pooler, a connection that cannot be proved to pin its server session (no second connection to ask)
+// is refused with ErrUnverified, and nothing is locked.
+func TestPgBouncerUnverified(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts pgbouncer")
+	}
+	url := pgtest.URL(t)
+	obs := pgtest.Conn(t, url)
+	pool := pgtest.Pool(t, pgtest.Bouncer(t, url, "session"), func(c *pgxpool.Config) { c.MaxConns = 1 })
+	l := advlock.New(pool)
+	defer l.Close()
+	k := conformance.Key(t)
+	_, err := l.TryLock(context.Background(), k)
+	if !errors.Is(err, advlock.ErrUnverified) {
+		t.Fatalf("TryLock behind a pooler with a one-connection pool: %v, want ErrUnverified", err)
+	}
+	v, _ := k.Int64()
+	if pids, _ := pgtest.Holders(context.Background(), obs, v); len(pids) != 0 {
+		t.Errorf("a refused lock is held by %v", pids)
+	}
+}

@@ -74,35 +74,7 @@ func (b *bundle) pidOf(t *testing.T, lk *Lock) uint32 {
 	return pids[0]
 }
 
-func (b *bundle) backendAlive(t *testing.T, pid uint32) bool {
-	t.Helper()
-	var n int
-	if err := b.obs.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int32(pid)).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n > 0
-}
-
-// waitGone waits until backend pid has exited.
-func (b *bundle) waitGone(t *testing.T, pid uint32) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for b.backendAlive(t, pid) {
-		if time.Now().After(deadline) {
-			t.Fatalf("backend %d still alive: its session should have been destroyed", pid)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 func waitDone(t *testing.T, lk *Lock, within time.Duration) time.Duration {
 	t.Helper()
-	start := time.Now()
-	select {
-	case <-lk.Done():
-		return time.Since(start)
-	case <-time.After(within):
-		t.Fatalf("lock %s not reported lost within %v", lk.Key(), within)
-		return 0
-	}
+	return pgtest.WaitClosed(t, lk.Done(), within, "lock "+lk.Key().String()+" reported lost")
 }

@@ -159,14 +159,7 @@ func (s *suite) waitClosed(t *testing.T, obs *pgx.Conn, pid uint32) {
 
 func waitDone(t *testing.T, lk *advlock.Lock, within time.Duration) time.Duration {
 	t.Helper()
-	start := time.Now()
-	select {
-	case <-lk.Done():
-		return time.Since(start)
-	case <-time.After(within):
-		t.Fatalf("lock %s not reported lost within %v", lk.Key(), within)
-		return 0
-	}
+	return pgtest.WaitClosed(t, lk.Done(), within, "lock "+lk.Key().String()+" reported lost")
 }
 
 // noIdleLocks fails if an idle pooled connection holds an advisory lock.

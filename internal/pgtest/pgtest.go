@@ -259,3 +259,16 @@ func Main(m *testing.M) int {
 	}
 	return code
 }
+
+// WaitClosed waits for ch to close, fails the test naming what after within, and returns how long it took.
+func WaitClosed(tb testing.TB, ch <-chan struct{}, within time.Duration, what string) time.Duration {
+	tb.Helper()
+	start := time.Now()
+	select {
+	case <-ch:
+		return time.Since(start)
+	case <-time.After(within):
+		tb.Fatalf("%s: not within %v", what, within)
+		return 0
+	}
+}
