@@ -14,10 +14,16 @@ type Lock struct {
 	key       Key
 	shared    bool
 	s         *session.Session
-	unlocked  atomic.Bool
-	byClose   atomic.Bool
-	forgotten bool // guarded by l.mu: released or lost, and dropped by the Locker
+	ended     atomic.Int32 // lockHeld, then unlockedByCaller or releasedByClose, whichever comes first
+	forgotten bool         // guarded by l.mu: released or lost, and dropped by the Locker
 }
+
+// Values of Lock.ended.
+const (
+	lockHeld int32 = iota
+	unlockedByCaller
+	releasedByClose
+)
 
 // Key returns the key this lock holds.
 func (lk *Lock) Key() Key { return lk.key }
@@ -43,8 +49,8 @@ func (lk *Lock) Unlock(ctx context.Context) error {
 	if lk == nil {
 		return ErrNotHeld
 	}
-	if !lk.unlocked.CompareAndSwap(false, true) {
-		if lk.byClose.Load() {
+	if !lk.ended.CompareAndSwap(lockHeld, unlockedByCaller) {
+		if lk.ended.Load() == releasedByClose {
 			return &keyError{op: "unlock", key: lk.key, err: ErrClosed}
 		}
 		return &keyError{op: "unlock", key: lk.key, err: ErrNotHeld}

@@ -139,10 +139,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	// holder that re-acquires without calling Unlock on the lost handle must not wait on itself.
 	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, func() { l.forget(lk) })
 	if err != nil {
-		l.leave(t)
-		if l.isClosed() && ctx.Err() == nil {
-			return nil, fmt.Errorf("%w: %w", ErrClosed, err)
-		}
+		l.leave(t) // errors from a Close that aborted this call match ErrClosed (session.Waits)
 		return nil, err
 	}
 	lk.s = s
@@ -181,12 +178,6 @@ func (l *Locker) begin(ctx context.Context, wait bool) (context.Context, func(),
 		cancel(nil)
 		l.inflight.Done()
 	}, nil
-}
-
-func (l *Locker) isClosed() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.closed
 }
 
 // release unlocks lk's session and frees its in-process slot; after is what lk.Err reports on a clean release.
@@ -243,8 +234,7 @@ func (l *Locker) Close() {
 	l.mu.Unlock()
 	var wg sync.WaitGroup
 	for _, lk := range held {
-		if lk.unlocked.CompareAndSwap(false, true) {
-			lk.byClose.Store(true)
+		if lk.ended.CompareAndSwap(lockHeld, releasedByClose) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()

@@ -23,6 +23,7 @@ import (
 	"database/sql"
 	"database/sql/driver"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -150,10 +151,12 @@ func (a *conn) Abort() {
 func (a *conn) Wait(deadline time.Time) error {
 	if a.pgx != nil {
 		var err error
-		_ = a.c.Raw(func(any) error {
+		if rerr := a.c.Raw(func(any) error {
 			err = a.pgx.Wait(deadline)
 			return nil
-		})
+		}); rerr != nil {
+			return fmt.Errorf("session ended: %w", rerr) // the *sql.Conn was closed under the watcher
+		}
 		return err
 	}
 	// No access to the socket: wait out the interval; the keepalive that follows checks the session.

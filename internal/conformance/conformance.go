@@ -39,6 +39,9 @@ type Backend struct {
 	// Pooled: a pooler (PgBouncer) sits between; closing a client connection resets the server session (DISCARD
 	// ALL drops its advisory locks) instead of ending it.
 	Pooled bool
+	// NoCancel: the stress must not end a context while a statement runs. PgBouncer 1.18 to 1.20 can crash on the
+	// cancel request that lib/pq then sends (pgbouncer issue #822).
+	NoCancel bool
 }
 
 // Harness is a Locker with a view of its pool.
@@ -48,11 +51,13 @@ type Harness struct {
 	InUse func() int
 	// Idle returns the idle pooled connections' server pids (pg_backend_pid through each), then puts them back.
 	Idle func(t *testing.T) []uint32
+	// Exhaust takes every connection the pool can give (limiting it first where it has no limit), so that the
+	// next Acquire waits; the function it returns gives them back and lifts the limit. It is idempotent.
+	Exhaust func(t *testing.T) (giveBack func())
 }
 
 type suite struct {
-	be  Backend
-	obs *pgx.Conn
+	be Backend
 }
 
 // Run runs the suite against be.
@@ -77,6 +82,11 @@ func Run(t *testing.T, be Backend) {
 		{"DoCancelsOnLoss", s.doCancelsOnLoss},
 		{"LostOnNetworkFault", s.lostOnNetworkFault},
 		{"DatabaseDown", s.databaseDown},
+		{"LossIsLoss", s.lossIsLoss},
+		{"UnlockDuringKeepalive", s.unlockDuringKeepalive},
+		{"CloseWhileAcquiring", s.closeWhileAcquiring},
+		{"UnlockRacingClose", s.unlockRacingClose},
+		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, tc.fn)
 	}
@@ -179,8 +189,6 @@ func noIdleLocks(t *testing.T, h Harness, obs *pgx.Conn) {
 		}
 	}
 }
-
-func errCode(err error) string { return session.SQLState(err) }
 
 func (s *suite) dedicatedSessions(t *testing.T) {
 	h, obs := s.open(t), s.observer(t)

@@ -85,7 +85,11 @@ func Bouncer(tb testing.TB, serverURL, mode string) string {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	tb.Cleanup(func() { os.RemoveAll(dir) })
+	tb.Cleanup(func() {
+		if os.Getenv("KEEPLOG") == "" {
+			os.RemoveAll(dir)
+		}
+	})
 	var args []string
 	if os.Geteuid() == 0 { // pgbouncer refuses to run as root
 		pg, err := user.Lookup("postgres")
@@ -162,4 +166,21 @@ pidfile = %s
 	}
 	u.Host = addr
 	return u.String()
+}
+
+// BouncerVersion returns the installed PgBouncer's major and minor version.
+func BouncerVersion() ([2]int, error) {
+	bin, err := pgbouncerBin()
+	if err != nil {
+		return [2]int{}, err
+	}
+	out, err := exec.Command(bin, "--version").Output()
+	if err != nil {
+		return [2]int{}, fmt.Errorf("pgbouncer --version: %w", err)
+	}
+	var v [2]int
+	if _, err := fmt.Sscanf(string(out), "PgBouncer %d.%d", &v[0], &v[1]); err != nil {
+		return [2]int{}, fmt.Errorf("pgbouncer --version said %q: %w", out, err)
+	}
+	return v, nil
 }

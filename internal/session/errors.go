@@ -1,6 +1,13 @@
 package session
 
-import "errors"
+import (
+	"database/sql/driver"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"syscall"
+)
 
 // The sentinels of package advlock live here so that the state machine and every backend adapter can return them;
 // the root package re-exports them.
@@ -62,3 +69,23 @@ type codedError struct {
 
 func (e *codedError) Error() string   { return e.sentinel.Error() + ": " + e.err.Error() }
 func (e *codedError) Unwrap() []error { return []error{e.sentinel, e.err} }
+
+// Ended reports whether err says that the session itself is gone (not merely that a statement failed): the
+// server ended it (SQLSTATE class 57P: terminated, shut down, crashed, database dropped, idle timeout; 25P03 idle
+// in transaction timeout; class 08 connection failures, which PgBouncer uses when its server connection died; any
+// FATAL as lib/pq reports it), or the connection broke (EOF, reset, broken pipe, a driver's bad connection).
+func Ended(err error) bool {
+	if err == nil {
+		return false
+	}
+	if code := SQLState(err); code != "" {
+		if strings.HasPrefix(code, "57P") || strings.HasPrefix(code, "08") || code == "25P03" {
+			return true
+		}
+		var f interface{ Fatal() bool }
+		return errors.As(err, &f) && f.Fatal()
+	}
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, net.ErrClosed) ||
+		errors.Is(err, driver.ErrBadConn)
+}

@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -74,7 +75,9 @@ type Session struct {
 
 	ctx        context.Context // ends when the lock is released or lost; context.Cause says which
 	end        context.CancelCauseFunc
-	stopping   atomic.Bool
+	watchMu    sync.Mutex
+	stopping   bool // guarded by watchMu: Release wants the connection back
+	pinging    bool // guarded by watchMu: a keepalive round trip is in flight, which must not be cut short
 	starter    *Starter
 	pendingIdx int       // index in starter.pending while not yet watched, else -1; guarded by starter.mu
 	granted    time.Time // when the lock was granted (set by starter.add)
@@ -91,8 +94,11 @@ type Session struct {
 //
 // onLost, if not nil, is called once from the watcher goroutine right after the lock is found lost.
 func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onLost func()) (*Session, error) {
-	conn, err := pool.Acquire(ctx)
+	conn, err := cfg.Waits.acquire(ctx, pool)
 	if err != nil {
+		if errors.Is(err, ErrClosed) {
+			return nil, err
+		}
 		return nil, WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
 	}
 	if cfg.Wrap != nil {
@@ -111,17 +117,17 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	sql, args := TrySQL(t)
 	if wait {
 		sql, args = LockSQL(t)
-		if cfg.Waits != nil {
-			if !cfg.Waits.add(conn) {
-				conn.Release() // nothing was sent
-				return nil, ErrClosed
-			}
-			defer cfg.Waits.remove(conn)
+		if !cfg.Waits.add(conn) {
+			conn.Release() // nothing was sent
+			return nil, ErrClosed
 		}
 	}
 	r, err := conn.QueryInt(ctx, sql, args...)
 	if wait && err == nil && r == resultTimeouts {
 		r, err = conn.QueryInt(ctx, WaitSQL(t))
+	}
+	if wait && !cfg.Waits.remove(conn) && err != nil {
+		err = fmt.Errorf("%w: %w", ErrClosed, err) // Close aborted the wait
 	}
 	if err != nil || ctx.Err() != nil {
 		conn.Destroy()
@@ -208,24 +214,40 @@ func (s *Session) Context() context.Context { return s.ctx }
 
 // watch owns the idle connection while the lock is held. A FATAL from the server (terminate, idle timeout,
 // shutdown) or a closed socket ends Wait at once; a keepalive with a deadline bounds silent network loss.
+//
+// What Wait read is judged before whether Release asked for the connection back: a session that ended is a lost
+// lock even when the unlock is already on its way. A keepalive round trip, once sent, is never cut short (Release
+// does not interrupt it; it waits for it, at most one keepalive interval), so a healthy lock is never reported lost.
 func (s *Session) watch() {
 	defer close(s.watchDone)
-	for !s.stopping.Load() {
+	for {
 		err := s.conn.Wait(time.Now().Add(s.keepalive))
-		if s.stopping.Load() {
-			return // Release asked; the connection is theirs again
-		}
 		switch {
 		case err == nil:
+			if s.stopRequested() {
+				return
+			}
 			continue
 		case errors.Is(err, ErrWaitTimeout):
-			// Silent for a whole interval: prove the session is alive. Not cut short by Release, so that a
-			// round trip is never left half done; Release waits at most one interval.
+			s.watchMu.Lock()
+			if s.stopping {
+				s.watchMu.Unlock()
+				return // Release asked (its Interrupt ended the Wait); the connection is theirs again
+			}
+			s.pinging = true
+			s.watchMu.Unlock()
 			s.conn.ClearDeadline()
 			ctx, cancel := context.WithTimeout(context.Background(), s.keepalive)
 			err = s.conn.Ping(ctx)
 			cancel()
+			s.watchMu.Lock()
+			s.pinging = false
+			stop := s.stopping
+			s.watchMu.Unlock()
 			if err == nil {
+				if stop {
+					return
+				}
 				continue
 			}
 			err = fmt.Errorf("keepalive: %w", err)
@@ -237,6 +259,25 @@ func (s *Session) watch() {
 		}
 		return
 	}
+}
+
+func (s *Session) stopRequested() bool {
+	s.watchMu.Lock()
+	defer s.watchMu.Unlock()
+	return s.stopping
+}
+
+// stopWatch takes the connection back from a running watcher: it interrupts a Wait, or lets a keepalive round trip
+// in flight finish, and returns once the watcher has returned (having reported a loss if it found one).
+func (s *Session) stopWatch() {
+	s.watchMu.Lock()
+	s.stopping = true
+	if !s.pinging {
+		s.conn.Interrupt()
+	}
+	s.watchMu.Unlock()
+	<-s.watchDone
+	s.conn.ClearDeadline()
 }
 
 // ErrWaitTimeout is what Conn.Wait returns when its deadline passed or it was interrupted.
@@ -251,10 +292,7 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		return ErrNotHeld
 	}
 	if !s.starter.remove(s) { // the watcher has started: stop it and take the connection back
-		s.stopping.Store(true)
-		s.conn.Interrupt()
-		<-s.watchDone
-		s.conn.ClearDeadline()
+		s.stopWatch()
 	}
 	if err := s.Err(); err != nil {
 		return err // lost; the watcher destroyed the connection
@@ -268,6 +306,10 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		return nil
 	case err == nil && r == resultNotHeld:
 		err = fmt.Errorf("%w: pg_advisory_unlock returned false: this session no longer held the key; session closed", ErrLockLost)
+	case err != nil && Ended(err) && (ctx.Err() == nil || SQLState(err) != ""):
+		// The session was gone before the unlock could run (it died before the watcher started, or as it was
+		// being stopped): the server dropped the lock when the session ended, so it was lost, not unconfirmed.
+		err = fmt.Errorf("%w: session ended: %w", ErrLockLost, err)
 	default:
 		if err == nil {
 			err = fmt.Errorf("unexpected unlock result %d", r)
@@ -279,13 +321,22 @@ func (s *Session) Release(ctx context.Context, after error) error {
 	return err
 }
 
-// withContext makes err match ctx.Err() and the context's cause when ctx has ended.
+// WithContext makes err match ctx.Err() and the context's cause when ctx has ended. A deadline that has passed
+// counts as ended even if the context has not yet noticed (a dial bounded by the same deadline can fail a moment
+// before the context's timer fires), so that a call that ran out of time always says so.
 func WithContext(ctx context.Context, err error) error {
-	cerr := ctx.Err()
-	if cerr == nil || errors.Is(err, cerr) && errors.Is(err, context.Cause(ctx)) {
+	cerr, cause := ctx.Err(), context.Cause(ctx)
+	if cerr == nil {
+		d, ok := ctx.Deadline()
+		if !ok || time.Now().Before(d) {
+			return err
+		}
+		cerr, cause = context.DeadlineExceeded, context.DeadlineExceeded
+	}
+	if errors.Is(err, cerr) && errors.Is(err, cause) {
 		return err
 	}
-	return &ctxError{ctx: cerr, cause: context.Cause(ctx), err: err}
+	return &ctxError{ctx: cerr, cause: cause, err: err}
 }
 
 type ctxError struct{ ctx, cause, err error }

@@ -1,0 +1,228 @@
+package conformance
+
+import (
+	"context"
+	"errors"
+	mrand "math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/bridge"
+	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/session"
+)
+
+// blindWatch is a connection whose watcher never reads the socket: Wait only sleeps until its deadline or an
+// Interrupt. With it a loss can only be found by the unlock itself, which is the moment before the real watcher
+// starts (it starts within 2 ms of the grant), held open for as long as the test needs.
+type blindWatch struct {
+	session.Conn
+	mu   sync.Mutex
+	intr chan struct{}
+}
+
+func newBlindWatch(c session.Conn) session.Conn {
+	return &blindWatch{Conn: c, intr: make(chan struct{})}
+}
+
+func (b *blindWatch) Wait(deadline time.Time) error {
+	b.mu.Lock()
+	intr := b.intr
+	b.mu.Unlock()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-intr:
+	}
+	return session.ErrWaitTimeout
+}
+
+func (b *blindWatch) Interrupt() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	select {
+	case <-b.intr:
+	default:
+		close(b.intr)
+	}
+}
+
+func (b *blindWatch) ClearDeadline() {
+	b.mu.Lock()
+	select {
+	case <-b.intr:
+		b.intr = make(chan struct{})
+	default:
+	}
+	b.mu.Unlock()
+	b.Conn.ClearDeadline()
+}
+
+// lossIsLoss: a holder whose backend is terminated learns ErrLockLost from Unlock and from Do, every time, whether
+// the session died before its watcher started or while it ran; Do's ctx is cancelled with cause ErrLockLost.
+func (s *suite) lossIsLoss(t *testing.T) {
+	obs := s.observer(t)
+	ctx := ctxT(t, 60*time.Second)
+	terminate := func(t *testing.T, k advlock.Key) {
+		pid := pidOf(t, obs, k)
+		pgtest.Terminate(t, obs, pid)
+		s.waitClosed(t, obs, pid)
+	}
+	t.Run("before the watcher", func(t *testing.T) {
+		wrap := bridge.WithWrap(newBlindWatch).(advlock.Option)
+		h := s.open(t, wrap, advlock.WithKeepalive(time.Hour))
+		for i := range 10 {
+			lk, err := h.L.TryLock(ctx, Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			terminate(t, lk.Key())
+			if err := lk.Unlock(ctx); !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Unlock after the holder's backend was terminated: %v, want ErrLockLost", i, err)
+			}
+			if !errors.Is(lk.Err(), advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Err = %v, want ErrLockLost", i, lk.Err())
+			}
+			k := Key(t)
+			err = h.L.Do(ctx, k, func(context.Context) error {
+				terminate(t, k)
+				return nil
+			})
+			if !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Do whose backend was terminated: %v, want ErrLockLost", i, err)
+			}
+		}
+		noIdleLocks(t, h, obs)
+	})
+	t.Run("racing the watcher", func(t *testing.T) {
+		h := s.open(t, advlock.WithKeepalive(s.keepalive()))
+		const n = 40
+		for i := range n {
+			lk, err := h.L.TryLock(ctx, Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(time.Duration(mrand.IntN(3000)) * time.Microsecond) // before, while and after the watcher starts
+			pid := pidOf(t, obs, lk.Key())
+			pgtest.Terminate(t, obs, pid)
+			if i%2 == 0 { // half the time the backend is surely gone before Unlock, half it may still be going
+				s.waitClosed(t, obs, pid)
+			}
+			if err := lk.Unlock(ctx); !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Unlock after the holder's backend was terminated: %v, want ErrLockLost", i, err)
+			}
+		}
+		m := n
+		if !s.be.EventDriven {
+			m = n / 4 // each loss there waits for a keepalive round trip
+		}
+		for i := range m {
+			k := Key(t)
+			delay := time.Duration(mrand.IntN(3000)) * time.Microsecond
+			err := h.L.Do(ctx, k, func(fctx context.Context) error {
+				time.Sleep(delay)
+				pgtest.Terminate(t, obs, pidOf(t, obs, k))
+				select {
+				case <-fctx.Done():
+				case <-time.After(10 * time.Second):
+					t.Errorf("iteration %d: fn's ctx not cancelled after the lock was lost", i)
+				}
+				if !errors.Is(context.Cause(fctx), advlock.ErrLockLost) {
+					t.Errorf("iteration %d: fn's ctx cause = %v, want ErrLockLost", i, context.Cause(fctx))
+				}
+				return nil
+			})
+			if !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Do whose backend was terminated: %v, want ErrLockLost", i, err)
+			}
+		}
+		noIdleLocks(t, h, obs)
+	})
+}
+
+// unlockDuringKeepalive: an Unlock that arrives while the watcher's keepalive round trip is in flight (a slow link,
+// a short keepalive) returns nil, every time, and the session goes back to the pool.
+func (s *suite) unlockDuringKeepalive(t *testing.T) {
+	// A round trip takes at least 10 ms (5 ms each way) of every 60 ms or so; the ping may take 50 ms before it
+	// counts as a real timeout, far more than it needs even on a loaded machine.
+	const keepalive = 50 * time.Millisecond
+	h, p := s.proxied(t, advlock.WithKeepalive(keepalive))
+	obs := s.observer(t)
+	ctx := ctxT(t, 60*time.Second)
+	p.Latency(5 * time.Millisecond)
+	defer p.Latency(0)
+	for i := range 60 {
+		lk, err := h.L.TryLock(ctx, Key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(mrand.IntN(120)) * time.Millisecond)
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatalf("iteration %d: Unlock of a healthy lock over a slow link: %v, want nil", i, err)
+		}
+		if len(holders(t, obs, lk.Key())) != 0 {
+			t.Fatalf("iteration %d: %s still held after Unlock", i, lk.Key())
+		}
+	}
+	p.Latency(0)
+	noIdleLocks(t, h, obs)
+}
+
+// closeWhileAcquiring: Close returns promptly while a Lock waits for a connection from an exhausted pool, and that
+// Lock fails with ErrClosed, named once.
+func (s *suite) closeWhileAcquiring(t *testing.T) {
+	h := s.be.Open(t, s.be.URL)
+	obs := s.observer(t)
+	giveBack := h.Exhaust(t)
+	defer giveBack()
+	errc := make(chan error, 2)
+	go func() { _, err := h.L.Lock(context.Background(), Key(t)); errc <- err }()
+	go func() { _, err := h.L.TryLock(context.Background(), Key(t)); errc <- err }()
+	time.Sleep(100 * time.Millisecond)
+	closed := make(chan struct{})
+	go func() { h.L.Close(); close(closed) }()
+	pgtest.WaitClosed(t, closed, 5*time.Second, "Close with calls waiting for a pool connection returned")
+	for range 2 {
+		select {
+		case err := <-errc:
+			if !errors.Is(err, advlock.ErrClosed) {
+				t.Errorf("a call waiting for a connection, after Close: %v, want ErrClosed", err)
+			} else if n := strings.Count(err.Error(), "closed"); n != 1 {
+				t.Errorf("error %q names the close %d times, want once", err, n)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("a call waiting for a connection did not return after Close")
+		}
+	}
+	giveBack()
+	noIdleLocks(t, h, obs)
+}
+
+// unlockRacingClose: Unlock concurrent with Close returns nil (it won) or ErrClosed (Close released the lock),
+// never ErrNotHeld, and the key ends up free.
+func (s *suite) unlockRacingClose(t *testing.T) {
+	obs := s.observer(t)
+	ctx := ctxT(t, 60*time.Second)
+	for i := range 30 {
+		h := s.be.Open(t, s.be.URL)
+		lk, err := h.L.TryLock(ctx, Key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		wg.Add(2)
+		var uerr error
+		go func() { defer wg.Done(); uerr = lk.Unlock(ctx) }()
+		go func() { defer wg.Done(); h.L.Close() }()
+		wg.Wait()
+		if uerr != nil && !errors.Is(uerr, advlock.ErrClosed) {
+			t.Fatalf("iteration %d: Unlock racing Close: %v, want nil or ErrClosed", i, uerr)
+		}
+		waitFree(t, obs, lk.Key())
+		noIdleLocks(t, h, obs)
+	}
+}
