@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/session"
 )
 
 // Faults that need a server of their own: restarts, a standby, a full lock table, server-side timeouts.
@@ -246,7 +247,7 @@ func TestDeadlockTranslated(t *testing.T) {
 	if errCode(e1) != "40P01" || e2 != nil {
 		t.Fatalf("want one server deadlock and one success, got %v and %v", e1, e2)
 	}
-	if terr := translate(e1); !errors.Is(terr, ErrDeadlock) || errCode(terr) != "40P01" {
-		t.Errorf("translate(%v) = %v, want ErrDeadlock keeping the PgError", e1, terr)
+	if terr := session.TranslateErr(e1); !errors.Is(terr, ErrDeadlock) || errCode(terr) != "40P01" {
+		t.Errorf("TranslateErr(%v) = %v, want ErrDeadlock keeping the PgError", e1, terr)
 	}
 }

@@ -26,18 +26,16 @@ type pgxConn struct {
 	pgxwait.Reader
 }
 
-func translate(err error) error { return session.TranslateErr(err) }
-
 func (a *pgxConn) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
 	if len(args) == 0 {
 		return a.ExecInt(ctx, sql)
 	}
 	var v int64
 	err := a.c.QueryRow(ctx, sql, args...).Scan(&v)
-	return v, translate(err)
+	return v, a.Translate(err)
 }
 
-func (a *pgxConn) Ping(ctx context.Context) error { return a.c.Ping(ctx) }
+func (a *pgxConn) Ping(ctx context.Context) error { return a.Translate(a.c.Ping(ctx)) }
 
 func (a *pgxConn) Release() { a.c.Release() }
 

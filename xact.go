@@ -48,7 +48,7 @@ func xactLock(ctx context.Context, tx pgx.Tx, key Key, shared, wait bool) error 
 	sql, args := session.XactSQL(session.Target{ID: key.id, Shared: shared}, wait)
 	var r int64
 	if err := tx.QueryRow(ctx, sql, args...).Scan(&r); err != nil {
-		return &keyError{op: op, key: key, err: session.WithContext(ctx, translate(err))}
+		return &keyError{op: op, key: key, err: session.WithContext(ctx, session.TranslateErr(err))}
 	}
 	if err := session.XactResult(r); err != nil {
 		return &keyError{op: op, key: key, err: err}

@@ -27,12 +27,25 @@ type Reader struct {
 func (r *Reader) ExecInt(ctx context.Context, sql string) (int64, error) {
 	results, err := r.PC.Exec(ctx, sql).ReadAll()
 	if err != nil {
-		return 0, session.TranslateErr(err)
+		return 0, r.Translate(err)
 	}
 	if len(results) == 0 || len(results[len(results)-1].Rows) == 0 || len(results[len(results)-1].Rows[0]) == 0 {
 		return 0, errors.New("advlock: statement returned no row")
 	}
 	return strconv.ParseInt(string(results[len(results)-1].Rows[0][0]), 10, 64)
+}
+
+// Translate maps an error from a statement on the connection: server errors to the sentinels they stand for, and
+// any error after which pgconn reports the connection closed to a session that ended.
+func (r *Reader) Translate(err error) error {
+	if err == nil {
+		return nil
+	}
+	err = session.TranslateErr(err)
+	if r.PC.IsClosed() {
+		return session.SessionEnded(err)
+	}
+	return err
 }
 
 // Wait blocks in pgconn's reader on the idle connection (see session.Conn.Wait). No context is handed to pgconn,

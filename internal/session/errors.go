@@ -67,8 +67,25 @@ type codedError struct {
 	err      error
 }
 
-func (e *codedError) Error() string   { return e.sentinel.Error() + ": " + e.err.Error() }
+func (e *codedError) Error() string {
+	if e.sentinel == errSessionEnded {
+		return e.err.Error()
+	}
+	return e.sentinel.Error() + ": " + e.err.Error()
+}
 func (e *codedError) Unwrap() []error { return []error{e.sentinel, e.err} }
+
+// errSessionEnded marks an error that an adapter knows came from a connection its driver has closed.
+var errSessionEnded = errors.New("connection closed")
+
+// SessionEnded marks err, from a statement on a connection that the driver reports closed, so that [Ended]
+// recognises it whatever the driver's own error says.
+func SessionEnded(err error) error {
+	if err == nil || Ended(err) {
+		return err
+	}
+	return &codedError{sentinel: errSessionEnded, err: err}
+}
 
 // Ended reports whether err says that the session itself is gone (not merely that a statement failed): the
 // server ended it (SQLSTATE class 57P: terminated, shut down, crashed, database dropped, idle timeout; 25P03 idle
@@ -77,6 +94,9 @@ func (e *codedError) Unwrap() []error { return []error{e.sentinel, e.err} }
 func Ended(err error) bool {
 	if err == nil {
 		return false
+	}
+	if errors.Is(err, errSessionEnded) {
+		return true
 	}
 	if code := SQLState(err); code != "" {
 		if strings.HasPrefix(code, "57P") || strings.HasPrefix(code, "08") || code == "25P03" {
