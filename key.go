@@ -126,7 +126,8 @@ func ParseKey(s string) (Key, error) {
 
 // KeyFromPgLocks decodes the classid, objid and objsubid columns of a pg_locks row whose locktype is 'advisory'.
 // objsubid 1 is an int8 key ((classid << 32) | objid); objsubid 2 is a pair (classid, objid). A NameKey comes back
-// as the Int64Key of its hash, since a hash cannot be reversed; compare with == against NameKey(name).
+// as the Int64Key of its hash, since a hash cannot be reversed: compare it with NameKey(name) using [Key.Equal]
+// (== is false, since the two keep different names).
 func KeyFromPgLocks(classid, objid uint32, objsubid int16) (Key, error) {
 	switch objsubid {
 	case 1:

@@ -129,3 +129,18 @@ func TestKeyFromPgLocks(t *testing.T) {
 		t.Errorf("objsubid 3: %v, want ErrInvalidKey", err)
 	}
 }
+
+func TestKeyFromPgLocksEqualsNameKey(t *testing.T) {
+	n := NameKey("billing-sync")
+	v, _ := n.Int64()
+	k, err := KeyFromPgLocks(uint32(uint64(v)>>32), uint32(v), 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !k.Equal(n) {
+		t.Errorf("KeyFromPgLocks(...).Equal(NameKey) = false, want true")
+	}
+	if k == n {
+		t.Errorf("== is true; the doc comment says to use Equal because == is false")
+	}
+}

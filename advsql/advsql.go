@@ -40,13 +40,13 @@ func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 	if db == nil {
 		return bridge.NewLocker(nil, opts).(*advlock.Locker)
 	}
-	return bridge.NewLocker(&pool{db: db, verified: map[any]struct{}{}}, opts).(*advlock.Locker)
+	return bridge.NewLocker(&pool{db: db, verified: map[any]bool{}}, opts).(*advlock.Locker)
 }
 
 type pool struct {
 	db       *sql.DB
 	mu       sync.Mutex
-	verified map[any]struct{} // driver connections proved to be sessions of their own (drivers without a pid)
+	verified map[any]bool // driver connections proved to be sessions of their own (drivers without a pid): direct?
 }
 
 func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
@@ -243,19 +243,19 @@ func (a *conn) ClientPID() uint32 {
 	return 0
 }
 
-func (a *conn) Verified() bool {
+func (a *conn) Verified() (ok, direct bool) {
 	if a.pgx != nil {
 		return a.pgx.Verified()
 	}
 	a.p.mu.Lock()
 	defer a.p.mu.Unlock()
-	_, ok := a.p.verified[a.dc]
-	return ok
+	direct, ok = a.p.verified[a.dc]
+	return ok, direct
 }
 
-func (a *conn) MarkVerified() {
+func (a *conn) MarkVerified(direct bool) {
 	if a.pgx != nil {
-		a.pgx.MarkVerified()
+		a.pgx.MarkVerified(direct)
 		return
 	}
 	a.p.mu.Lock()
@@ -263,7 +263,14 @@ func (a *conn) MarkVerified() {
 	if len(a.p.verified) > 10000 { // connections closed by database/sql leave entries behind; start over
 		clear(a.p.verified)
 	}
-	a.p.verified[a.dc] = struct{}{}
+	a.p.verified[a.dc] = direct
+}
+
+// Cancel sends a cancel request with pgx's driver; lib/pq sends its own when a statement's ctx ends.
+func (a *conn) Cancel(ctx context.Context) {
+	if a.pgx != nil {
+		a.pgx.Cancel(ctx)
+	}
 }
 
 var errNilTx = errors.New("nil transaction")

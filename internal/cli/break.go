@@ -33,7 +33,11 @@ terminate a holder; 69 database unreachable; 2 usage error.
 	if err != nil {
 		return usageError(std, "break: %s", describe(err))
 	}
-	rows, err := inspect(ctx, dsn(*flagDSN), &key)
+	conn, code, bad := connString(std, "break", *flagDSN)
+	if bad {
+		return code
+	}
+	rows, err := inspect(ctx, conn, &key)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 		return exitUnavailable
@@ -58,7 +62,7 @@ terminate a holder; 69 database unreachable; 2 usage error.
 			return exitFailure
 		}
 	}
-	c, err := pgx.Connect(ctx, dsn(*flagDSN))
+	c, err := pgx.Connect(ctx, conn)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 		return exitUnavailable

@@ -40,7 +40,7 @@ type Stdio struct {
 const usage = `advlock: PostgreSQL advisory locks from the shell
 
 Usage:
-  advlock run [--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--dsn DSN] KEY -- COMMAND [ARGS...]
+  advlock run [--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]
   advlock ls [--json] [--dsn DSN] [KEY]
   advlock break [--yes] [--dsn DSN] KEY
   advlock demo
@@ -57,7 +57,7 @@ Exit status:
   run     COMMAND's status (128+N if it died of signal N); 75 not acquired (--no-wait, or --wait elapsed);
           69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND got SIGTERM, then
           SIGKILL after --grace); 126 COMMAND not executable; 127 COMMAND not found; 2 usage error;
-          128+N if advlock got signal N while waiting for the lock
+          128+N if advlock got signal N before COMMAND started
   ls      0; 69 database unreachable; 2 usage error
   break   0 holders terminated (or none held KEY); 1 not confirmed; 77 no privilege to terminate;
           69 database unreachable; 2 usage error
@@ -87,6 +87,8 @@ func Main(ctx context.Context, args []string, std Stdio) int {
 		return demoCmd(ctx, args[1:], std)
 	case demoWorkerCmd:
 		return demoWorker(ctx, args[1:], std)
+	case guardCmd:
+		return guardMain(args[1:], std)
 	}
 	fmt.Fprintf(std.Err, "advlock: unknown command %q\n\n%s", args[0], usage)
 	return exitUsage
@@ -137,12 +139,42 @@ func usageError(std Stdio, format string, a ...any) int {
 	return exitUsage
 }
 
-// dsn picks the connection string: --dsn, then $DATABASE_URL, then "" (pgx reads the PG* variables).
-func dsn(flagDSN string) string {
-	if flagDSN != "" {
-		return flagDSN
+// connString picks the connection string (--dsn, then $DATABASE_URL, then "" for pgx's defaults and the PG*
+// variables) and checks that it parses. One that does not is a usage error (exit 2), reported without the string
+// or any part of it, since it may hold a password.
+func connString(std Stdio, cmd, flagDSN string) (conn string, code int, bad bool) {
+	conn, from := flagDSN, "--dsn"
+	if conn == "" {
+		conn, from = os.Getenv("DATABASE_URL"), "$DATABASE_URL"
 	}
-	return os.Getenv("DATABASE_URL")
+	if conn == "" {
+		from = "the PG* variables"
+	}
+	cfg, err := pgxpool.ParseConfig(conn)
+	if err == nil && hostHasAt(cfg.ConnConfig.Config) {
+		// A URL whose password holds an unescaped '@' parses with part of the password in the host, which a
+		// connection error would then print.
+		err = errors.New("'@' in a host")
+	}
+	if err != nil {
+		fmt.Fprintf(std.Err, "advlock: %s: cannot parse the connection string from %s (not shown: it may hold a "+
+			"password); write it as a URL, postgres://user@host:port/db (with '@' in a password written %%40), or "+
+			"as key=value pairs\n", cmd, from)
+		return "", exitUsage, true
+	}
+	return conn, 0, false
+}
+
+func hostHasAt(c pgconn.Config) bool {
+	if strings.Contains(c.Host, "@") {
+		return true
+	}
+	for _, f := range c.Fallbacks {
+		if strings.Contains(f.Host, "@") {
+			return true
+		}
+	}
+	return false
 }
 
 // open connects a Locker for the command, named in pg_stat_activity by app.

@@ -40,11 +40,15 @@ func demoCmd(ctx context.Context, args []string, std Stdio) int {
 	if fs.NArg() != 0 {
 		return usageError(std, "demo: takes no arguments")
 	}
+	dsn, code, bad := connString(std, "demo", *flagDSN)
+	if bad {
+		return code
+	}
 	// SIGPIPE too: a closed output (advlock demo | head) must still remove a throwaway server.
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGPIPE)
 	defer stop()
 	d := &demo{std: std}
-	conn, cleanup, err := d.server(ctx, dsn(*flagDSN))
+	conn, cleanup, err := d.server(ctx, dsn)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: demo: %s\n", describe(err))
 		return exitUnavailable

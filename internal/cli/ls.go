@@ -34,7 +34,11 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 	default:
 		return usageError(std, "ls: at most one KEY\nUsage: advlock ls %s", lsSynopsis)
 	}
-	rows, err := inspect(ctx, dsn(*flagDSN), filter)
+	conn, code, bad := connString(std, "ls", *flagDSN)
+	if bad {
+		return code
+	}
+	rows, err := inspect(ctx, conn, filter)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: ls: %s\n", describe(err))
 		return exitUnavailable

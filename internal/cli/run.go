@@ -3,158 +3,252 @@ package cli
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"os"
-	"os/exec"
 	"os/signal"
+	"slices"
 	"syscall"
 	"time"
 
 	"github.com/advlock/advlock"
 )
 
-const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--dsn DSN] KEY -- COMMAND [ARGS...]"
+const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
 
 const runExits = `
-Holds KEY while COMMAND runs (in its own process group; SIGINT, SIGTERM and SIGHUP are forwarded to it) and
-releases it when COMMAND exits.
+Holds KEY while COMMAND runs and releases it when COMMAND exits. Flags may come before or after KEY; COMMAND
+starts after "--" (or at the first argument after KEY that is not a flag).
+
+COMMAND runs in a process group of its own, which gets the terminal when advlock has it (so COMMAND can read it
+and Ctrl-C, Ctrl-Z and Ctrl-\ reach COMMAND, as with flock). SIGINT, SIGTERM, SIGHUP and SIGTSTP sent to advlock
+are forwarded to that group. If advlock dies (even by SIGKILL), the whole group is killed: nothing runs without
+the lock.
+
+The wait for KEY (--wait) does not include connecting; connecting is bounded by the DSN's connect_timeout
+(default 10s). --wait 0 is --no-wait.
 
 Exit status: COMMAND's (128+N if it died of signal N); 75 KEY not acquired (--no-wait, or --wait elapsed);
-69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND got SIGTERM, then SIGKILL after
---grace); 126 COMMAND could not be run; 127 COMMAND not found; 2 usage error; 128+N if advlock got signal N
-while waiting for KEY.
+69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND's group got SIGTERM, then SIGKILL
+after --grace); 126 COMMAND could not be run; 127 COMMAND not found; 2 usage error; 128+N if advlock got
+signal N before COMMAND started.
 `
+
+// runArgs splits run's arguments into flags (parsed into fs), KEY and COMMAND. Flags may come before or after
+// KEY; COMMAND is everything after the first "--", or, without one, everything from the first argument after KEY
+// that is not a flag.
+func runArgs(fs *flag.FlagSet, args []string) (key string, command []string, err error) {
+	before, after, dashes := args, []string(nil), false
+	if i := slices.Index(args, "--"); i >= 0 {
+		before, after, dashes = args[:i], args[i+1:], true
+	}
+	var pos []string
+	for {
+		if err := fs.Parse(before); err != nil {
+			return "", nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			break
+		}
+		pos = append(pos, rest[0])
+		before = rest[1:]
+		if !dashes && len(pos) == 2 { // KEY, then the first word of COMMAND: the rest is COMMAND's
+			return pos[0], append(pos[1:], before...), nil
+		}
+	}
+	switch {
+	case len(pos) == 0:
+		return "", nil, argError("missing KEY")
+	case len(pos) > 1:
+		return "", nil, argError(fmt.Sprintf("unexpected %q between KEY and --", pos[1]))
+	}
+	return pos[0], after, nil
+}
+
+// argError is a mistake in run's arguments other than in a flag.
+type argError string
+
+func (e argError) Error() string { return string(e) }
 
 func runCmd(ctx context.Context, args []string, std Stdio) int {
 	fs := newFlags("run", runSynopsis, std, runExits)
-	wait := fs.Duration("wait", 0, "give up (exit 75) if KEY is not acquired within `DURATION`; default: wait as long as it takes")
+	wait := fs.Duration("wait", 0, "give up (exit 75) if KEY is not acquired within `DURATION` (0: do not wait); default: wait as long as it takes")
 	noWait := fs.Bool("no-wait", false, "exit 75 at once if KEY is held elsewhere")
 	shared := fs.Bool("shared", false, "take KEY in shared mode (any number of shared holders, no exclusive one)")
 	grace := fs.Duration("grace", 10*time.Second, "after the lock is lost, how long COMMAND has between SIGTERM and SIGKILL")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
-	if code, done := parse(fs, args, std); done {
-		return code
+	usage := fs.Usage
+	fs.Usage = func() {}
+	keyArg, command, err := runArgs(fs, args)
+	fs.Usage = usage
+	var ae argError
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		fs.SetOutput(std.Out)
+		fs.Usage()
+		return exitOK
+	case errors.As(err, &ae):
+		return usageError(std, "run: %s\nUsage: advlock run %s", ae, runSynopsis)
+	case err != nil: // the flag package has printed what was wrong
+		fs.Usage()
+		return exitUsage
 	}
-	rest := fs.Args()
-	if len(rest) == 0 {
-		return usageError(std, "run: missing KEY\nUsage: advlock run %s", runSynopsis)
-	}
-	key, err := advlock.ParseKey(rest[0])
+	key, err := advlock.ParseKey(keyArg)
 	if err != nil {
 		return usageError(std, "run: %s", describe(err))
-	}
-	command := rest[1:]
-	if len(command) > 0 && command[0] == "--" {
-		command = command[1:]
 	}
 	if len(command) == 0 {
 		return usageError(std, "run: missing COMMAND after KEY --")
 	}
-	if *noWait && *wait != 0 {
+	waitSet := false
+	fs.Visit(func(f *flag.Flag) { waitSet = waitSet || f.Name == "wait" })
+	if *noWait && waitSet {
 		return usageError(std, "run: --wait and --no-wait exclude each other")
 	}
 	if *wait < 0 || *grace < 0 {
 		return usageError(std, "run: durations must not be negative")
 	}
-
-	// Signals: while waiting they abort the wait; once COMMAND runs they are forwarded to it.
-	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
-	defer signal.Stop(sigs)
-	wctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	if *wait > 0 {
-		var c context.CancelFunc
-		wctx, c = context.WithTimeout(wctx, *wait)
-		defer c()
+	if waitSet && *wait == 0 {
+		*noWait = true // as flock -w 0: do not wait
 	}
+	conn, code, bad := connString(std, "run", *flagDSN)
+	if bad {
+		return code
+	}
+
+	// Signals: until COMMAND starts they abort (SIGTSTP stops advlock); once it runs they are forwarded to its group.
+	sigs := make(chan os.Signal, 8)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGTSTP)
+	defer signal.Stop(sigs)
+	sctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
 	stopSigWatch := make(chan struct{})
 	var gotSig os.Signal
 	sigWatchDone := make(chan struct{})
 	go func() {
 		defer close(sigWatchDone)
-		select {
-		case s := <-sigs:
-			gotSig = s
-			cancel(errSignal)
-		case <-stopSigWatch:
+		for {
+			select {
+			case s := <-sigs:
+				if s == syscall.SIGTSTP { // Ctrl-Z while waiting: stop, as any foreground job does
+					_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+					continue
+				}
+				gotSig = s
+				cancel(errSignal)
+				return
+			case <-stopSigWatch:
+				return
+			}
 		}
 	}()
 
-	l, err := open(wctx, dsn(*flagDSN), "advlock run "+key.String())
-	var lk *advlock.Lock
-	if err == nil {
-		defer l.Close()
-		switch {
-		case *noWait && *shared:
-			lk, err = l.TryRLock(wctx, key)
-		case *noWait:
-			lk, err = l.TryLock(wctx, key)
-		case *shared:
-			lk, err = l.RLock(wctx, key)
-		default:
-			lk, err = l.Lock(wctx, key)
-		}
-	}
+	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait)
 	close(stopSigWatch)
 	<-sigWatchDone
-	if err != nil {
-		switch {
-		case gotSig != nil:
-			fmt.Fprintf(std.Err, "advlock: run: %v while waiting for %s\n", gotSig, key)
-			return 128 + int(gotSig.(syscall.Signal))
-		case errors.Is(err, advlock.ErrNotAcquired):
-			fmt.Fprintf(std.Err, "advlock: %s is held by another session\n", key)
-			return exitNotAcquired
-		case l != nil && errors.Is(err, context.DeadlineExceeded):
-			fmt.Fprintf(std.Err, "advlock: %s not acquired within %v\n", key, *wait)
-			return exitNotAcquired
-		}
-		fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))
-		return exitUnavailable
+	if l != nil {
+		defer l.Close()
 	}
+	if gotSig != nil { // during the wait, or between the grant and now: COMMAND never starts
+		if lk != nil {
+			_ = lk.Unlock(ctx)
+		}
+		fmt.Fprintf(std.Err, "advlock: run: %v before %s was acquired and COMMAND started\n", gotSig, key)
+		return 128 + int(gotSig.(syscall.Signal))
+	}
+	if lk == nil {
+		return code
+	}
+	return supervise(ctx, std, lk, key, command, sigs, *grace)
+}
 
-	cmd := exec.Command(command[0], command[1:]...)
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = std.In, std.Out, std.Err
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true} // signals go to COMMAND's whole process group
-	if err := cmd.Start(); err != nil {
+// acquire connects and takes key. Connecting has its own budget (the DSN's connect_timeout, default 10s); the
+// lock is tried first, and only then waited for, within wait if it is not zero. It returns the lock, or the exit
+// status when there is none.
+func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait bool, wait time.Duration) (*advlock.Lock, *advlock.Locker, int) {
+	l, err := open(ctx, conn, "advlock run "+key.String())
+	if err != nil {
+		if ctx.Err() == nil {
+			fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))
+		}
+		return nil, nil, exitUnavailable
+	}
+	try, lock := l.TryLock, l.Lock
+	if shared {
+		try, lock = l.TryRLock, l.RLock
+	}
+	lk, err := try(ctx, key)
+	if errors.Is(err, advlock.ErrNotAcquired) && !noWait {
+		wctx, cancel := ctx, context.CancelFunc(func() {})
+		if wait > 0 {
+			wctx, cancel = context.WithTimeout(ctx, wait)
+		}
+		lk, err = lock(wctx, key)
+		cancel()
+		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+			fmt.Fprintf(std.Err, "advlock: %s not acquired within %v\n", key, wait)
+			return nil, l, exitNotAcquired
+		}
+	}
+	switch {
+	case err == nil:
+		return lk, l, 0
+	case ctx.Err() != nil: // a signal; reported by the caller
+		return nil, l, 0
+	case errors.Is(err, advlock.ErrNotAcquired):
+		fmt.Fprintf(std.Err, "advlock: %s is held by another session\n", key)
+		return nil, l, exitNotAcquired
+	}
+	fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))
+	return nil, l, exitUnavailable
+}
+
+// supervise runs command under lk until it exits, forwarding signals, and ends its group if the lock is lost.
+func supervise(ctx context.Context, std Stdio, lk *advlock.Lock, key advlock.Key, command []string, sigs <-chan os.Signal, grace time.Duration) int {
+	j, err := startJob(command, std)
+	if err != nil {
 		_ = lk.Unlock(ctx)
 		fmt.Fprintf(std.Err, "advlock: run: %v\n", err)
-		if errors.Is(err, exec.ErrNotFound) || errors.Is(err, os.ErrNotExist) {
-			return exitNotFound
-		}
 		return exitCannotExec
 	}
-	exited := make(chan struct{})
-	var waitErr error
-	go func() {
-		waitErr = cmd.Wait()
-		close(exited)
-	}()
-	pgid := cmd.Process.Pid
-	signalGroup := func(s syscall.Signal) { _ = syscall.Kill(-pgid, s) }
-
 	lost := false
+	lostC := lk.Done()
+	ready := j.ready()
 	var kill <-chan time.Time
-	for done := false; !done; {
+	var ws syscall.WaitStatus
+loop:
+	for {
 		select {
 		case s := <-sigs:
-			signalGroup(s.(syscall.Signal))
-		case <-lk.Done():
-			if !lost {
-				lost = true
-				fmt.Fprintf(std.Err, "advlock: lock %s lost while the command ran: %s; sending SIGTERM\n", key, describe(lk.Err()))
-				signalGroup(syscall.SIGTERM)
-				kill = time.After(*grace)
-			}
+			j.signal(s.(syscall.Signal))
+		case <-ready:
+			ready = nil
+			j.flush()
+		case <-lostC:
+			lostC = nil // once: a closed channel would fire forever
+			lost = true
+			fmt.Fprintf(std.Err, "advlock: lock %s lost while the command ran: %s; sending SIGTERM\n", key, describe(lk.Err()))
+			j.lost()
+			kill = time.After(grace)
 		case <-kill:
-			fmt.Fprintf(std.Err, "advlock: command still running %v after SIGTERM; sending SIGKILL\n", *grace)
-			signalGroup(syscall.SIGKILL)
 			kill = nil
-		case <-exited:
-			done = true
+			fmt.Fprintf(std.Err, "advlock: command's process group still running %v after SIGTERM; sending SIGKILL\n", grace)
+			j.signal(syscall.SIGKILL)
+		case ev := <-j.events:
+			if ev.stopped {
+				j.suspend()
+				close(ev.resume)
+				continue
+			}
+			if ev.err != nil {
+				fmt.Fprintf(std.Err, "advlock: run: wait: %v\n", ev.err)
+			}
+			ws = ev.ws
+			break loop
 		}
 	}
+	j.finish()
 	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer ucancel()
 	if err := lk.Unlock(uctx); err != nil && !lost {
@@ -164,20 +258,15 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		}
 		fmt.Fprintf(std.Err, "advlock: warning: %s\n", describe(err))
 	}
-	if lost {
+	switch {
+	case lost:
 		return exitLost
+	case ws.Signaled():
+		return 128 + int(ws.Signal())
+	case ws.Exited():
+		return ws.ExitStatus() // the guard exits with COMMAND's status, 128+N for a signal, 126/127 if not run
 	}
-	return exitStatus(waitErr, cmd)
+	return exitCannotExec
 }
 
 var errSignal = errors.New("signal received")
-
-func exitStatus(err error, cmd *exec.Cmd) int {
-	if cmd.ProcessState == nil {
-		return exitCannotExec
-	}
-	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-		return 128 + int(ws.Signal())
-	}
-	return cmd.ProcessState.ExitCode()
-}

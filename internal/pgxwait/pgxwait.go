@@ -81,11 +81,18 @@ func (r *Reader) ClearDeadline() {
 
 const verifiedKey = "advlock.verified"
 
-// Verified reports whether the connection was marked with MarkVerified.
-func (r *Reader) Verified() bool { return r.PC.CustomData()[verifiedKey] != nil }
+// Verified reports whether the connection was marked with MarkVerified, and as a direct one.
+func (r *Reader) Verified() (ok, direct bool) {
+	v, ok := r.PC.CustomData()[verifiedKey].(bool)
+	return ok, v
+}
 
-// MarkVerified marks the physical connection as a proven server session of its own.
-func (r *Reader) MarkVerified() { r.PC.CustomData()[verifiedKey] = true }
+// MarkVerified marks the physical connection as a proven server session of its own; direct says no pooler sits
+// between.
+func (r *Reader) MarkVerified(direct bool) { r.PC.CustomData()[verifiedKey] = direct }
+
+// Cancel sends a cancel request for the connection's backend.
+func (r *Reader) Cancel(ctx context.Context) { _ = r.PC.CancelRequest(ctx) }
 
 // ClientPID is the pid from the startup BackendKeyData.
 func (r *Reader) ClientPID() uint32 { return r.PC.PID() }

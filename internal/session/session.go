@@ -40,10 +40,16 @@ type Conn interface {
 	// ClientPID is the server pid the connection was given at startup (BackendKeyData), or 0 when the driver does
 	// not say. A pooler such as PgBouncer hands out its own, so it differs from pg_backend_pid().
 	ClientPID() uint32
-	// Verified reports whether this physical connection was proved to be a pinned server session; MarkVerified
-	// records that it was. Adapters keep the mark with the physical connection.
-	Verified() bool
-	MarkVerified()
+	// Verified reports whether this physical connection was proved to be a pinned server session, and whether it
+	// is a direct one (no pooler between); MarkVerified records it. Adapters keep the mark with the physical
+	// connection.
+	Verified() (ok, direct bool)
+	MarkVerified(direct bool)
+	// Cancel asks the server, over a connection of its own, to cancel the statement running on this session (a
+	// protocol cancel request). It is sent before a session whose wait was abandoned is destroyed, so that the
+	// server drops the waiter at once instead of when it next checks the closed socket. Drivers without access
+	// to the cancel key do nothing (lib/pq sends its own when a ctx ends).
+	Cancel(ctx context.Context)
 	// Destroy closes the network connection at once (the server then ends the backend and drops its locks) and
 	// makes the pool forget it. It must not block on the network.
 	Destroy()
@@ -131,6 +137,9 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	if err != nil || ctx.Err() != nil {
 		conn.Destroy()
+		if wait && SQLState(err) == "" {
+			abandoned(conn)
+		}
 		if err == nil {
 			err = errors.New("lock statement finished after the context ended; session closed")
 		}
@@ -162,12 +171,27 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	return s, nil
 }
 
+// abandoned tells the server that the wait on conn (already destroyed) was given up, when conn is a direct
+// connection: a backend blocked in a lock wait notices its closed socket only when granted or at its next
+// client_connection_check_interval, and until then pg_locks shows a waiter nobody waits for. The cancel request is
+// bounded and synchronous, so that when Lock returns the server has been told (a process that exits right after,
+// such as advlock run, leaves no waiter behind). Through a pooler the pooler cancels the server's statement itself
+// when its client goes away, and PgBouncer 1.18 to 1.20 can crash on extra cancel requests (pgbouncer#822).
+func abandoned(conn Conn) {
+	if _, direct := conn.Verified(); !direct {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	conn.Cancel(ctx)
+}
+
 // verify proves, once per physical connection, that conn is a server session of its own: either the pid the
 // server gave at startup is the session's pid (a direct connection), or a second client connection from the same
 // pool does not land on the same server session (which a transaction-mode pooler, reusing the most recently
 // released server session, would do). It takes no lock.
 func verify(ctx context.Context, pool Pool, conn Conn) error {
-	if conn.Verified() {
+	if ok, _ := conn.Verified(); ok {
 		return nil
 	}
 	p1, err := conn.QueryInt(ctx, "SELECT pg_backend_pid()")
@@ -175,7 +199,7 @@ func verify(ctx context.Context, pool Pool, conn Conn) error {
 		return fmt.Errorf("check session: %w", err)
 	}
 	if cp := conn.ClientPID(); cp != 0 && int64(cp) == p1 {
-		conn.MarkVerified()
+		conn.MarkVerified(true)
 		return nil
 	}
 	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
@@ -196,7 +220,7 @@ func verify(ctx context.Context, pool Pool, conn Conn) error {
 	if p1 == p2 {
 		return fmt.Errorf("%w (server pid %d)", ErrTxPooling, p1)
 	}
-	conn.MarkVerified()
+	conn.MarkVerified(false)
 	return nil
 }
 

@@ -1,0 +1,172 @@
+package cli
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+)
+
+// tty is a pseudo-terminal whose slave side is the controlling terminal of a process started on it, as a login
+// shell's would be: the process leads a new session and its group is the terminal's foreground group.
+type tty struct {
+	master *os.File
+	mu     sync.Mutex
+	out    bytes.Buffer
+	read   chan struct{}
+}
+
+func ioctl(fd, req uintptr, arg unsafe.Pointer) error {
+	if _, _, e := syscall.Syscall(syscall.SYS_IOCTL, fd, req, uintptr(arg)); e != 0 {
+		return e
+	}
+	return nil
+}
+
+// startOnTTY starts the built advlock with args on a new pseudo-terminal.
+func startOnTTY(t *testing.T, env []string, args ...string) (*proc, *tty) {
+	t.Helper()
+	m, err := os.OpenFile("/dev/ptmx", os.O_RDWR|syscall.O_NOCTTY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var unlock int32
+	var n uint32
+	if err := ioctl(m.Fd(), syscall.TIOCSPTLCK, unsafe.Pointer(&unlock)); err != nil {
+		t.Fatal(err)
+	}
+	if err := ioctl(m.Fd(), syscall.TIOCGPTN, unsafe.Pointer(&n)); err != nil {
+		t.Fatal(err)
+	}
+	s, err := os.OpenFile("/dev/pts/"+strconv.Itoa(int(n)), os.O_RDWR|syscall.O_NOCTTY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tt := &tty{master: m, read: make(chan struct{}, 1)}
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			n, err := m.Read(buf)
+			tt.mu.Lock()
+			tt.out.Write(buf[:n])
+			tt.mu.Unlock()
+			select {
+			case tt.read <- struct{}{}:
+			default:
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	p := &proc{cmd: exec.Command(bin, args...), done: make(chan struct{})}
+	p.cmd.Env = append(os.Environ(), env...)
+	p.cmd.Stdin, p.cmd.Stdout, p.cmd.Stderr = s, s, s
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
+	begin := time.Now()
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	go func() {
+		_ = p.cmd.Wait()
+		p.took = time.Since(begin)
+		p.code = p.cmd.ProcessState.ExitCode()
+		if ws, ok := p.cmd.ProcessState.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+			p.code = 128 + int(ws.Signal())
+		}
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Kill()
+		<-p.done
+		m.Close()
+	})
+	return p, tt
+}
+
+func (tt *tty) output() string {
+	tt.mu.Lock()
+	defer tt.mu.Unlock()
+	return tt.out.String()
+}
+
+// waitFor waits until the terminal has shown s.
+func (tt *tty) waitFor(t *testing.T, s string, within time.Duration) {
+	t.Helper()
+	deadline := time.After(within)
+	for !strings.Contains(tt.output(), s) {
+		select {
+		case <-tt.read:
+		case <-deadline:
+			t.Fatalf("the terminal did not show %q within %v; it shows %q", s, within, tt.output())
+		}
+	}
+}
+
+// typeIn writes s as typed at the keyboard (\x03 is Ctrl-C, \x1a Ctrl-Z).
+func (tt *tty) typeIn(t *testing.T, s string) {
+	t.Helper()
+	if _, err := tt.master.Write([]byte(s)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// number returns the integer the terminal showed after prefix (as "pid:1234").
+func (tt *tty) number(t *testing.T, prefix string) int {
+	t.Helper()
+	tt.waitFor(t, prefix, 10*time.Second)
+	out := tt.output()
+	rest := out[strings.Index(out, prefix)+len(prefix):]
+	end := strings.IndexFunc(rest, func(r rune) bool { return r < '0' || r > '9' })
+	if end < 0 {
+		end = len(rest)
+	}
+	n, err := strconv.Atoi(rest[:end])
+	if err != nil {
+		t.Fatalf("no number after %q in %q", prefix, out)
+	}
+	return n
+}
+
+// procState returns the state letter of pid in /proc (R, S, T, Z...), or "" when the process is gone.
+func procState(pid int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return ""
+	}
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 || i+2 >= len(s) {
+		return ""
+	}
+	return s[i+2 : i+3]
+}
+
+// waitState waits until pid's state is one of states ("" means gone).
+func waitState(t *testing.T, pid int, within time.Duration, states ...string) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		st := procState(pid)
+		for _, s := range states {
+			if st == s {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d is in state %q after %v, want one of %q", pid, st, within, states)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// gone reports whether pid has exited (it may linger as a zombie until something reaps it).
+func gone(pid int) bool { st := procState(pid); return st == "" || st == "Z" }
