@@ -68,7 +68,7 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o options) *Locker {
 	l := &Locker{
 		opts: o,
 		cfg: session.Config{Keepalive: o.keepalive, Wrap: o.wrap, Starter: new(session.Starter),
-			Waits: new(session.Waits)},
+			Waits: new(session.Waits), Settings: o.settings},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
 	}

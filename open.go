@@ -6,45 +6,42 @@ import (
 	"net"
 	"time"
 
+	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Open connects a pool made for locking (it makes one round trip to check the server answers) and returns a Locker that owns it; [Locker.Close] closes the pool.
+// Open connects a pool made for locking (it makes one round trip to check the server answers) and returns a
+// Locker that owns it; [Locker.Close] closes the pool.
 //
-// dsn is a pgx connection string (URL or key=value; PG* environment variables fill the gaps). On each of its
-// sessions Open sets, unless dsn says otherwise for application_name:
+// dsn is a pgx connection string (URL or key=value; PG* environment variables fill the gaps). Its sessions carry
+// application_name=advlock (unless dsn names one), so that pg_stat_activity and advlock ls show who holds what.
+// Once per physical connection, before its first session lock and only after proving that the connection is a
+// server session of its own (direct, or pinned by a pooler in session mode), Open's Locker sets on it:
 //
-//   - application_name=advlock, so that pg_stat_activity and advlock ls show who holds what;
 //   - statement_timeout=0, lock_timeout=0, idle_session_timeout=0 and idle_in_transaction_session_timeout=0, so
-//     that no server or role default cuts a wait or silently ends an idle holder (startup parameters take
-//     precedence over ALTER ROLE/DATABASE defaults);
+//     that no server or role default cuts a wait or silently ends an idle holder;
 //   - tcp_keepalives_idle=10, tcp_keepalives_interval=5, tcp_keepalives_count=3 and
 //     client_connection_check_interval=5s, so that the server drops the locks of a client that vanished without
-//     closing its socket in about 25 s instead of the kernel's default of two hours;
-//   - TCP keepalives on the client side with the same timing.
+//     closing its socket in about 25 s instead of the kernel's default of two hours (on a direct connection;
+//     behind a pooler these settings watch the pooler's connection, and the pooler's own client keepalives
+//     decide).
 //
-// Needs PostgreSQL 14 or later (client_connection_check_interval). Use Open when locks should not compete with the
-// application's own queries for connections; use [New] to lock through a pool the application already has.
+// They are SET after connecting rather than sent as startup parameters, which PgBouncer refuses unless they are
+// listed in its ignore_startup_parameters (and then drops): Open works through a stock PgBouncer. Behind a
+// transaction-mode pooler nothing is set, since a setting would stay on a server session that other clients use
+// (session locks are refused there with ErrTxPooling; transaction locks work). The client side uses TCP
+// keepalives with the same timing.
+//
+// Needs PostgreSQL 14 or later (client_connection_check_interval, idle_session_timeout). Use Open when locks
+// should not compete with the application's own queries for connections; use [New] to lock through a pool the
+// application already has.
 func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("advlock: parse dsn: %w", err)
 	}
-	rp := cfg.ConnConfig.RuntimeParams
-	if rp["application_name"] == "" {
+	if rp := cfg.ConnConfig.RuntimeParams; rp["application_name"] == "" {
 		rp["application_name"] = "advlock"
-	}
-	for k, v := range map[string]string{
-		"statement_timeout":                   "0",
-		"lock_timeout":                        "0",
-		"idle_session_timeout":                "0",
-		"idle_in_transaction_session_timeout": "0",
-		"tcp_keepalives_idle":                 "10",
-		"tcp_keepalives_interval":             "5",
-		"tcp_keepalives_count":                "3",
-		"client_connection_check_interval":    "5s",
-	} {
-		rp[k] = v
 	}
 	dialer := &net.Dialer{
 		Timeout:         30 * time.Second,
@@ -55,6 +52,7 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	for _, opt := range opts {
 		opt(&o)
 	}
+	o.settings = openSettings
 	if o.poolConfig != nil {
 		o.poolConfig(cfg)
 	}
@@ -69,4 +67,16 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	l := newLocker(pgxPool{pool}, pool, o)
 	l.ownsPool = pool
 	return l, nil
+}
+
+// openSettings are what Open's Locker sets on each lock session (see Open).
+var openSettings = []session.Setting{
+	{Name: "statement_timeout", Value: "0"},
+	{Name: "lock_timeout", Value: "0"},
+	{Name: "idle_session_timeout", Value: "0"},
+	{Name: "idle_in_transaction_session_timeout", Value: "0"},
+	{Name: "tcp_keepalives_idle", Value: "10"},
+	{Name: "tcp_keepalives_interval", Value: "5"},
+	{Name: "tcp_keepalives_count", Value: "3"},
+	{Name: "client_connection_check_interval", Value: "5s"},
 }

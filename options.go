@@ -15,6 +15,7 @@ type options struct {
 	releaseTimeout time.Duration
 	poolConfig     func(*pgxpool.Config)
 	wrap           func(session.Conn) session.Conn // tests only
+	settings       []session.Setting               // Open's session settings
 }
 
 func defaultOptions() options {

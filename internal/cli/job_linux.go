@@ -157,7 +157,13 @@ func (j *job) suspend() {
 			_ = tcsetpgrp(j.tty, self)
 		}
 	}
+	// kill(self, SIGSTOP) may return before this thread is stopped (the stop reaches the threads asynchronously):
+	// wait for the SIGCONT that ends the stop.
+	cont := make(chan os.Signal, 1)
+	signal.Notify(cont, syscall.SIGCONT)
 	_ = syscall.Kill(os.Getpid(), syscall.SIGSTOP)
+	<-cont
+	signal.Stop(cont)
 	if j.tty != nil {
 		if pg, err := tcgetpgrp(j.tty); err == nil && pg == self {
 			_ = tcsetpgrp(j.tty, j.pgid)

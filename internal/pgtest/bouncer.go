@@ -64,8 +64,9 @@ func pgbouncerBin() (string, error) {
 }
 
 // Bouncer starts PgBouncer with pool_mode mode ("session" or "transaction") in front of the server at serverURL,
-// stops it when the test ends, and returns serverURL rewritten to go through it. Trust authentication; the
-// startup parameters that advlock.Open sets are ignored by it.
+// stops it when the test ends, and returns serverURL rewritten to go through it. Trust authentication; otherwise
+// PgBouncer's own defaults (notably ignore_startup_parameters, which refuses any startup parameter but
+// extra_float_digits and the ones it tracks).
 func Bouncer(tb testing.TB, serverURL, mode string) string {
 	tb.Helper()
 	bin, err := pgbouncerBin()
@@ -120,7 +121,6 @@ pool_mode = %s
 max_client_conn = 500
 default_pool_size = 60
 server_reset_query = DISCARD ALL
-ignore_startup_parameters = extra_float_digits,statement_timeout,lock_timeout,idle_session_timeout,idle_in_transaction_session_timeout,tcp_keepalives_idle,tcp_keepalives_interval,tcp_keepalives_count,client_connection_check_interval
 logfile = %s
 pidfile = %s
 `, host, port, listen, filepath.Join(dir, "users.txt"), mode, filepath.Join(dir, "log"), filepath.Join(dir, "pid"))

@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -71,6 +72,24 @@ type Config struct {
 	Starter *Starter
 	// Waits, when set, lets Close abort lock statements that wait in the server.
 	Waits *Waits
+	// Settings are applied (SET, session level) once per physical connection, once it is proved to be a server
+	// session of its own (direct, or pinned by a pooler in session mode), never through a transaction-mode
+	// pooler, where they would stay on a server session that other clients then use. Names and values are SQL
+	// literals chosen by this module, never user input.
+	Settings []Setting
+}
+
+// Setting is one session setting: SET name = value.
+type Setting struct{ Name, Value string }
+
+// settingsSQL renders settings as one multi-statement query that yields 1.
+func settingsSQL(settings []Setting) string {
+	var b strings.Builder
+	for _, st := range settings {
+		b.WriteString("SET " + st.Name + " = '" + st.Value + "'; ")
+	}
+	b.WriteString("SELECT 1")
+	return b.String()
 }
 
 // Session is one held lock on its own pinned connection.
@@ -110,7 +129,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	if cfg.Wrap != nil {
 		conn = cfg.Wrap(conn)
 	}
-	if err := verify(ctx, pool, conn); err != nil {
+	if err := verify(ctx, pool, conn, cfg.Settings); err != nil {
 		if errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified) {
 			conn.Release() // no lock was taken
 		} else {
@@ -189,8 +208,8 @@ func abandoned(conn Conn) {
 // verify proves, once per physical connection, that conn is a server session of its own: either the pid the
 // server gave at startup is the session's pid (a direct connection), or a second client connection from the same
 // pool does not land on the same server session (which a transaction-mode pooler, reusing the most recently
-// released server session, would do). It takes no lock.
-func verify(ctx context.Context, pool Pool, conn Conn) error {
+// released server session, would do). It takes no lock. Once proved, it applies settings, in one more round trip.
+func verify(ctx context.Context, pool Pool, conn Conn, settings []Setting) error {
 	if ok, _ := conn.Verified(); ok {
 		return nil
 	}
@@ -198,10 +217,23 @@ func verify(ctx context.Context, pool Pool, conn Conn) error {
 	if err != nil {
 		return fmt.Errorf("check session: %w", err)
 	}
+	direct := false
 	if cp := conn.ClientPID(); cp != 0 && int64(cp) == p1 {
-		conn.MarkVerified(true)
-		return nil
+		direct = true
+	} else if err := notTxPooled(ctx, pool, p1); err != nil {
+		return err
 	}
+	if len(settings) > 0 {
+		if _, err := conn.QueryInt(ctx, settingsSQL(settings)); err != nil {
+			return fmt.Errorf("apply session settings: %w", err)
+		}
+	}
+	conn.MarkVerified(direct)
+	return nil
+}
+
+// notTxPooled asks a second connection of pool for its server pid: a transaction-mode pooler hands it p1 again.
+func notTxPooled(ctx context.Context, pool Pool, p1 int64) error {
 	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	other, err := pool.Acquire(pctx)
@@ -220,7 +252,6 @@ func verify(ctx context.Context, pool Pool, conn Conn) error {
 	if p1 == p2 {
 		return fmt.Errorf("%w (server pid %d)", ErrTxPooling, p1)
 	}
-	conn.MarkVerified(false)
 	return nil
 }
 

@@ -1,0 +1,172 @@
+package advlock_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/bridge"
+	"github.com/advlock/advlock/internal/conformance"
+	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// The settings Open applies, as pg_settings reports them (milliseconds, seconds).
+var openWants = map[string]string{
+	"statement_timeout":                   "0",
+	"lock_timeout":                        "0",
+	"idle_session_timeout":                "0",
+	"idle_in_transaction_session_timeout": "0",
+	"tcp_keepalives_idle":                 "10",
+	"tcp_keepalives_interval":             "5",
+	"tcp_keepalives_count":                "3",
+	"client_connection_check_interval":    "5000",
+}
+
+// The private cluster's defaults, all different from Open's, so that a setting that leaked shows.
+var clusterConf = []string{
+	"statement_timeout = '3min'", "lock_timeout = '2min'", "idle_session_timeout = '1h'",
+	"idle_in_transaction_session_timeout = '1h'", "tcp_keepalives_idle = 60", "tcp_keepalives_interval = 30",
+	"tcp_keepalives_count = 7", "client_connection_check_interval = 0",
+}
+
+// spy reads the settings of the session a lock is about to be taken on, from that very session, and counts how
+// often the settings are applied.
+type spy struct {
+	mu      sync.Mutex
+	seen    []map[string]string
+	applied int
+}
+
+type spyConn struct {
+	session.Conn
+	s *spy
+}
+
+func (s *spy) wrap(c session.Conn) session.Conn { return spyConn{c, s} }
+
+func (c spyConn) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	if strings.HasPrefix(sql, "SET statement_timeout") {
+		c.s.mu.Lock()
+		c.s.applied++
+		c.s.mu.Unlock()
+	}
+	if strings.Contains(sql, "pg_try_advisory_lock") {
+		got := map[string]string{}
+		for name := range openWants {
+			// The setting as a number: QueryInt reads integers.
+			v, err := c.Conn.QueryInt(ctx, "SELECT setting::int8 FROM pg_settings WHERE name = '"+name+"'")
+			if err != nil {
+				return 0, err
+			}
+			got[name] = strconv.FormatInt(v, 10)
+		}
+		c.s.mu.Lock()
+		c.s.seen = append(c.s.seen, got)
+		c.s.mu.Unlock()
+	}
+	return c.Conn.QueryInt(ctx, sql, args...)
+}
+
+// plainSettings reads the cluster settings through a plain client connection (what another client of a pooler
+// gets): each must still be the cluster's default.
+func plainSettings(t *testing.T, url string) {
+	t.Helper()
+	ctx := context.Background()
+	var conns []*pgx.Conn
+	for range 4 { // several clients, so that a pooler hands out several server sessions
+		c, err := pgx.Connect(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c)
+	}
+	for _, c := range conns {
+		var st, it string
+		if err := c.QueryRow(ctx, "SELECT current_setting('statement_timeout'), current_setting('idle_session_timeout')").Scan(&st, &it); err != nil {
+			t.Fatal(err)
+		}
+		if st != "3min" || it != "1h" {
+			t.Errorf("another client of the server got statement_timeout=%s idle_session_timeout=%s, want the defaults 3min and 1h: a lock session's settings leaked", st, it)
+		}
+		c.Close(ctx)
+	}
+}
+
+// Open connects directly, through a stock PgBouncer in session mode and in transaction mode; its settings are in
+// force on every lock session where they can be, applied once per physical connection, and never left on a
+// server session that another client gets.
+func TestOpenSettings(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private cluster and pgbouncer")
+	}
+	c := pgtest.StartCluster(t, clusterConf...)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name, url string
+		txPooled  bool
+	}{
+		{"direct", c.URL, false},
+		{"pgbouncer session", pgtest.Bouncer(t, c.URL, "session"), false},
+		{"pgbouncer transaction", pgtest.Bouncer(t, c.URL, "transaction") + "&default_query_exec_mode=simple_protocol", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sp := &spy{}
+			wrap := bridge.WithWrap(sp.wrap).(advlock.Option)
+			one := advlock.WithPoolConfig(func(c *pgxpool.Config) { c.MaxConns = 2 })
+			l, err := advlock.Open(ctx, tc.url, wrap, one)
+			if err != nil {
+				t.Fatalf("Open through %s: %v", tc.name, err)
+			}
+			if tc.txPooled {
+				if _, err := l.TryLock(ctx, conformance.Key(t)); !errors.Is(err, advlock.ErrTxPooling) {
+					t.Errorf("TryLock through transaction pooling: %v, want ErrTxPooling", err)
+				}
+				if err := l.DoTx(ctx, conformance.Key(t), func(context.Context, pgx.Tx) error { return nil }); err != nil {
+					t.Errorf("DoTx through transaction pooling: %v", err)
+				}
+				if sp.applied != 0 {
+					t.Errorf("settings applied %d times through a transaction pooler", sp.applied)
+				}
+				plainSettings(t, tc.url)
+				l.Close()
+				plainSettings(t, tc.url)
+				return
+			}
+			for range 30 {
+				lk, err := l.TryLock(ctx, conformance.Key(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			sp.mu.Lock()
+			for i, got := range sp.seen {
+				for name, want := range openWants {
+					if got[name] != want {
+						t.Errorf("lock %d: %s = %s on the lock session, want %s", i, name, got[name], want)
+					}
+				}
+			}
+			if len(sp.seen) != 30 {
+				t.Errorf("read the settings of %d lock sessions, want 30", len(sp.seen))
+			}
+			if sp.applied < 1 || sp.applied > 2 {
+				t.Errorf("settings applied %d times for 30 locks on a pool of at most 2 connections, want once per connection", sp.applied)
+			}
+			sp.mu.Unlock()
+			l.Close()
+			if tc.name == "pgbouncer session" {
+				plainSettings(t, tc.url) // PgBouncer's server_reset_query (DISCARD ALL) reset them
+			}
+		})
+	}
+}
