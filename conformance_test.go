@@ -17,12 +17,16 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
+// harnessConns bounds each conformance Locker's pool: the test packages run at once against one server whose
+// max_connections is 100 by default.
+const harnessConns = 8
+
 // PgxBackend is the conformance backend for Lockers over pgxpool.
 func pgxBackend(url, obsURL string) conformance.Backend {
 	return conformance.Backend{
 		Name: "pgxpool", URL: url, ObsURL: obsURL, EventDriven: true,
 		Open: func(t *testing.T, url string, opts ...advlock.Option) conformance.Harness {
-			pool := pgtest.Pool(t, url, nil)
+			pool := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = harnessConns })
 			return conformance.Harness{
 				L:     advlock.New(pool, opts...),
 				InUse: func() int { return int(pool.Stat().AcquiredConns()) },

@@ -31,12 +31,17 @@ func openDB(t *testing.T, driver, url string) *sql.DB {
 	return db
 }
 
+// harnessConns bounds each conformance Locker's pool: the test packages run at once against one server whose
+// max_connections is 100 by default.
+const harnessConns = 8
+
 // Backend is the conformance backend for Lockers over database/sql with driver.
 func Backend(driver, url, obsURL string) conformance.Backend {
 	return conformance.Backend{
 		Name: "database/sql+" + driver, URL: url, ObsURL: obsURL, EventDriven: driver == "pgx",
 		Open: func(t *testing.T, url string, opts ...advlock.Option) conformance.Harness {
 			db := openDB(t, driver, url)
+			db.SetMaxOpenConns(harnessConns)
 			return conformance.Harness{
 				L:     advsql.New(db, opts...),
 				InUse: func() int { return db.Stats().InUse },
@@ -51,7 +56,7 @@ func Backend(driver, url, obsURL string) conformance.Backend {
 					return func() {
 						once.Do(func() {
 							c.Close()
-							db.SetMaxOpenConns(0)
+							db.SetMaxOpenConns(harnessConns)
 						})
 					}
 				},

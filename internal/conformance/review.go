@@ -208,21 +208,23 @@ func (s *suite) unlockRacingClose(t *testing.T) {
 	obs := s.observer(t)
 	ctx := ctxT(t, 60*time.Second)
 	for i := range 30 {
-		h := s.be.Open(t, s.be.URL)
-		lk, err := h.L.TryLock(ctx, Key(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var wg sync.WaitGroup
-		wg.Add(2)
-		var uerr error
-		go func() { defer wg.Done(); uerr = lk.Unlock(ctx) }()
-		go func() { defer wg.Done(); h.L.Close() }()
-		wg.Wait()
-		if uerr != nil && !errors.Is(uerr, advlock.ErrClosed) {
-			t.Fatalf("iteration %d: Unlock racing Close: %v, want nil or ErrClosed", i, uerr)
-		}
-		waitFree(t, obs, lk.Key())
-		noIdleLocks(t, h, obs)
+		t.Run("", func(t *testing.T) { // its pool closes at the end of each
+			h := s.be.Open(t, s.be.URL)
+			lk, err := h.L.TryLock(ctx, Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var wg sync.WaitGroup
+			wg.Add(2)
+			var uerr error
+			go func() { defer wg.Done(); uerr = lk.Unlock(ctx) }()
+			go func() { defer wg.Done(); h.L.Close() }()
+			wg.Wait()
+			if uerr != nil && !errors.Is(uerr, advlock.ErrClosed) {
+				t.Fatalf("iteration %d: Unlock racing Close: %v, want nil or ErrClosed", i, uerr)
+			}
+			waitFree(t, obs, lk.Key())
+			noIdleLocks(t, h, obs)
+		})
 	}
 }
