@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"sync"
 
-	"github.com/advlock/advlock/internal/bridge"
+	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -22,7 +22,7 @@ type Locker struct {
 	pool     session.Pool
 	pgxPool  *pgxpool.Pool // for DoTx; nil for other backends
 	ownsPool *pgxpool.Pool
-	opts     options
+	opts     config.Options
 	cfg      session.Config
 
 	closeCtx    context.Context
@@ -40,35 +40,25 @@ type Locker struct {
 // whose every call returns ErrNoPool. The pool's sessions keep whatever settings the application gave them; see
 // [Open] for a pool tuned for locking.
 func New(pool *pgxpool.Pool, opts ...Option) *Locker {
-	o := defaultOptions()
+	o := config.Defaults()
 	for _, opt := range opts {
 		opt(&o)
 	}
-	if pool == nil {
+	switch {
+	case o.Backend != nil:
+		return newLocker(o.Backend, nil, o)
+	case pool == nil:
 		return newLocker(nil, nil, o)
 	}
 	return newLocker(pgxPool{pool}, pool, o)
 }
 
-func init() {
-	bridge.NewLocker = func(pool session.Pool, opts any) any {
-		o := defaultOptions()
-		for _, opt := range opts.([]Option) {
-			opt(&o)
-		}
-		return newLocker(pool, nil, o)
-	}
-	bridge.WithWrap = func(w func(session.Conn) session.Conn) any {
-		return Option(func(o *options) { o.wrap = w })
-	}
-}
-
 // newLocker makes a Locker over a backend; pgxp is the pgxpool behind it, if any (for DoTx).
-func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o options) *Locker {
+func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker {
 	l := &Locker{
 		opts: o,
-		cfg: session.Config{Keepalive: o.keepalive, Wrap: o.wrap, Starter: new(session.Starter),
-			Waits: new(session.Waits), Settings: o.settings},
+		cfg: session.Config{Keepalive: o.Keepalive, Wrap: o.Wrap, Starter: new(session.Starter),
+			Waits: new(session.Waits), Settings: o.Settings},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
 	}
@@ -182,7 +172,7 @@ func (l *Locker) begin(ctx context.Context, wait bool) (context.Context, func(),
 
 // release unlocks lk's session and frees its in-process slot; after is what lk.Err reports on a clean release.
 func (l *Locker) release(lk *Lock, after error) error {
-	ctx, cancel := context.WithTimeout(context.Background(), l.opts.releaseTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), l.opts.ReleaseTimeout)
 	defer cancel()
 	return l.releaseCtx(ctx, lk, after)
 }
@@ -264,7 +254,7 @@ func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 	defer func() {
 		stop()
 		cancel(nil)
-		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.releaseTimeout)
+		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.ReleaseTimeout)
 		defer ucancel()
 		if uerr := lk.Unlock(uctx); uerr != nil {
 			err = errors.Join(err, uerr)

@@ -6,6 +6,7 @@ import (
 	"net"
 	"time"
 
+	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -48,13 +49,13 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 10 * time.Second, Interval: 5 * time.Second, Count: 3},
 	}
 	cfg.ConnConfig.DialFunc = dialer.DialContext
-	o := defaultOptions()
+	o := config.Defaults()
 	for _, opt := range opts {
 		opt(&o)
 	}
-	o.settings = openSettings
-	if o.poolConfig != nil {
-		o.poolConfig(cfg)
+	o.Settings = openSettings
+	if o.PoolConfig != nil {
+		o.PoolConfig(cfg)
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {

@@ -9,7 +9,6 @@ import (
 	"testing"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/bridge"
 	"github.com/advlock/advlock/internal/conformance"
 	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
@@ -118,7 +117,7 @@ func TestOpenSettings(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			sp := &spy{}
-			wrap := bridge.WithWrap(sp.wrap).(advlock.Option)
+			wrap := conformance.WithWrap(sp.wrap)
 			one := advlock.WithPoolConfig(func(c *pgxpool.Config) { c.MaxConns = 2 })
 			l, err := advlock.Open(ctx, tc.url, wrap, one)
 			if err != nil {

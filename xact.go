@@ -87,7 +87,7 @@ func (l *Locker) DoTx(ctx context.Context, key Key, fn func(ctx context.Context,
 	committed := false
 	defer func() { // also when fn panics; the panic goes on
 		if !committed {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.releaseTimeout)
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.ReleaseTimeout)
 			defer cancel()
 			_ = tx.Rollback(rctx)
 		}

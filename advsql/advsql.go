@@ -28,7 +28,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/bridge"
+	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/pgxwait"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5"
@@ -38,9 +38,10 @@ import (
 // Locker whose every call returns advlock.ErrNoPool. Locker.DoTx is not available on it; use [DoTx].
 func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 	if db == nil {
-		return bridge.NewLocker(nil, opts).(*advlock.Locker)
+		return advlock.New(nil, opts...)
 	}
-	return bridge.NewLocker(&pool{db: db, verified: map[any]bool{}}, opts).(*advlock.Locker)
+	backend := &pool{db: db, verified: map[any]bool{}}
+	return advlock.New(nil, append(opts, func(o *config.Options) { o.Backend = backend })...)
 }
 
 type pool struct {

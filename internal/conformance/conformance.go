@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/bridge"
+	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/faults"
 	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
@@ -484,7 +484,7 @@ func (s *suite) proxied(t *testing.T, opts ...advlock.Option) (Harness, *faults.
 
 func (s *suite) releaseExact(t *testing.T) {
 	t.Run("unlock returns false", func(t *testing.T) {
-		wrap := bridge.WithWrap(func(c session.Conn) session.Conn { return wrongUnlock{c} }).(advlock.Option)
+		wrap := WithWrap(func(c session.Conn) session.Conn { return wrongUnlock{c} })
 		h, obs := s.open(t, wrap), s.observer(t)
 		ctx := ctxT(t, 10*time.Second)
 		lk, err := h.L.TryLock(ctx, Key(t))
@@ -758,4 +758,9 @@ func (s *suite) databaseDown(t *testing.T) {
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("Lock through a blackhole took %v with a 500ms ctx", d)
 	}
+}
+
+// WithWrap wraps every connection of a Locker (fault injection).
+func WithWrap(w func(session.Conn) session.Conn) advlock.Option {
+	return func(o *config.Options) { o.Wrap = w }
 }

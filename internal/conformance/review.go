@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/bridge"
 	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
 )
@@ -73,7 +72,7 @@ func (s *suite) lossIsLoss(t *testing.T) {
 		s.waitClosed(t, obs, pid)
 	}
 	t.Run("before the watcher", func(t *testing.T) {
-		wrap := bridge.WithWrap(newBlindWatch).(advlock.Option)
+		wrap := WithWrap(newBlindWatch)
 		h := s.open(t, wrap, advlock.WithKeepalive(time.Hour))
 		for i := range 10 {
 			lk, err := h.L.TryLock(ctx, Key(t))

@@ -1,0 +1,31 @@
+// Package config holds what a Locker is configured with. It is the seam between package advlock and the backends
+// and tests in this module: advlock.Option is a func(*Options), so that package advsql can hand the Locker its
+// database/sql backend, and tests a connection wrapper, as typed options, while the fields stay out of the public
+// API.
+package config
+
+import (
+	"time"
+
+	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Options configures a Locker.
+type Options struct {
+	Keepalive      time.Duration
+	ReleaseTimeout time.Duration
+	PoolConfig     func(*pgxpool.Config) // Open only
+	// Backend, when set, is the pool the Locker takes sessions from instead of the *pgxpool.Pool given to New
+	// (package advsql sets it).
+	Backend session.Pool
+	// Wrap wraps each connection (tests inject faults with it).
+	Wrap func(session.Conn) session.Conn
+	// Settings are applied once per proved physical connection (Open sets them).
+	Settings []session.Setting
+}
+
+// Defaults returns the options before any Option is applied.
+func Defaults() Options {
+	return Options{Keepalive: session.DefaultKeepalive, ReleaseTimeout: 5 * time.Second}
+}
