@@ -24,7 +24,7 @@ const harnessConns = 8
 // PgxBackend is the conformance backend for Lockers over pgxpool.
 func pgxBackend(url, obsURL string) conformance.Backend {
 	return conformance.Backend{
-		Name: "pgxpool", URL: url, ObsURL: obsURL, EventDriven: true,
+		Name: "pgxpool", URL: url, ObsURL: obsURL, EventDriven: true, Shares: true,
 		Open: func(t *testing.T, url string, opts ...advlock.Option) conformance.Harness {
 			pool := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = harnessConns })
 			return conformance.Harness{

@@ -83,13 +83,6 @@ func (l *Locker) enter(ctx context.Context, t session.Target, wait bool) error {
 	return nil
 }
 
-// leave gives t's slot back.
-func (l *Locker) leave(t session.Target) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.leaveLocked(t)
-}
-
 func (l *Locker) leaveLocked(t session.Target) {
 	g := l.gates[t.ID]
 	if t.Shared {

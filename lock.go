@@ -3,19 +3,25 @@ package advlock
 import (
 	"context"
 	"sync/atomic"
-
-	"github.com/advlock/advlock/internal/session"
 )
 
-// Lock is a held advisory lock: one PostgreSQL session, pinned from the pool, holding one key. It is safe for
-// concurrent use.
+// Lock is a held advisory lock: a key held by a shared session (with other locks) or by a session of its own. It
+// is safe for concurrent use.
 type Lock struct {
 	l         *Locker
 	key       Key
 	shared    bool
-	s         *session.Session
+	h         handle
 	ended     atomic.Int32 // lockHeld, then unlockedByCaller or releasedByClose, whichever comes first
 	forgotten bool         // guarded by l.mu: released or lost, and dropped by the Locker
+}
+
+// handle is where a lock is held: a *session.Session of its own, or a *session.Held on a shared session.
+type handle interface {
+	Done() <-chan struct{}
+	Err() error
+	Release(ctx context.Context, after error) error
+	AfterEnd(f func()) (stop func() bool)
 }
 
 // Values of Lock.ended.
@@ -34,11 +40,11 @@ func (lk *Lock) Shared() bool { return lk.shared }
 // Done is closed once the lock is released or lost. Watch it to learn at once that the session holding the lock
 // died: a terminated backend, an idle-session timeout or a server shutdown is seen as soon as the server says so;
 // a network that silently drops is noticed within about twice the keepalive interval ([WithKeepalive]).
-func (lk *Lock) Done() <-chan struct{} { return lk.s.Done() }
+func (lk *Lock) Done() <-chan struct{} { return lk.h.Done() }
 
 // Err is nil while the lock is held. After Done is closed it matches ErrLockLost if the lock was lost (wrapping the
 // reason, such as the server's *pgconn.PgError), ErrNotHeld after Unlock, or ErrClosed after [Locker.Close].
-func (lk *Lock) Err() error { return lk.s.Err() }
+func (lk *Lock) Err() error { return lk.h.Err() }
 
 // Unlock releases the lock. When the server confirms the unlock the session goes back to the pool and Unlock
 // returns nil. Otherwise the session is closed, never pooled, so that the server drops the lock, and Unlock says

@@ -20,7 +20,8 @@ import (
 // re-entrancy from granting one key twice.
 type Locker struct {
 	pool     session.Pool
-	pgxPool  *pgxpool.Pool // for DoTx; nil for other backends
+	shared   *session.Shared // nil: every lock has a session of its own
+	pgxPool  *pgxpool.Pool   // for DoTx; nil for other backends
 	ownsPool *pgxpool.Pool
 	opts     config.Options
 	cfg      session.Config
@@ -58,11 +59,16 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 	l := &Locker{
 		opts: o,
 		cfg: session.Config{Keepalive: o.Keepalive, Wrap: o.Wrap, Starter: new(session.Starter),
-			Waits: new(session.Waits), Settings: o.Settings},
+			Waits: new(session.Waits), Settings: o.Settings, UnlockKey: o.UnlockKey},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
 	}
 	l.pool, l.pgxPool = pool, pgxp
+	if pool != nil && o.SharedSessions > 0 && pool.Wires() {
+		cfg := l.cfg
+		cfg.Keepalive = min(o.Keepalive, o.ReleaseTimeout) // also how long a round trip may stay unanswered
+		l.shared = session.NewShared(o.SharedSessions, pool, cfg)
+	}
 	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
 	return l
 }
@@ -125,14 +131,18 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 		return nil, err
 	}
 	lk := &Lock{l: l, key: key, shared: shared}
-	// A lost lock gives its in-process slot back at once: its session is gone, so nothing can be shared, and a
-	// holder that re-acquires without calling Unlock on the lost handle must not wait on itself.
-	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, func() { l.forget(lk) })
+	// The in-process slot is given back when the lock ends, however it ends: a lost lock's session is gone, so
+	// nothing can be shared, and a holder that re-acquires without calling Unlock on the lost handle must not wait
+	// on itself.
+	h, err := l.take(ctx, t, wait, func() { l.forget(lk) })
 	if err != nil {
-		l.leave(t) // errors from a Close that aborted this call match ErrClosed (session.Waits)
+		// forget, not leave: a handle that existed for a moment (granted, then handed back because ctx ended)
+		// may have ended already and freed the slot; freeing it twice would free another holder's. Errors from a
+		// Close that aborted this call match ErrClosed (session.Waits).
+		l.forget(lk)
 		return nil, err
 	}
-	lk.s = s
+	lk.h = h
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
@@ -146,6 +156,35 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	}
 	l.mu.Unlock()
 	return lk, nil
+}
+
+// take holds t: on a shared session if it can be granted at once, else (when wait) on a session of its own that
+// waits in the server.
+func (l *Locker) take(ctx context.Context, t session.Target, wait bool, onEnd func()) (handle, error) {
+	if l.shared != nil {
+		for attempt := 0; ; attempt++ {
+			m, err := l.shared.Get(ctx)
+			if err != nil {
+				return nil, err
+			}
+			h, err := m.Try(ctx, t, onEnd)
+			switch {
+			case err == nil:
+				return h, nil
+			case errors.Is(err, session.ErrMuxGone) && attempt < 3:
+				continue // never sent: try another session
+			case errors.Is(err, ErrNotAcquired) && wait:
+			default:
+				return nil, err
+			}
+			break
+		}
+	}
+	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, onEnd)
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 // begin registers an operation that Close must wait for. For an operation that may wait, it returns a context
@@ -178,9 +217,7 @@ func (l *Locker) release(lk *Lock, after error) error {
 }
 
 func (l *Locker) releaseCtx(ctx context.Context, lk *Lock, after error) error {
-	err := lk.s.Release(ctx, after)
-	l.forget(lk)
-	return err
+	return lk.h.Release(ctx, after) // the handle's end frees the slot (forget)
 }
 
 // forget drops lk from the Locker and gives its in-process slot back, once.
@@ -235,6 +272,9 @@ func (l *Locker) Close() {
 	wg.Wait()
 	l.heldWG.Wait() // also those a concurrent Unlock is releasing
 	l.inflight.Wait()
+	if l.shared != nil {
+		l.shared.Close()
+	}
 	if !wasClosed && l.ownsPool != nil {
 		l.ownsPool.Close()
 	}
@@ -250,7 +290,7 @@ func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 		return err
 	}
 	fctx, cancel := context.WithCancelCause(ctx)
-	stop := context.AfterFunc(lk.s.Context(), func() { cancel(lk.Err()) })
+	stop := lk.h.AfterEnd(func() { cancel(lk.Err()) })
 	defer func() {
 		stop()
 		cancel(nil)

@@ -56,7 +56,9 @@ func (c spyConn) QueryInt(ctx context.Context, sql string, args ...any) (int64, 
 		c.s.applied++
 		c.s.mu.Unlock()
 	}
-	if strings.Contains(sql, "pg_try_advisory_lock") {
+	// A lock statement on a session of its own, or the setup of a shared session (which runs after the settings
+	// are applied, on the session that then holds the locks).
+	if strings.Contains(sql, "pg_try_advisory_lock") || strings.Contains(sql, "pg_is_in_recovery()::int") {
 		got := map[string]string{}
 		for name := range openWants {
 			// The setting as a number: QueryInt reads integers.
@@ -106,66 +108,75 @@ func TestOpenSettings(t *testing.T) {
 		t.Skip("starts a private cluster and pgbouncer")
 	}
 	c := pgtest.StartCluster(t, clusterConf...)
+	direct := c.URL
+	session := pgtest.Bouncer(t, c.URL, "session")
+	txn := pgtest.Bouncer(t, c.URL, "transaction") + "&default_query_exec_mode=simple_protocol"
+	for _, mode := range []struct {
+		name   string
+		shared int
+	}{{"shared sessions", 4}, {"a session per lock", 0}} {
+		for _, tc := range []struct {
+			name, url string
+			txPooled  bool
+		}{
+			{"direct", direct, false},
+			{"pgbouncer session", session, false},
+			{"pgbouncer transaction", txn, true},
+		} {
+			t.Run(mode.name+"/"+tc.name, func(t *testing.T) { openSettings(t, tc.url, tc.txPooled, tc.name == "pgbouncer session", mode.shared) })
+		}
+	}
+}
+
+func openSettings(t *testing.T, url string, txPooled, reset bool, shared int) {
 	ctx := context.Background()
-	for _, tc := range []struct {
-		name, url string
-		txPooled  bool
-	}{
-		{"direct", c.URL, false},
-		{"pgbouncer session", pgtest.Bouncer(t, c.URL, "session"), false},
-		{"pgbouncer transaction", pgtest.Bouncer(t, c.URL, "transaction") + "&default_query_exec_mode=simple_protocol", true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			sp := &spy{}
-			wrap := conformance.WithWrap(sp.wrap)
-			one := advlock.WithPoolConfig(func(c *pgxpool.Config) { c.MaxConns = 2 })
-			l, err := advlock.Open(ctx, tc.url, wrap, one)
-			if err != nil {
-				t.Fatalf("Open through %s: %v", tc.name, err)
+	sp := &spy{}
+	l, err := advlock.Open(ctx, url, conformance.WithWrap(sp.wrap), advlock.WithSharedSessions(shared),
+		advlock.WithPoolConfig(func(c *pgxpool.Config) { c.MaxConns = 2 }))
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	if txPooled {
+		if _, err := l.TryLock(ctx, conformance.Key(t)); !errors.Is(err, advlock.ErrTxPooling) {
+			t.Errorf("TryLock through transaction pooling: %v, want ErrTxPooling", err)
+		}
+		if err := l.DoTx(ctx, conformance.Key(t), func(context.Context, pgx.Tx) error { return nil }); err != nil {
+			t.Errorf("DoTx through transaction pooling: %v", err)
+		}
+		if sp.applied != 0 {
+			t.Errorf("settings applied %d times through a transaction pooler", sp.applied)
+		}
+		plainSettings(t, url)
+		l.Close()
+		plainSettings(t, url)
+		return
+	}
+	for range 30 {
+		lk, err := l.TryLock(ctx, conformance.Key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sp.mu.Lock()
+	for i, got := range sp.seen {
+		for name, want := range openWants {
+			if got[name] != want {
+				t.Errorf("session %d: %s = %s on the lock session, want %s", i, name, got[name], want)
 			}
-			if tc.txPooled {
-				if _, err := l.TryLock(ctx, conformance.Key(t)); !errors.Is(err, advlock.ErrTxPooling) {
-					t.Errorf("TryLock through transaction pooling: %v, want ErrTxPooling", err)
-				}
-				if err := l.DoTx(ctx, conformance.Key(t), func(context.Context, pgx.Tx) error { return nil }); err != nil {
-					t.Errorf("DoTx through transaction pooling: %v", err)
-				}
-				if sp.applied != 0 {
-					t.Errorf("settings applied %d times through a transaction pooler", sp.applied)
-				}
-				plainSettings(t, tc.url)
-				l.Close()
-				plainSettings(t, tc.url)
-				return
-			}
-			for range 30 {
-				lk, err := l.TryLock(ctx, conformance.Key(t))
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := lk.Unlock(ctx); err != nil {
-					t.Fatal(err)
-				}
-			}
-			sp.mu.Lock()
-			for i, got := range sp.seen {
-				for name, want := range openWants {
-					if got[name] != want {
-						t.Errorf("lock %d: %s = %s on the lock session, want %s", i, name, got[name], want)
-					}
-				}
-			}
-			if len(sp.seen) != 30 {
-				t.Errorf("read the settings of %d lock sessions, want 30", len(sp.seen))
-			}
-			if sp.applied < 1 || sp.applied > 2 {
-				t.Errorf("settings applied %d times for 30 locks on a pool of at most 2 connections, want once per connection", sp.applied)
-			}
-			sp.mu.Unlock()
-			l.Close()
-			if tc.name == "pgbouncer session" {
-				plainSettings(t, tc.url) // PgBouncer's server_reset_query (DISCARD ALL) reset them
-			}
-		})
+		}
+	}
+	if shared == 0 && len(sp.seen) != 30 || shared > 0 && len(sp.seen) != 1 {
+		t.Errorf("read the settings of %d lock sessions, want 30 sessions of their own or 1 shared session", len(sp.seen))
+	}
+	if sp.applied < 1 || sp.applied > 2 {
+		t.Errorf("settings applied %d times for 30 locks on a pool of at most 2 connections, want once per connection", sp.applied)
+	}
+	sp.mu.Unlock()
+	l.Close()
+	if reset {
+		plainSettings(t, url) // PgBouncer's server_reset_query (DISCARD ALL) reset them
 	}
 }

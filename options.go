@@ -38,3 +38,19 @@ func WithReleaseTimeout(d time.Duration) Option {
 func WithPoolConfig(f func(*pgxpool.Config)) Option {
 	return func(o *config.Options) { o.PoolConfig = f }
 }
+
+// WithSharedSessions sets how many shared sessions a Locker may open: sessions that each hold many locks, so that
+// thousands of locks need a handful of connections. TryLock, TryRLock and the first attempt of Lock, RLock and Do
+// are made on them; a Lock that must wait for a key held elsewhere waits on a session of its own and keeps the
+// lock there. Requests from many goroutines share round trips. A shared session that is lost (terminated, network
+// loss, server restart) ends every lock on it at once, each reporting ErrLockLost.
+//
+// Default 4. 0 gives every lock a session of its own. With database/sql and lib/pq, which gives no access to its
+// connection, it has no effect: every lock has a session of its own.
+func WithSharedSessions(n int) Option {
+	return func(o *config.Options) {
+		if n >= 0 {
+			o.SharedSessions = n
+		}
+	}
+}

@@ -6,6 +6,7 @@ import (
 
 	"github.com/advlock/advlock/internal/pgxwait"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -19,6 +20,8 @@ func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 	}
 	return &pgxConn{c: c, Reader: pgxwait.Reader{PC: c.Conn().PgConn()}}, nil
 }
+
+func (pgxPool) Wires() bool { return true }
 
 // pgxConn is one pinned pgxpool connection. The embedded Reader keeps the PgConn, which c forgets once released.
 type pgxConn struct {
@@ -50,3 +53,5 @@ func (a *pgxConn) Destroy() {
 	defer cancel()
 	_ = conn.Close(ctx)
 }
+
+func (a *pgxConn) Wire(f func(pc *pgconn.PgConn) error) error { return f(a.PC) }

@@ -32,6 +32,8 @@ import (
 	"github.com/advlock/advlock/internal/pgxwait"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // New returns a Locker over db, which the caller owns and closes after [advlock.Locker.Close]. A nil db gives a
@@ -65,6 +67,22 @@ func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
 	})
 	return a, nil
 }
+
+// Wires reports whether db's driver is pgx's (lib/pq gives no access to its connection).
+func (p *pool) Wires() bool {
+	_, ok := p.db.Driver().(*stdlib.Driver)
+	return ok
+}
+
+// Wire runs f inside Conn.Raw with pgx's connection; with other drivers it reports errNoWire.
+func (a *conn) Wire(f func(pc *pgconn.PgConn) error) error {
+	if a.pgx == nil {
+		return errNoWire
+	}
+	return a.c.Raw(func(any) error { return f(a.pgx.PC) })
+}
+
+var errNoWire = errors.New("advlock: this database/sql driver gives no access to its connection")
 
 // conn is one pinned *sql.Conn.
 type conn struct {

@@ -38,7 +38,7 @@ const harnessConns = 8
 // Backend is the conformance backend for Lockers over database/sql with driver.
 func Backend(driver, url, obsURL string) conformance.Backend {
 	return conformance.Backend{
-		Name: "database/sql+" + driver, URL: url, ObsURL: obsURL, EventDriven: driver == "pgx",
+		Name: "database/sql+" + driver, URL: url, ObsURL: obsURL, EventDriven: driver == "pgx", Shares: driver == "pgx",
 		Open: func(t *testing.T, url string, opts ...advlock.Option) conformance.Harness {
 			db := openDB(t, driver, url)
 			db.SetMaxOpenConns(harnessConns)

@@ -21,11 +21,15 @@ type Options struct {
 	Backend session.Pool
 	// Wrap wraps each connection (tests inject faults with it).
 	Wrap func(session.Conn) session.Conn
+	// UnlockKey changes the key each unlock is sent for (tests only: the server then answers false).
+	UnlockKey func(session.ID) session.ID
 	// Settings are applied once per proved physical connection (Open sets them).
 	Settings []session.Setting
+	// SharedSessions is how many shared sessions a Locker may open (0: a session per lock).
+	SharedSessions int
 }
 
 // Defaults returns the options before any Option is applied.
 func Defaults() Options {
-	return Options{Keepalive: session.DefaultKeepalive, ReleaseTimeout: 5 * time.Second}
+	return Options{Keepalive: session.DefaultKeepalive, ReleaseTimeout: 5 * time.Second, SharedSessions: 4}
 }

@@ -39,6 +39,8 @@ type Backend struct {
 	// Pooled: a pooler (PgBouncer) sits between; closing a client connection resets the server session (DISCARD
 	// ALL drops its advisory locks) instead of ending it.
 	Pooled bool
+	// Shares: the backend supports shared sessions; the suite then runs in both modes.
+	Shares bool
 	// NoCancel: the stress must not end a context while a statement runs. PgBouncer 1.18 to 1.20 can crash on the
 	// cancel request that lib/pq then sends (pgbouncer issue #822).
 	NoCancel bool
@@ -57,23 +59,33 @@ type Harness struct {
 }
 
 type suite struct {
-	be Backend
+	be     Backend
+	shared bool // Lockers use shared sessions (the default); else a session per lock
 }
 
-// Run runs the suite against be.
+// Run runs the suite against be: in both modes (shared sessions, the default, and a session per lock) when the
+// backend supports shared sessions, else in the second.
 func Run(t *testing.T, be Backend) {
 	if be.CancelIterations == 0 {
 		be.CancelIterations = 1000
 	}
-	s := &suite{be: be}
+	if !be.Shares {
+		(&suite{be: be}).run(t)
+		return
+	}
+	t.Run("shared", func(t *testing.T) { (&suite{be: be, shared: true}).run(t) })
+	t.Run("dedicated", func(t *testing.T) { (&suite{be: be}).run(t) })
+}
+
+func (s *suite) run(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		fn   func(*testing.T)
 	}{
-		{"DedicatedSessions", s.dedicatedSessions},
+		{"Sessions", s.sessions},
 		{"TryLockExclusion", s.tryLockExclusion},
 		{"LockWaits", s.lockWaits},
-		{"Shared", s.shared},
+		{"Shared", s.sharedMode},
 		{"Misuse", s.misuse},
 		{"CloseAbortsWaiters", s.closeAbortsWaiters},
 		{"ReleaseExact", s.releaseExact},
@@ -95,9 +107,17 @@ func Run(t *testing.T, be Backend) {
 func (s *suite) observer(t *testing.T) *pgx.Conn { return pgtest.Conn(t, s.be.ObsURL) }
 
 func (s *suite) open(t *testing.T, opts ...advlock.Option) Harness {
-	h := s.be.Open(t, s.be.URL, opts...)
+	h := s.openURL(t, s.be.URL, opts...)
 	t.Cleanup(h.L.Close)
 	return h
+}
+
+// openURL makes a Locker of the suite's mode on url; it is not closed by the test's end (the harness' pool is).
+func (s *suite) openURL(t *testing.T, url string, opts ...advlock.Option) Harness {
+	if !s.shared {
+		opts = append([]advlock.Option{advlock.WithSharedSessions(0)}, opts...)
+	}
+	return s.be.Open(t, url, opts...)
 }
 
 // Key returns an Int64Key no other test uses.
@@ -190,7 +210,10 @@ func noIdleLocks(t *testing.T, h Harness, obs *pgx.Conn) {
 	}
 }
 
-func (s *suite) dedicatedSessions(t *testing.T) {
+// sessions: with a session per lock, each held lock pins its own connection; with shared sessions, locks taken
+// one after another share one session and pin one connection for the Locker. Either way a clean unlock leaves
+// nothing held and no pooled connection holding anything.
+func (s *suite) sessions(t *testing.T) {
 	h, obs := s.open(t), s.observer(t)
 	ctx := ctxT(t, 10*time.Second)
 	var locks []*advlock.Lock
@@ -203,11 +226,15 @@ func (s *suite) dedicatedSessions(t *testing.T) {
 		locks = append(locks, lk)
 		pids[pidOf(t, obs, lk.Key())] = true
 	}
-	if len(pids) != 3 {
-		t.Errorf("3 locks on %d server sessions, want 3", len(pids))
+	want := 3
+	if s.shared {
+		want = 1
 	}
-	if n := h.InUse(); n != 3 {
-		t.Errorf("%d connections in use while 3 locks are held, want 3", n)
+	if len(pids) != want {
+		t.Errorf("3 locks on %d server sessions, want %d", len(pids), want)
+	}
+	if n := h.InUse(); n != want {
+		t.Errorf("%d connections in use while 3 locks are held, want %d", n, want)
 	}
 	for _, lk := range locks {
 		if err := lk.Unlock(ctx); err != nil {
@@ -217,11 +244,17 @@ func (s *suite) dedicatedSessions(t *testing.T) {
 			t.Errorf("after Unlock, pg_locks shows %v holding %s", p, lk.Key())
 		}
 	}
-	if n := h.InUse(); n != 0 {
-		t.Errorf("%d connections still in use after every Unlock", n)
-	}
-	if len(h.Idle(t)) == 0 {
-		t.Error("no idle connection after clean unlocks: sessions were closed instead of pooled")
+	if s.shared {
+		if n := h.InUse(); n != 1 {
+			t.Errorf("%d connections in use after every Unlock, want the shared session's 1", n)
+		}
+	} else {
+		if n := h.InUse(); n != 0 {
+			t.Errorf("%d connections still in use after every Unlock", n)
+		}
+		if len(h.Idle(t)) == 0 {
+			t.Error("no idle connection after clean unlocks: sessions were closed instead of pooled")
+		}
 	}
 	noIdleLocks(t, h, obs)
 }
@@ -337,7 +370,7 @@ func (s *suite) lockWaits(t *testing.T) {
 	noIdleLocks(t, h, obs)
 }
 
-func (s *suite) shared(t *testing.T) {
+func (s *suite) sharedMode(t *testing.T) {
 	h, other, obs := s.open(t), s.open(t), s.observer(t)
 	ctx := ctxT(t, 30*time.Second)
 	k := Key(t)
@@ -353,8 +386,10 @@ func (s *suite) shared(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p := holders(t, obs, k); len(p) != 3 {
-		t.Errorf("3 shared holders, pg_locks shows %v", p)
+	// One row per session: three sessions of their own, or two shared sessions (the first Locker's two holders
+	// stack on one session, PostgreSQL counting them).
+	if p := holders(t, obs, k); !s.shared && len(p) != 3 || s.shared && len(p) != 2 {
+		t.Errorf("3 shared holders (shared sessions: %v), pg_locks shows %v", s.shared, p)
 	}
 	if _, err := other.L.TryLock(ctx, k); !errors.Is(err, advlock.ErrNotAcquired) {
 		t.Errorf("TryLock against shared holders: %v, want ErrNotAcquired", err)
@@ -399,7 +434,7 @@ func (s *suite) misuse(t *testing.T) {
 	if err := lk.Unlock(ctx); !errors.Is(err, advlock.ErrNotHeld) {
 		t.Errorf("second Unlock: %v, want ErrNotHeld", err)
 	}
-	h2 := s.be.Open(t, s.be.URL)
+	h2 := s.openURL(t, s.be.URL)
 	held, err := h2.L.TryLock(ctx, Key(t))
 	if err != nil {
 		t.Fatal(err)
@@ -431,7 +466,7 @@ func (s *suite) closeAbortsWaiters(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := s.be.Open(t, s.be.URL)
+	h := s.openURL(t, s.be.URL)
 	errc := make(chan error, 2)
 	go func() { _, err := h.L.Lock(ctx, k); errc <- err }() // waits in the server
 	waitQueued(t, obs, k)
@@ -455,14 +490,11 @@ func (s *suite) closeAbortsWaiters(t *testing.T) {
 	noIdleLocks(t, h, obs)
 }
 
-// wrongUnlock makes the unlock statement release a different key, so the server really answers false.
-type wrongUnlock struct{ session.Conn }
-
-func (w wrongUnlock) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
-	if strings.Contains(sql, "unlock") {
-		args = []any{int64(-42)}
+// wrongUnlock makes every unlock release a different key, so that the server really answers false.
+func wrongUnlock() advlock.Option {
+	return func(o *config.Options) {
+		o.UnlockKey = func(session.ID) session.ID { return session.ID{V: -42} }
 	}
-	return w.Conn.QueryInt(ctx, sql, args...)
 }
 
 // proxied opens a Locker whose connections pass through a fault-injecting proxy in front of be.URL.
@@ -477,15 +509,14 @@ func (s *suite) proxied(t *testing.T, opts ...advlock.Option) (Harness, *faults.
 	q := u.Query()
 	q.Set("connect_timeout", "2")
 	u.RawQuery = q.Encode()
-	h := s.be.Open(t, u.String(), opts...)
+	h := s.openURL(t, u.String(), opts...)
 	t.Cleanup(h.L.Close)
 	return h, p
 }
 
 func (s *suite) releaseExact(t *testing.T) {
 	t.Run("unlock returns false", func(t *testing.T) {
-		wrap := WithWrap(func(c session.Conn) session.Conn { return wrongUnlock{c} })
-		h, obs := s.open(t, wrap), s.observer(t)
+		h, obs := s.open(t, wrongUnlock()), s.observer(t)
 		ctx := ctxT(t, 10*time.Second)
 		lk, err := h.L.TryLock(ctx, Key(t))
 		if err != nil {
@@ -500,43 +531,62 @@ func (s *suite) releaseExact(t *testing.T) {
 		waitFree(t, obs, lk.Key())
 		noIdleLocks(t, h, obs)
 	})
-	t.Run("cancelled ctx", func(t *testing.T) {
-		h, obs := s.open(t), s.observer(t)
-		lk, err := h.L.TryLock(ctxT(t, 10*time.Second), Key(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		pid := pidOf(t, obs, lk.Key())
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		err = lk.Unlock(ctx)
-		if !errors.Is(err, advlock.ErrUnlockFailed) || !errors.Is(err, context.Canceled) {
-			t.Errorf("Unlock with a cancelled ctx: %v, want ErrUnlockFailed and context.Canceled", err)
-		}
-		s.waitClosed(t, obs, pid)
-		waitFree(t, obs, lk.Key())
-		noIdleLocks(t, h, obs)
-	})
-	t.Run("timeout", func(t *testing.T) {
-		h, p := s.proxied(t)
-		obs := s.observer(t)
-		lk, err := h.L.TryLock(ctxT(t, 10*time.Second), Key(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		pid := pidOf(t, obs, lk.Key())
-		p.Latency(300 * time.Millisecond)
-		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
-		defer cancel()
-		err = lk.Unlock(ctx)
-		p.Latency(0)
-		if !errors.Is(err, advlock.ErrUnlockFailed) || !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("Unlock that timed out: %v, want ErrUnlockFailed and DeadlineExceeded", err)
-		}
-		s.waitClosed(t, obs, pid)
-		waitFree(t, obs, lk.Key())
-		noIdleLocks(t, h, obs)
-	})
+	// An unlock whose ctx has ended (or ends while it is on the wire): with a session per lock the session is
+	// closed (ErrUnlockFailed), which releases the key; a shared session is never destroyed for a caller's ctx: the
+	// unlock goes out anyway and is answered, the key is freed and the session's other locks stay held.
+	for _, tc := range []struct {
+		name    string
+		latency time.Duration
+		ctx     func() (context.Context, context.CancelFunc)
+		want    error
+	}{
+		{"cancelled ctx", 0, func() (context.Context, context.CancelFunc) {
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel()
+			return ctx, cancel
+		}, context.Canceled},
+		{"timeout", 300 * time.Millisecond, func() (context.Context, context.CancelFunc) {
+			return context.WithTimeout(context.Background(), 50*time.Millisecond)
+		}, context.DeadlineExceeded},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, p := s.proxied(t)
+			obs := s.observer(t)
+			lk, err := h.L.TryLock(ctxT(t, 10*time.Second), Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			other, err := h.L.TryLock(ctxT(t, 10*time.Second), Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			pid := pidOf(t, obs, lk.Key())
+			p.Latency(tc.latency)
+			ctx, cancel := tc.ctx()
+			defer cancel()
+			err = lk.Unlock(ctx)
+			p.Latency(0)
+			if s.shared {
+				if err != nil {
+					t.Errorf("Unlock on a shared session with an ended ctx: %v, want nil (the unlock is sent and answered)", err)
+				}
+				waitFree(t, obs, lk.Key())
+				if pidOf(t, obs, other.Key()) != pid || other.Err() != nil {
+					t.Errorf("the shared session's other lock was disturbed: Err %v", other.Err())
+				}
+			} else {
+				if !errors.Is(err, advlock.ErrUnlockFailed) || !errors.Is(err, tc.want) {
+					t.Errorf("Unlock with an ended ctx: %v, want ErrUnlockFailed and %v", err, tc.want)
+				}
+				s.waitClosed(t, obs, pid)
+				waitFree(t, obs, lk.Key())
+			}
+			if err := other.Unlock(ctxT(t, 10*time.Second)); err != nil {
+				t.Fatal(err)
+			}
+			noIdleLocks(t, h, obs)
+		})
+	}
 }
 
 func (s *suite) cancelRace(t *testing.T) {
@@ -656,6 +706,7 @@ func (s *suite) lostOnTerminate(t *testing.T) {
 	if err := lk.Unlock(ctx); !errors.Is(err, advlock.ErrLockLost) {
 		t.Errorf("Unlock of a lost lock: %v, want ErrLockLost", err)
 	}
+	waitFree(t, obs, lk.Key())               // the backend sends FATAL before it exits and drops its locks
 	again, err := h.L.TryLock(ctx, lk.Key()) // the in-process slot is free again
 	if err != nil {
 		t.Fatal(err)
@@ -735,7 +786,7 @@ func (s *suite) databaseDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	u.Host = addr
-	h := s.be.Open(t, u.String())
+	h := s.openURL(t, u.String())
 	defer h.L.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()

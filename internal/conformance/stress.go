@@ -42,6 +42,7 @@ func StressDuration(t *testing.T) time.Duration {
 type interval struct {
 	start, end time.Time
 	shared     bool
+	how        string // the call that took it, for the report
 }
 
 type stressRun struct {
@@ -119,7 +120,7 @@ func (s *suite) stress(t *testing.T) {
 // round runs the 24 goroutines against one Locker for total/2; round 0 closes the Locker midway.
 func (r *stressRun) round(t *testing.T, round int, total time.Duration, obs *pgx.Conn) {
 	s := r.s
-	h := s.be.Open(t, s.be.URL, advlock.WithKeepalive(250*time.Millisecond), advlock.WithReleaseTimeout(2*time.Second))
+	h := s.openURL(t, s.be.URL, advlock.WithKeepalive(250*time.Millisecond), advlock.WithReleaseTimeout(2*time.Second))
 	closeStarted := make(chan struct{})
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
@@ -219,7 +220,7 @@ func (r *stressRun) op(l *advlock.Locker, rng *mrand.Rand, closed func() bool) {
 		uctx, ucancel = context.WithTimeout(uctx, time.Duration(rng.IntN(1000))*time.Microsecond)
 	}
 	defer ucancel()
-	r.judgeUnlock(lk.Unlock(uctx), uctx, closed, k, interval{start: start, end: end, shared: lk.Shared()})
+	r.judgeUnlock(lk.Unlock(uctx), uctx, closed, k, interval{start: start, end: end, shared: lk.Shared(), how: fmt.Sprint("op ", kind)})
 }
 
 func (r *stressRun) do(l *advlock.Locker, k advlock.Key, rng *mrand.Rand, closed func() bool) {
@@ -228,7 +229,7 @@ func (r *stressRun) do(l *advlock.Locker, k advlock.Key, rng *mrand.Rand, closed
 		ctx, cancel = context.WithCancel(context.Background())
 	}
 	defer cancel()
-	var iv interval
+	iv := interval{how: "Do"}
 	ran := false
 	err := l.Do(ctx, k, func(fctx context.Context) error {
 		ran = true
@@ -307,16 +308,22 @@ func (r *stressRun) judgeUnlock(err error, ctx context.Context, closed func() bo
 func (r *stressRun) checkOverlaps() {
 	for k, ivs := range r.clean {
 		slices.SortFunc(ivs, func(a, b interval) int { return a.start.Compare(b.start) })
-		var maxAny, maxExcl time.Time
+		var maxAny, maxExcl interval
 		for _, iv := range ivs {
-			if iv.start.Before(maxExcl) || !iv.shared && iv.start.Before(maxAny) {
-				r.violation("%s: two confirmed critical sections overlap (one starting %s)", k, iv.start.Format(time.StampMicro))
+			if iv.start.Before(maxExcl.end) || !iv.shared && iv.start.Before(maxAny.end) {
+				other := maxExcl
+				if !iv.start.Before(maxExcl.end) {
+					other = maxAny
+				}
+				r.violation("%s: two confirmed critical sections overlap: %s %s..%s (shared %v) and %s %s..%s (shared %v)", k,
+					other.how, other.start.Format(time.StampMicro), other.end.Format(time.StampMicro), other.shared,
+					iv.how, iv.start.Format(time.StampMicro), iv.end.Format(time.StampMicro), iv.shared)
 			}
-			if iv.end.After(maxAny) {
-				maxAny = iv.end
+			if iv.end.After(maxAny.end) {
+				maxAny = iv
 			}
-			if !iv.shared && iv.end.After(maxExcl) {
-				maxExcl = iv.end
+			if !iv.shared && iv.end.After(maxExcl.end) {
+				maxExcl = iv
 			}
 		}
 	}

@@ -14,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Conn is one database session pinned from a pool for the life of one lock.
@@ -54,11 +56,17 @@ type Conn interface {
 	// Destroy closes the network connection at once (the server then ends the backend and drops its locks) and
 	// makes the pool forget it. It must not block on the network.
 	Destroy()
+	// Wire runs f with the connection's *pgconn.PgConn for as long as f runs (nothing else uses the connection
+	// meanwhile) and returns f's error, where the driver gives that access (pgxpool; database/sql with pgx's
+	// driver); elsewhere it returns an error without calling f. Shared sessions drive the protocol through it.
+	Wire(f func(pc *pgconn.PgConn) error) error
 }
 
 // Pool hands out sessions.
 type Pool interface {
 	Acquire(ctx context.Context) (Conn, error)
+	// Wires reports whether its connections' Wire works, which shared sessions need.
+	Wires() bool
 }
 
 // Config tunes a session.
@@ -72,6 +80,8 @@ type Config struct {
 	Starter *Starter
 	// Waits, when set, lets Close abort lock statements that wait in the server.
 	Waits *Waits
+	// UnlockKey, in tests only, changes the key an unlock is sent for, so that the server really answers false.
+	UnlockKey func(ID) ID
 	// Settings are applied (SET, session level) once per physical connection, once it is proved to be a server
 	// session of its own (direct, or pinned by a pooler in session mode), never through a transaction-mode
 	// pooler, where they would stay on a server session that other clients then use. Names and values are SQL
@@ -108,7 +118,9 @@ type Session struct {
 	granted    time.Time // when the lock was granted (set by starter.add)
 	watchDone  chan struct{}
 	released   atomic.Bool
-	onLost     func()
+	onEnd      func()
+	endOnce    sync.Once
+	unlockKey  func(ID) ID
 }
 
 // Acquire pins a connection from pool and locks t on it. With wait it blocks in the server until granted or ctx
@@ -117,8 +129,8 @@ type Session struct {
 // On any error, or when ctx ended while the statement ran, the connection is destroyed, never pooled: a grant can
 // race a cancel (the server grants, then reports the cancel), and a late cancel can hit a later statement.
 //
-// onLost, if not nil, is called once from the watcher goroutine right after the lock is found lost.
-func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onLost func()) (*Session, error) {
+// onEnd, if not nil, is called once when the lock ends, however it ends (released, lost, closed).
+func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onEnd func()) (*Session, error) {
 	conn, err := cfg.Waits.acquire(ctx, pool)
 	if err != nil {
 		if errors.Is(err, ErrClosed) {
@@ -177,7 +189,8 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		return nil, fmt.Errorf("advlock: unexpected lock result %d; session closed", r)
 	}
 
-	s := &Session{conn: conn, target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{}), onLost: onLost}
+	s := &Session{conn: conn, target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{}), onEnd: onEnd,
+		unlockKey: cfg.UnlockKey}
 	if s.keepalive <= 0 {
 		s.keepalive = DefaultKeepalive
 	}
@@ -264,9 +277,6 @@ func (s *Session) Done() <-chan struct{} { return s.ctx.Done() }
 // Err is nil while the lock is held; afterwards it says why it ended.
 func (s *Session) Err() error { return context.Cause(s.ctx) }
 
-// Context ends with the lock; its cause is Err.
-func (s *Session) Context() context.Context { return s.ctx }
-
 // watch owns the idle connection while the lock is held. A FATAL from the server (terminate, idle timeout,
 // shutdown) or a closed socket ends Wait at once; a keepalive with a deadline bounds silent network loss.
 //
@@ -308,13 +318,23 @@ func (s *Session) watch() {
 			err = fmt.Errorf("keepalive: %w", err)
 		}
 		s.conn.Destroy()
-		s.end(fmt.Errorf("%w: %w", ErrLockLost, err))
-		if s.onLost != nil {
-			s.onLost()
-		}
+		s.finish(fmt.Errorf("%w: %w", ErrLockLost, err))
 		return
 	}
 }
+
+// finish ends the lock with cause and tells the owner, once.
+func (s *Session) finish(cause error) {
+	s.endOnce.Do(func() {
+		s.end(cause)
+		if s.onEnd != nil {
+			s.onEnd()
+		}
+	})
+}
+
+// AfterEnd arranges for f to run once the lock ends; stop cancels that.
+func (s *Session) AfterEnd(f func()) (stop func() bool) { return context.AfterFunc(s.ctx, f) }
 
 func (s *Session) stopRequested() bool {
 	s.watchMu.Lock()
@@ -352,12 +372,16 @@ func (s *Session) Release(ctx context.Context, after error) error {
 	if err := s.Err(); err != nil {
 		return err // lost; the watcher destroyed the connection
 	}
-	sql, args := UnlockSQL(s.target)
+	t := s.target
+	if s.unlockKey != nil {
+		t.ID = s.unlockKey(t.ID)
+	}
+	sql, args := UnlockSQL(t)
 	r, err := s.conn.QueryInt(ctx, sql, args...)
 	switch {
 	case err == nil && r == resultAcquired && ctx.Err() == nil:
 		s.conn.Release()
-		s.end(after)
+		s.finish(after)
 		return nil
 	case err == nil && r == resultNotHeld:
 		err = fmt.Errorf("%w: pg_advisory_unlock returned false: this session no longer held the key; session closed", ErrLockLost)
@@ -372,7 +396,7 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		err = WithContext(ctx, fmt.Errorf("%w: %w", ErrUnlockFailed, err))
 	}
 	s.conn.Destroy()
-	s.end(err)
+	s.finish(err)
 	return err
 }
 

@@ -1,0 +1,573 @@
+package session
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+)
+
+// A Mux is a shared session: one server session holding many locks, for many callers at once.
+//
+//	callers --> queue --> one round trip at a time: everything queued while the previous one was on the wire
+//	                      goes out together, as one Bind/Execute of a prepared statement over arrays (no timer:
+//	                      a lone caller goes out at once, from its own goroutine)
+//	socket  <-- reader:   always reading; answers are matched to requests by position; a FATAL, EOF or a round
+//	                      trip not answered within the bound ends every lock on the session at once
+//
+// Only statements that never wait go on a Mux: tries and unlocks. A wait for a key held elsewhere happens on a
+// session of its own ([Acquire]). Errors in a round trip: rows answered before the failing one are applied (the
+// server sends rows as it produces them), a row that failed for lack of lock-table space (53200) fails that caller
+// alone with ErrLockTableFull, rows after it go out again; any other error leaves the session in doubt, so it is
+// destroyed and its locks are reported lost.
+type Mux struct {
+	conn      Conn
+	nc        net.Conn
+	bound     time.Duration // how long a round trip may stay unanswered, and how long the session may stay silent
+	ready     chan error    // the reader's setup result
+	exit      chan struct{} // closed when the reader has returned and the connection is destroyed
+	gone      func(*Mux)    // tells the owner the Mux died (called once, from the reader)
+	unlockKey func(ID) ID   // tests only
+
+	mu       sync.Mutex
+	queue    []*req // not yet sent
+	wire     []*req // on the wire, in order (nil for a keepalive)
+	busy     bool   // a round trip is on the wire
+	sentAt   time.Time
+	dead     error // once set, the Mux takes nothing more
+	closing  bool
+	held     map[*Held]struct{}
+	results  []int64 // per position of the round trip on the wire; -1 = no answer yet
+	batchErr error
+}
+
+// Operations of the mux statement. The pair variants add 4.
+const (
+	opTry = iota + 1
+	opTryShared
+	opUnlock
+	opUnlockShared
+	opPair = 4
+)
+
+// isTry reports whether op takes a lock (the others release one).
+func isTry(op int16) bool { return (op-1)%opPair < opUnlock-1 }
+
+const muxStmt = "advlock_mux_1"
+
+// muxSQL answers each (op, key) with 1 or 0, with its position. Pairs travel as one int8: high 32 bits, low 32
+// bits, each a signed int4 (the shifts are arithmetic).
+const muxSQL = `SELECT t.i, CASE t.op
+ WHEN 1 THEN pg_try_advisory_lock(t.k)::int
+ WHEN 2 THEN pg_try_advisory_lock_shared(t.k)::int
+ WHEN 3 THEN pg_advisory_unlock(t.k)::int
+ WHEN 4 THEN pg_advisory_unlock_shared(t.k)::int
+ WHEN 5 THEN pg_try_advisory_lock((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
+ WHEN 6 THEN pg_try_advisory_lock_shared((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
+ WHEN 7 THEN pg_advisory_unlock((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
+ WHEN 8 THEN pg_advisory_unlock_shared((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
+ END FROM unnest($1::int2[], $2::int8[]) WITH ORDINALITY AS t(op, k, i)`
+
+type req struct {
+	op   int16
+	key  int64
+	res  int64
+	err  error
+	done chan struct{}
+	h    *Held // for an unlock: the lock it ends; for a try: filled in when granted
+	hook func(r *req)
+}
+
+// ErrMuxGone is what a request that never reached the server gets when its Mux died first: the caller may try
+// another.
+var ErrMuxGone = fmt.Errorf("advlock: shared session ended before the request was sent (%w)", errSessionEnded)
+
+// OpenMux pins conn (already verified, with settings applied) as a shared session. bound limits how long a round
+// trip may stay unanswered and the session silent (the keepalive interval). gone is called once when it dies.
+// unlockKey is a test hook (see Config.UnlockKey).
+func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux), unlockKey func(ID) ID) (*Mux, error) {
+	// The connection is the caller's until the reader takes it: on any error here it is ours to end.
+	if r, err := conn.QueryInt(ctx, "SELECT pg_is_in_recovery()::int"); err != nil {
+		conn.Destroy()
+		return nil, fmt.Errorf("check server: %w", err)
+	} else if r == 1 {
+		conn.Release() // nothing was taken on it
+		return nil, ErrStandby
+	}
+	m := &Mux{conn: conn, bound: bound, ready: make(chan error, 1), exit: make(chan struct{}), gone: gone,
+		held: map[*Held]struct{}{}, unlockKey: unlockKey}
+	go func() {
+		err := conn.Wire(func(pc *pgconn.PgConn) error { return m.run(ctx, pc) })
+		m.conn.Destroy() // never pooled: it held many locks, and its prepared statement is ours
+		m.mu.Lock()
+		if m.dead == nil {
+			m.dead = err
+		}
+		m.mu.Unlock()
+		close(m.exit)
+	}()
+	select {
+	case err := <-m.ready:
+		if err != nil {
+			<-m.exit
+			return nil, err
+		}
+		return m, nil
+	case <-m.exit:
+		return nil, m.dead
+	}
+}
+
+// run owns the connection for the Mux's life: it prepares the statement, then reads.
+func (m *Mux) run(ctx context.Context, pc *pgconn.PgConn) error {
+	if _, err := pc.Prepare(ctx, muxStmt, muxSQL, nil); err != nil {
+		err = fmt.Errorf("prepare shared session: %w", TranslateErr(err))
+		m.ready <- err
+		return err
+	}
+	m.nc = pc.Conn()
+	fe := pc.Frontend()
+	m.ready <- nil
+	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
+	for {
+		msg, err := fe.Receive()
+		if err != nil {
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				if err := m.onTimeout(); err != nil {
+					return m.die(err)
+				}
+				continue
+			}
+			return m.die(fmt.Errorf("session ended: %w", err))
+		}
+		switch msg := msg.(type) {
+		case *pgproto3.DataRow:
+			if len(msg.Values) != 2 {
+				return m.die(errors.New("shared session: unexpected row"))
+			}
+			i, err1 := strconv.ParseInt(string(msg.Values[0]), 10, 64)
+			r, err2 := strconv.ParseInt(string(msg.Values[1]), 10, 64)
+			if err1 != nil || err2 != nil || i < 1 || int(i) > len(m.results) {
+				return m.die(errors.New("shared session: unexpected row"))
+			}
+			m.results[i-1] = r
+		case *pgproto3.ErrorResponse:
+			pgErr := pgconn.ErrorResponseToPgError(msg)
+			if msg.Severity == "FATAL" || msg.Severity == "PANIC" {
+				return m.die(fmt.Errorf("session ended: %w", TranslateErr(pgErr)))
+			}
+			m.batchErr = TranslateErr(pgErr)
+		case *pgproto3.ReadyForQuery:
+			if err := m.complete(); err != nil {
+				return m.die(err)
+			}
+		case *pgproto3.BindComplete, *pgproto3.CommandComplete, *pgproto3.NoticeResponse,
+			*pgproto3.ParameterStatus, *pgproto3.NotificationResponse:
+		default:
+			return m.die(fmt.Errorf("shared session: unexpected %T", msg))
+		}
+	}
+}
+
+// onTimeout handles a read deadline: a silent idle session gets a keepalive round trip; a round trip unanswered
+// past the bound ends the session.
+func (m *Mux) onTimeout() error {
+	m.mu.Lock()
+	if m.busy {
+		left := m.bound - time.Since(m.sentAt)
+		m.mu.Unlock()
+		if left > 0 {
+			_ = m.nc.SetReadDeadline(time.Now().Add(left))
+			return nil
+		}
+		return fmt.Errorf("keepalive: no answer within %v", m.bound)
+	}
+	m.busy, m.wire, m.results, m.sentAt = true, nil, m.results[:0], time.Now()
+	m.mu.Unlock()
+	buf, _ := (&pgproto3.Sync{}).Encode(nil) // a keepalive: the server answers ReadyForQuery
+	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
+	if _, err := m.nc.Write(buf); err != nil {
+		return fmt.Errorf("keepalive: %w", err)
+	}
+	return nil
+}
+
+// complete settles the round trip on the wire and sends whatever queued meanwhile.
+func (m *Mux) complete() error {
+	m.mu.Lock()
+	wire, results, batchErr := m.wire, m.results, m.batchErr
+	m.wire, m.batchErr = nil, nil
+	failed := -1 // the request whose row failed; those after it never ran
+	var retry []*req
+	for i, r := range wire {
+		switch {
+		case results[i] >= 0:
+			r.res = results[i]
+		case failed >= 0:
+			retry = append(retry, r)
+		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && isTry(r.op):
+			r.err, failed = batchErr, i // no lock-table space for this try: it took nothing
+		default:
+			m.mu.Unlock()
+			if batchErr == nil {
+				batchErr = errors.New("a request got no answer")
+			}
+			return fmt.Errorf("shared session in doubt: %w", batchErr)
+		}
+	}
+	if len(retry) > 0 {
+		m.queue = append(retry, m.queue...)
+	}
+	next := m.takeLocked()
+	closing := m.closing && next == nil
+	m.mu.Unlock()
+	for i, r := range wire {
+		if failed < 0 || i <= failed {
+			m.answered(r)
+		}
+	}
+	switch {
+	case next != nil:
+		return m.send(next)
+	case closing:
+		return ErrClosed
+	}
+	return nil
+}
+
+// answered runs r's hook (which records a grant or a release while the reader still orders events) and wakes
+// its caller.
+func (m *Mux) answered(r *req) {
+	if r.hook != nil {
+		r.hook(r)
+	}
+	close(r.done)
+}
+
+// takeLocked takes everything queued as the next round trip, marking the Mux busy; nil when nothing is queued.
+func (m *Mux) takeLocked() []*req {
+	if len(m.queue) == 0 {
+		m.busy = false
+		return nil
+	}
+	batch := m.queue
+	m.queue = nil
+	m.busy, m.wire, m.sentAt = true, batch, time.Now()
+	if cap(m.results) < len(batch) {
+		m.results = make([]int64, len(batch))
+	}
+	m.results = m.results[:len(batch)]
+	for i := range m.results {
+		m.results[i] = -1
+	}
+	return batch
+}
+
+// send writes one round trip. Only the party that took the batch (and so set busy) writes.
+func (m *Mux) send(batch []*req) error {
+	ops, keys := make([]byte, 1, 4*len(batch)+2), make([]byte, 1, 21*len(batch)+2)
+	ops[0], keys[0] = '{', '{'
+	for i, r := range batch {
+		if i > 0 {
+			ops, keys = append(ops, ','), append(keys, ',')
+		}
+		ops = strconv.AppendInt(ops, int64(r.op), 10)
+		keys = strconv.AppendInt(keys, r.key, 10)
+	}
+	ops, keys = append(ops, '}'), append(keys, '}')
+	buf, err := (&pgproto3.Bind{PreparedStatement: muxStmt, Parameters: [][]byte{ops, keys}}).Encode(nil)
+	if err == nil {
+		buf, err = (&pgproto3.Execute{}).Encode(buf)
+	}
+	if err == nil {
+		buf, err = (&pgproto3.Sync{}).Encode(buf)
+	}
+	if err != nil {
+		return err
+	}
+	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
+	if _, err := m.nc.Write(buf); err != nil {
+		return fmt.Errorf("session ended: %w", err)
+	}
+	return nil
+}
+
+// do queues r and, if no round trip is on the wire, sends it at once from the caller's goroutine. It returns once
+// r is answered or the Mux died.
+func (m *Mux) do(r *req) {
+	r.done = make(chan struct{})
+	m.mu.Lock()
+	if m.dead != nil {
+		cause := m.dead
+		m.mu.Unlock()
+		r.err = ErrMuxGone
+		if !isTry(r.op) { // the session holding the lock is gone
+			r.err = fmt.Errorf("%w: %w", ErrLockLost, cause)
+		}
+		close(r.done)
+		return
+	}
+	m.queue = append(m.queue, r)
+	var batch []*req
+	if !m.busy {
+		batch = m.takeLocked()
+	}
+	m.mu.Unlock()
+	if batch != nil {
+		if err := m.send(batch); err != nil {
+			m.kill(err)
+		}
+	}
+	<-r.done
+}
+
+// kill ends the Mux from any goroutine: its socket is closed, so the reader returns and settles everything.
+func (m *Mux) kill(cause error) {
+	m.mu.Lock()
+	if m.dead == nil {
+		m.dead = cause
+	}
+	m.mu.Unlock()
+	if m.nc != nil {
+		_ = m.nc.Close()
+	}
+}
+
+// die settles a dead Mux from the reader: requests on the wire fail (their effect is undone by the session's end),
+// queued ones fail with ErrMuxGone (never sent), and every lock held on it is lost.
+func (m *Mux) die(cause error) error {
+	_ = m.nc.Close()
+	if m.gone != nil {
+		m.gone(m) // first: no new request should come here
+	}
+	m.mu.Lock()
+	if m.dead != nil && !errors.Is(cause, ErrClosed) {
+		cause = m.dead // a kill's reason comes first
+	} else if m.dead == nil {
+		m.dead = cause
+	}
+	wire, queue := m.wire, m.queue
+	m.wire, m.queue, m.busy = nil, nil, false
+	held := make([]*Held, 0, len(m.held))
+	for h := range m.held {
+		held = append(held, h)
+	}
+	clear(m.held)
+	m.mu.Unlock()
+	for _, r := range wire { // a try's grant, if any, ended with the session
+		r.err = cause
+		if !isTry(r.op) {
+			r.err = fmt.Errorf("%w: %w", ErrLockLost, cause)
+		}
+		close(r.done)
+	}
+	for _, r := range queue {
+		r.err = ErrMuxGone
+		if !isTry(r.op) {
+			r.err = fmt.Errorf("%w: %w", ErrLockLost, cause)
+		}
+		close(r.done)
+	}
+	lost := fmt.Errorf("%w: %w", ErrLockLost, cause)
+	if errors.Is(cause, ErrClosed) {
+		lost = ErrClosed
+	}
+	for _, h := range held {
+		h.finish(lost)
+	}
+	return cause
+}
+
+// Try takes t on the Mux if no other session holds it. ctx is looked at before the request goes out; once out, the
+// answer comes within one round trip (or the Mux dies), and if ctx ended meanwhile a grant is undone. onEnd is
+// called once when the returned lock ends, however it ends.
+func (m *Mux) Try(ctx context.Context, t Target, onEnd func()) (*Held, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, WithContext(ctx, err)
+	}
+	op := int16(opTry)
+	if t.Shared {
+		op = opTryShared
+	}
+	if t.ID.Pair {
+		op += opPair
+	}
+	h := &Held{mux: m, target: t, done: make(chan struct{}), onEnd: onEnd}
+	r := &req{op: op, key: t.ID.V, hook: func(r *req) {
+		if r.err == nil && r.res == 1 {
+			m.mu.Lock()
+			m.held[h] = struct{}{}
+			m.mu.Unlock()
+		}
+	}}
+	m.do(r)
+	switch {
+	case r.err != nil:
+		return nil, r.err
+	case r.res != 1:
+		return nil, ErrNotAcquired
+	}
+	if ctx.Err() != nil { // granted after the caller gave up: give it back (the caller frees its slot)
+		h.mu.Lock()
+		h.onEnd = nil
+		h.mu.Unlock()
+		_ = h.Release(context.WithoutCancel(ctx), ErrNotHeld)
+		return nil, WithContext(ctx, errors.New("try finished after the context ended; released"))
+	}
+	return h, nil
+}
+
+// Close ends the Mux once its last round trip is answered; its locks are reported ErrClosed. It waits for the
+// reader to return.
+func (m *Mux) Close() {
+	m.mu.Lock()
+	m.closing = true
+	idle := !m.busy && len(m.queue) == 0
+	m.mu.Unlock()
+	if idle && m.nc != nil {
+		m.kill(ErrClosed)
+	}
+	<-m.exit
+}
+
+// Load is the number of locks held on the Mux.
+func (m *Mux) Load() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return len(m.held)
+}
+
+// state reports whether a round trip is on the wire, how many locks are held, and whether the Mux is dead.
+func (m *Mux) state() (busy bool, load int, dead bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.busy, len(m.held), m.dead != nil
+}
+
+// Held is one lock held on a Mux.
+type Held struct {
+	mux    *Mux
+	target Target
+	once   sync.Once
+	done   chan struct{}
+	err    error // set before done is closed
+	onEnd  func()
+	mu     sync.Mutex
+	after  []func()
+	rel    bool
+}
+
+// Done is closed when the lock is released or lost.
+func (h *Held) Done() <-chan struct{} { return h.done }
+
+// Err is nil while held; afterwards it says why it ended.
+func (h *Held) Err() error {
+	select {
+	case <-h.done:
+		return h.err
+	default:
+		return nil
+	}
+}
+
+// AfterEnd arranges for f to run once the lock ends (at once if it has); stop cancels that.
+func (h *Held) AfterEnd(f func()) (stop func() bool) {
+	h.mu.Lock()
+	select {
+	case <-h.done:
+		h.mu.Unlock()
+		go f()
+		return func() bool { return false }
+	default:
+	}
+	h.after = append(h.after, f)
+	i := len(h.after) - 1
+	h.mu.Unlock()
+	return func() bool {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		if i < len(h.after) && h.after[i] != nil {
+			h.after[i] = nil
+			return true
+		}
+		return false
+	}
+}
+
+func (h *Held) finish(err error) {
+	h.once.Do(func() {
+		h.err = err
+		h.mu.Lock()
+		close(h.done)
+		after, onEnd := h.after, h.onEnd
+		h.after = nil
+		h.mu.Unlock()
+		for _, f := range after {
+			if f != nil {
+				f()
+			}
+		}
+		if onEnd != nil {
+			onEnd()
+		}
+	})
+}
+
+// Release unlocks. The unlock goes out whatever ctx says (a shared session is never left in doubt for a caller's
+// deadline) and is answered within one round trip or the session dies. true -> only this lock ends (Err reports
+// after); false or an error -> the session is in doubt and is destroyed, every lock on it lost. A second call
+// returns ErrNotHeld.
+func (h *Held) Release(ctx context.Context, after error) error {
+	h.mu.Lock()
+	if h.rel {
+		h.mu.Unlock()
+		return ErrNotHeld
+	}
+	h.rel = true
+	h.mu.Unlock()
+	if err := h.Err(); err != nil {
+		return err
+	}
+	op := int16(opUnlock)
+	if h.target.Shared {
+		op = opUnlockShared
+	}
+	if h.target.ID.Pair {
+		op += opPair
+	}
+	m := h.mux
+	id := h.target.ID
+	if m.unlockKey != nil {
+		id = m.unlockKey(id)
+	}
+	r := &req{op: op, key: id.V, h: h, hook: func(r *req) {
+		if r.err == nil && r.res == 1 {
+			m.mu.Lock()
+			delete(m.held, h)
+			m.mu.Unlock()
+			h.finish(after)
+		}
+	}}
+	m.do(r)
+	switch {
+	case r.err != nil:
+		if err := h.Err(); err != nil {
+			return err // the session died and reported the loss
+		}
+		h.finish(r.err)
+		return r.err
+	case r.res != 1:
+		err := fmt.Errorf("%w: pg_advisory_unlock returned false on a shared session: it no longer held the key; session closed, its locks lost", ErrLockLost)
+		m.kill(err)
+		<-h.done
+		return h.Err()
+	}
+	return nil
+}
