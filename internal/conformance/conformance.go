@@ -98,6 +98,7 @@ func (s *suite) run(t *testing.T) {
 		{"UnlockDuringKeepalive", s.unlockDuringKeepalive},
 		{"CloseWhileAcquiring", s.closeWhileAcquiring},
 		{"UnlockRacingClose", s.unlockRacingClose},
+		{"TimedWaitsKeepSessions", s.timedWaitsKeepSessions},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, tc.fn)

@@ -230,3 +230,57 @@ func (s *suite) unlockRacingClose(t *testing.T) {
 		})
 	}
 }
+
+// timedWaitsKeepSessions: a Lock whose ctx deadline passes while the key is held elsewhere is ended by the server
+// (lock_timeout), so its session goes back to the pool: 30 such calls use at most 3 server sessions, each returns
+// an error matching context.DeadlineExceeded soon after its deadline, and nothing is left waiting or held.
+func (s *suite) timedWaitsKeepSessions(t *testing.T) {
+	holder, h, obs := s.open(t), s.open(t), s.observer(t)
+	k := Key(t)
+	hl, err := holder.L.TryLock(ctxT(t, 10*time.Second), k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, _ := k.Int64()
+	pids := map[uint32]bool{}
+	for i := range 30 {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		done := make(chan struct{})
+		go func() { // the waiter's server pid, from pg_locks, while it waits
+			defer close(done)
+			for ctx.Err() == nil {
+				rows, err := pgtest.Locks(context.Background(), obs)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				for _, r := range rows {
+					if r.Int64Key(v) && !r.Granted {
+						pids[r.PID] = true
+					}
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}()
+		start := time.Now()
+		_, err := h.L.Lock(ctx, k)
+		took := time.Since(start)
+		cancel()
+		<-done
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("call %d: Lock with a 100ms deadline on a held key: %v, want DeadlineExceeded", i, err)
+		}
+		if took > 3*time.Second {
+			t.Errorf("call %d returned %v after it began (deadline 100ms)", i, took)
+		}
+	}
+	if len(pids) == 0 || len(pids) > 3 {
+		t.Errorf("30 timed-out waits used %d server sessions %v, want 1 to 3", len(pids), pids)
+	}
+	t.Logf("30 timed-out waits used %d server session(s)", len(pids))
+	if err := hl.Unlock(ctxT(t, 10*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	waitFree(t, obs, k)
+	noIdleLocks(t, h, obs)
+}

@@ -151,6 +151,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	// One prepared statement: a try, or a wait in the server. Only when the session carries a statement_timeout
 	// or lock_timeout (a role or pool default) and the key is held does a second statement wait with them lifted.
+	// A wait whose ctx has a deadline is bounded by the server instead (timedWait).
 	sql, args := TrySQL(t)
 	if wait {
 		sql, args = LockSQL(t)
@@ -159,14 +160,26 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 			return nil, ErrClosed
 		}
 	}
-	r, err := conn.QueryInt(ctx, sql, args...)
-	if wait && err == nil && r == resultTimeouts {
-		r, err = conn.QueryInt(ctx, WaitSQL(t))
+	var r int64
+	deadline, timed := ctx.Deadline()
+	timed = timed && wait
+	if timed {
+		r, err = timedWait(ctx, conn, t, deadline)
+	} else {
+		r, err = conn.QueryInt(ctx, sql, args...)
+		if wait && err == nil && r == resultTimeouts {
+			r, err = conn.QueryInt(ctx, WaitSQL(t))
+		}
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
 		err = fmt.Errorf("%w: %w", ErrClosed, err) // Close aborted the wait
 	}
-	if err != nil || ctx.Err() != nil {
+	if timed && SQLState(err) == "55P03" && !errors.Is(err, ErrClosed) {
+		return nil, notGranted(ctx, conn, t, err)
+	}
+	// A grant that raced the deadline of a timed wait stands (the server answered within its bound); any other
+	// statement that finished after ctx ended is in doubt.
+	if err != nil || ctx.Err() != nil && !(timed && errors.Is(context.Cause(ctx), context.DeadlineExceeded)) {
 		conn.Destroy()
 		if wait && SQLState(err) == "" {
 			abandoned(conn)
@@ -201,6 +214,43 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	s.starter.add(s)
 	return s, nil
+}
+
+// timedWait waits for t in the server for as long as ctx's deadline allows: lock_timeout is set from it, so that
+// the server itself answers "not granted" (55P03) and the session stays usable, and the caller's deadline does not
+// cut the statement (which would cost the session, and could send a cancel request that reaches a later
+// statement). Only a server that does not answer within the deadline plus a margin, or a cancellation of ctx
+// other than its deadline, interrupts the statement.
+func timedWait(ctx context.Context, conn Conn, t Target, deadline time.Time) (int64, error) {
+	d := time.Until(deadline)
+	if d <= 0 {
+		return 0, context.DeadlineExceeded // nothing sent
+	}
+	qctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline.Add(min(2*time.Second, 250*time.Millisecond+d/10)))
+	defer cancel()
+	stop := context.AfterFunc(ctx, func() {
+		if !errors.Is(context.Cause(ctx), context.DeadlineExceeded) {
+			cancel()
+		}
+	})
+	defer stop()
+	ms := (d + time.Millisecond - 1) / time.Millisecond
+	return conn.QueryInt(qctx, TimedWaitSQL(t, int64(ms)))
+}
+
+// notGranted settles a timed wait the server ended (55P03): the grant can race the timeout (the server may have
+// granted the key just as the timeout fired, and the lock then survives the error), so the key is unlocked on the
+// session, which then holds nothing and goes back to its pool. Any doubt costs the session instead.
+func notGranted(ctx context.Context, conn Conn, t Target, err error) error {
+	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	sql, args := UnlockSQL(t)
+	if _, uerr := conn.QueryInt(uctx, sql, args...); uerr != nil {
+		conn.Destroy()
+	} else {
+		conn.Release()
+	}
+	return WithContext(ctx, fmt.Errorf("not granted before the deadline (the server's lock_timeout): %w", err))
 }
 
 // abandoned tells the server that the wait on conn (already destroyed) was given up, when conn is a direct

@@ -113,6 +113,17 @@ func WaitSQL(t Target) string {
 		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + fn + "(" + t.ID.literal() + ")::text) + 1 END"
 }
 
+// TimedWaitSQL is WaitSQL bounded by the server: lock_timeout is set to ms for the statement's implicit
+// transaction, so that a wait not granted in time ends with SQLSTATE 55P03 and the session stays usable.
+func TimedWaitSQL(t Target, ms int64) string {
+	fn := "pg_advisory_lock"
+	if t.Shared {
+		fn = "pg_advisory_lock_shared"
+	}
+	return "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; " +
+		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + fn + "(" + t.ID.literal() + ")::text) + 1 END"
+}
+
 // Transaction-scoped statements, indexed by [pair][shared]. They yield 1, 0 (try only) or -1 (standby).
 var (
 	xactTrySQL = [2][2]string{
