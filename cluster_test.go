@@ -120,6 +120,83 @@ func TestPrivateCluster(t *testing.T) {
 		}
 	})
 
+	// Shared sessions filled by the Locker itself: batches of tries from many goroutines run into a full table;
+	// only the try that found no space fails (ErrLockTableFull), every lock already held stays held, the rows after
+	// it go out again, and everything unlocks cleanly afterwards.
+	t.Run("lock table full, shared sessions", func(t *testing.T) {
+		ctx := ctxT(t, 60*time.Second)
+		l := New(pgtest.Pool(t, c.URL, nil), WithSharedSessions(2))
+		defer l.Close()
+		var mu sync.Mutex
+		var held []*Lock
+		var full int
+		var wg sync.WaitGroup
+		for range 16 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					lk, err := l.TryLock(ctx, key(t))
+					mu.Lock()
+					if err == nil {
+						held = append(held, lk)
+						mu.Unlock()
+						continue
+					}
+					mu.Unlock()
+					if !errors.Is(err, ErrLockTableFull) {
+						t.Errorf("TryLock filling the table: %v, want ErrLockTableFull", err)
+					}
+					mu.Lock()
+					full++
+					mu.Unlock()
+					return
+				}
+			}()
+		}
+		wg.Wait()
+		t.Logf("%d locks held when the table filled; %d calls refused", len(held), full)
+		if len(held) < 100 {
+			t.Fatalf("only %d locks before the table filled", len(held))
+		}
+		for _, lk := range held[:20] { // reading pg_locks needs lock-table space too
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		held = held[20:]
+		rows, err := pgtest.Locks(ctx, obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		granted := 0
+		for _, r := range rows {
+			if r.Granted {
+				granted++
+			}
+		}
+		if granted != len(held) {
+			t.Errorf("pg_locks shows %d granted advisory locks, the Locker holds %d", granted, len(held))
+		}
+		for _, lk := range held {
+			if lk.Err() != nil {
+				t.Fatalf("a held lock ended when the table filled: %v", lk.Err())
+			}
+		}
+		for _, lk := range held {
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		lk, err := l.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatalf("TryLock after the table emptied: %v", err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+	})
+
 	t.Run("idle_session_timeout", func(t *testing.T) {
 		ctx := ctxT(t, 30*time.Second)
 		if _, err := obs.Exec(ctx, "ALTER DATABASE postgres SET idle_session_timeout = '300ms'"); err != nil {

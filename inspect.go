@@ -100,3 +100,39 @@ func (li LockInfo) MarshalJSON() ([]byte, error) {
 	}{li.Key.String(), li.Mode(), li.Granted, li.WaitStart, blocked, li.PID, li.ApplicationName, li.ClientAddr,
 		start, li.State})
 }
+
+// LockTableUse is how full the server's shared lock table is. Every advisory lock takes an entry, in a table that
+// all databases and all lock types share; when it is full, every lock call fails with ErrLockTableFull and new
+// connections to the server fail too.
+type LockTableUse struct {
+	Advisory int // advisory locks held or awaited, in every database
+	Used     int // entries in use: every lock in pg_locks outside the per-backend fast path
+	// Capacity is the approximate size: max_locks_per_transaction * (max_connections + max_prepared_transactions +
+	// autovacuum_max_workers + max_worker_processes + max_wal_senders + 1). PostgreSQL sizes the table from this
+	// and can exceed it a little from spare shared memory.
+	Capacity int
+}
+
+const lockTableSQL = `
+SELECT count(*) FILTER (WHERE locktype = 'advisory'), count(*) FILTER (WHERE NOT fastpath),
+       current_setting('max_locks_per_transaction')::int * (current_setting('max_connections')::int +
+         current_setting('max_prepared_transactions')::int + current_setting('autovacuum_max_workers')::int +
+         current_setting('max_worker_processes')::int + current_setting('max_wal_senders')::int + 1)
+FROM pg_locks`
+
+// LockTable reads the server's lock-table use through conn (any role can read pg_locks). Reading pg_locks takes
+// every lock-partition lock for a moment: do not poll it in a tight loop.
+func LockTable(ctx context.Context, conn Querier) (LockTableUse, error) {
+	rows, err := conn.Query(ctx, lockTableSQL)
+	if err != nil {
+		return LockTableUse{}, fmt.Errorf("advlock: read the lock table: %w", err)
+	}
+	u, err := pgx.CollectExactlyOneRow(rows, func(r pgx.CollectableRow) (LockTableUse, error) {
+		var u LockTableUse
+		return u, r.Scan(&u.Advisory, &u.Used, &u.Capacity)
+	})
+	if err != nil {
+		return LockTableUse{}, fmt.Errorf("advlock: read the lock table: %w", err)
+	}
+	return u, nil
+}

@@ -77,3 +77,37 @@ func TestInspect(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// LockTable counts what this test holds against the server's approximate table size.
+func TestLockTable(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 10*time.Second)
+	before, err := LockTable(ctx, b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before.Capacity < 64*100 {
+		t.Errorf("capacity %d, want at least max_locks_per_transaction 64 x max_connections 100", before.Capacity)
+	}
+	var held []*Lock
+	for range 50 {
+		lk, err := b.l.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, lk)
+	}
+	after, err := LockTable(ctx, b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Other tests run at the same time against the same server: at least our 50 more.
+	if after.Advisory < 50 || after.Used < after.Advisory {
+		t.Errorf("with 50 more advisory locks held: %+v (before %+v)", after, before)
+	}
+	for _, lk := range held {
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -37,7 +37,7 @@ terminate a holder; 69 database unreachable; 2 usage error.
 	if bad {
 		return code
 	}
-	rows, err := inspect(ctx, conn, &key)
+	rows, _, err := inspect(ctx, conn, &key)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 		return exitUnavailable

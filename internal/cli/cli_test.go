@@ -98,6 +98,7 @@ func TestTable(t *testing.T) {
 	var b bytes.Buffer
 	printTable(&b, rows, now)
 	printTable(&b, nil, now)
+	printLockTable(&b, advlock.LockTableUse{Advisory: 5000, Used: 5012, Capacity: 7040})
 	golden(t, "ls-table.golden", b.String())
 }
 

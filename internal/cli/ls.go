@@ -38,7 +38,7 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 	if bad {
 		return code
 	}
-	rows, err := inspect(ctx, conn, filter)
+	rows, use, err := inspect(ctx, conn, filter)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: ls: %s\n", describe(err))
 		return exitUnavailable
@@ -53,14 +53,28 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 		return exitOK
 	}
 	printTable(std.Out, rows, time.Now())
+	if use != nil {
+		printLockTable(std.Out, *use)
+	}
 	return exitOK
 }
 
+// printLockTable writes the server's lock-table use in one line.
+func printLockTable(w io.Writer, u advlock.LockTableUse) {
+	pct := 0.0
+	if u.Capacity > 0 {
+		pct = 100 * float64(u.Used) / float64(u.Capacity)
+	}
+	fmt.Fprintf(w, "lock table: %d of about %d entries in use (%.1f%%), %d of them advisory locks in all databases\n",
+		u.Used, u.Capacity, pct, u.Advisory)
+}
+
 // inspect connects once and lists the advisory locks, those of key only when key is not nil.
-func inspect(ctx context.Context, conn string, key *advlock.Key) ([]advlock.LockInfo, error) {
+// It also reads the lock table's use (nil if that read failed: the listing matters more).
+func inspect(ctx context.Context, conn string, key *advlock.Key) ([]advlock.LockInfo, *advlock.LockTableUse, error) {
 	cfg, err := pgx.ParseConfig(conn)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = 10 * time.Second
@@ -68,12 +82,16 @@ func inspect(ctx context.Context, conn string, key *advlock.Key) ([]advlock.Lock
 	cfg.RuntimeParams["application_name"] = "advlock ls"
 	c, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer c.Close(context.WithoutCancel(ctx))
 	rows, err := advlock.Inspect(ctx, c)
+	var use *advlock.LockTableUse
+	if u, uerr := advlock.LockTable(ctx, c); uerr == nil {
+		use = &u
+	}
 	if err != nil || key == nil {
-		return rows, err
+		return rows, use, err
 	}
 	var out []advlock.LockInfo
 	for _, r := range rows {
@@ -82,7 +100,7 @@ func inspect(ctx context.Context, conn string, key *advlock.Key) ([]advlock.Lock
 			out = append(out, r)
 		}
 	}
-	return out, nil
+	return out, use, nil
 }
 
 // printTable writes rows as an aligned table for people; now dates the WAITING column.
