@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/advlock/advlock"
@@ -32,8 +33,12 @@ type contender struct {
 	// blocking: lock waits in the service; false for try-only contenders, which skip the contended workloads.
 	blocking bool
 	pg       bool // PostgreSQL-based (has a server session to terminate)
+	shares   bool // advlock with shared sessions: holds thousands of locks on a few connections
 	new      func(ctx context.Context) (client, error)
 }
+
+// sessionPerLock is advlock with WithSharedSessions(0): every lock on a session of its own.
+const sessionPerLock = "advlock Lock, session per lock"
 
 func pgKey(key string) int64 { v, _ := advlock.NameKey("bench-" + key).Int64(); return v }
 
@@ -54,19 +59,23 @@ func contenders(e *env) []contender {
 			p, err := pgxpool.New(ctx, e.poolURL)
 			return &rawPool{p: p}, err
 		}},
-		{name: "advlock TryLock", pg: true, new: func(ctx context.Context) (client, error) {
+		{name: "advlock TryLock", pg: true, shares: true, new: func(ctx context.Context) (client, error) {
 			p, err := pgxpool.New(ctx, e.poolURL)
 			return &advClient{p: p, l: advlock.New(p), try: true}, err
 		}},
-		{name: "advlock Lock", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+		{name: "advlock Lock", blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {
 			p, err := pgxpool.New(ctx, e.poolURL)
 			return &advClient{p: p, l: advlock.New(p)}, err
 		}},
-		{name: "advlock Do", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+		{name: sessionPerLock, blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+			p, err := pgxpool.New(ctx, e.poolURL)
+			return &advClient{p: p, l: advlock.New(p, advlock.WithSharedSessions(0))}, err
+		}},
+		{name: "advlock Do", blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {
 			p, err := pgxpool.New(ctx, e.poolURL)
 			return &advClient{p: p, l: advlock.New(p), do: true}, err
 		}},
-		{name: "advlock database/sql", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
+		{name: "advlock database/sql", blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {
 			db, err := sql.Open("pgx", e.pgURL)
 			return &advClient{db: db, l: advsql.New(db)}, err
 		}},
@@ -213,4 +222,45 @@ func (e *etcdClient) lock(ctx context.Context, key string) (func(context.Context
 func (e *etcdClient) close() {
 	e.s.Close()
 	e.c.Close()
+}
+
+// rawConns is raw pgx for one process whose goroutines share n dedicated connections (goroutine g uses connection
+// g mod n): the hand-written alternative to a Locker for many request-scoped locks.
+type rawConns struct {
+	conns []*pgx.Conn
+	mu    []sync.Mutex
+}
+
+func newRawConns(ctx context.Context, url string, n int) (*rawConns, error) {
+	r := &rawConns{mu: make([]sync.Mutex, n)}
+	for range n {
+		c, err := pgx.Connect(ctx, url)
+		if err != nil {
+			r.close()
+			return nil, err
+		}
+		r.conns = append(r.conns, c)
+	}
+	return r, nil
+}
+
+// cycle locks and unlocks key on connection g mod n.
+func (r *rawConns) cycle(ctx context.Context, g int, key int64) error {
+	i := g % len(r.conns)
+	r.mu[i].Lock()
+	defer r.mu[i].Unlock()
+	var ok bool
+	if err := r.conns[i].QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", key).Scan(&ok); err != nil || !ok {
+		return fmt.Errorf("lock: %v %v", ok, err)
+	}
+	if err := r.conns[i].QueryRow(ctx, "SELECT pg_advisory_unlock($1)", key).Scan(&ok); err != nil || !ok {
+		return fmt.Errorf("unlock: %v %v", ok, err)
+	}
+	return nil
+}
+
+func (r *rawConns) close() {
+	for _, c := range r.conns {
+		c.Close(context.Background())
+	}
 }

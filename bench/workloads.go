@@ -28,6 +28,7 @@ const (
 	wHandoff     = "4. handoff latency"
 	wLoss        = "5. loss noticed"
 	wMemory      = "6. client memory"
+	wMany        = "7. 256 goroutines, one process, distinct keys"
 )
 
 const rawName = "raw pgx (dedicated conn)"
@@ -89,6 +90,9 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 			}
 		}
 		loss(ctx, e, col, round)
+		for name, ops := range many(ctx, e, cs, 256, tag+"-m") {
+			col.add(wMany, name, "throughput", "cycles/s", ops, manyNotes[name])
+		}
 	}
 	held(ctx, e, cs, col)
 	return collate(col, cs)
@@ -446,7 +450,7 @@ func held(ctx context.Context, e *env, cs []contender, col *collector) {
 	pgHolders := func(tag string) int {
 		var n int
 		var keys []int64
-		for i := range 1000 {
+		for i := range 5000 {
 			keys = append(keys, pgKey(fmt.Sprintf("%s-%d", tag, i)))
 		}
 		_ = obs.QueryRow(ctx, `SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
@@ -468,7 +472,10 @@ func held(ctx context.Context, e *env, cs []contender, col *collector) {
 			continue // same sessions as advlock Lock
 		}
 		m := 1000
-		if c.pg && c.name != rawName {
+		switch {
+		case c.shares:
+			m = 5000 // shared sessions: thousands on a few connections
+		case c.pg && c.name != rawName:
 			m = 50 // one connection per held lock; 1,000 would exceed max_connections
 		}
 		connsBefore := 0
@@ -547,4 +554,118 @@ func median(v []float64) float64 {
 		return s[len(s)/2]
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+var manyNotes = map[string]string{
+	rawName:           "8 dedicated connections shared by the goroutines",
+	"raw pgxpool":     "pool of 64",
+	"advlock TryLock": "shared sessions (default 4), pool of 64",
+	sessionPerLock:    "TryLock, pool of 64",
+}
+
+// many measures one process whose n goroutines each take and release a lock on a key of their own (a lock per
+// entity, per request) through one client: raw pgx over 8 dedicated connections (the baseline), raw pgxpool,
+// advlock with shared sessions and advlock with a session per lock. The contenders take turns in 50 ms slices
+// until each has run *flagDur. It returns cycles/s.
+func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[string]float64 {
+	type runner struct {
+		name  string
+		cycle func(g int) error
+		close func()
+		count atomic.Int64
+		spent time.Duration
+		err   error
+	}
+	var rs []*runner
+	raw, err := newRawConns(ctx, e.pgURL, 8)
+	if err != nil {
+		log.Printf("%s: %v", wMany, err)
+		return nil
+	}
+	rs = append(rs, &runner{name: rawName, close: raw.close, cycle: func(g int) error {
+		return raw.cycle(ctx, g, pgKey(fmt.Sprintf("%s-raw-%d", tag, g)))
+	}})
+	for _, c := range cs {
+		if c.name != "raw pgxpool" && c.name != "advlock TryLock" && c.name != sessionPerLock {
+			continue
+		}
+		cl, err := c.new(ctx)
+		if !check(c, wMany, err) {
+			continue
+		}
+		rs = append(rs, &runner{name: c.name, close: cl.close, cycle: func(g int) error {
+			var un func(context.Context) error
+			var err error
+			if a, ok := cl.(*advClient); ok { // TryLock for both advlock contenders
+				var lk *advlock.Lock
+				lk, err = a.l.TryLock(ctx, advlock.NameKey(fmt.Sprintf("bench-%s-%s-%d", tag, c.name, g)))
+				if lk != nil {
+					un = lk.Unlock
+				}
+			} else {
+				un, err = cl.lock(ctx, fmt.Sprintf("%s-%s-%d", tag, c.name, g))
+			}
+			if err == nil {
+				err = un(ctx)
+			}
+			return err
+		}})
+	}
+	defer func() {
+		for _, r := range rs {
+			r.close()
+		}
+	}()
+	for _, r := range rs { // warm up: connections, shared sessions, prepared statements
+		var wg sync.WaitGroup
+		for g := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := r.cycle(g); err != nil && r.err == nil {
+					r.err = err
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	const slice = 50 * time.Millisecond
+	for spent := time.Duration(0); spent < *flagDur; spent += slice {
+		for _, r := range rs {
+			if r.err != nil {
+				continue
+			}
+			var wg sync.WaitGroup
+			var failed atomic.Value
+			start := time.Now()
+			stop := start.Add(slice)
+			for g := range n {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for time.Now().Before(stop) {
+						if err := r.cycle(g); err != nil {
+							failed.Store(err)
+							return
+						}
+						r.count.Add(1)
+					}
+				}()
+			}
+			wg.Wait()
+			r.spent += time.Since(start)
+			if err, _ := failed.Load().(error); err != nil {
+				r.err = err
+			}
+		}
+	}
+	out := map[string]float64{}
+	for _, r := range rs {
+		if r.err != nil {
+			log.Printf("%s / %s: %v", wMany, r.name, r.err)
+			continue
+		}
+		out[r.name] = float64(r.count.Load()) / r.spent.Seconds()
+	}
+	return out
 }

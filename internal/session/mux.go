@@ -61,6 +61,23 @@ func isTry(op int16) bool { return (op-1)%opPair < opUnlock-1 }
 
 const muxStmt = "advlock_mux_1"
 
+// singleSQL are the statements for a round trip that carries one request (the usual case for a lone caller): a
+// plain function call costs the server about 20 µs less than the array statement. Indexed by op-1.
+var singleSQL = [8]string{
+	"SELECT pg_try_advisory_lock($1::int8)::int",
+	"SELECT pg_try_advisory_lock_shared($1::int8)::int",
+	"SELECT pg_advisory_unlock($1::int8)::int",
+	"SELECT pg_advisory_unlock_shared($1::int8)::int",
+	"SELECT pg_try_advisory_lock(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
+	"SELECT pg_try_advisory_lock_shared(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
+	"SELECT pg_advisory_unlock(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
+	"SELECT pg_advisory_unlock_shared(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
+}
+
+// singleStmt names the prepared statement of singleSQL[i].
+var singleStmt = [8]string{"advlock_mux_1_1", "advlock_mux_1_2", "advlock_mux_1_3", "advlock_mux_1_4",
+	"advlock_mux_1_5", "advlock_mux_1_6", "advlock_mux_1_7", "advlock_mux_1_8"}
+
 // muxSQL answers each (op, key) with 1 or 0, with its position. Pairs travel as one int8: high 32 bits, low 32
 // bits, each a signed int4 (the shifts are arithmetic).
 const muxSQL = `SELECT t.i, CASE t.op
@@ -131,6 +148,13 @@ func (m *Mux) run(ctx context.Context, pc *pgconn.PgConn) error {
 		m.ready <- err
 		return err
 	}
+	for i, sql := range singleSQL {
+		if _, err := pc.Prepare(ctx, singleStmt[i], sql, nil); err != nil {
+			err = fmt.Errorf("prepare shared session: %w", TranslateErr(err))
+			m.ready <- err
+			return err
+		}
+	}
 	m.nc = pc.Conn()
 	fe := pc.Frontend()
 	m.ready <- nil
@@ -149,11 +173,14 @@ func (m *Mux) run(ctx context.Context, pc *pgconn.PgConn) error {
 		}
 		switch msg := msg.(type) {
 		case *pgproto3.DataRow:
-			if len(msg.Values) != 2 {
+			// (position, result) from the array statement; (result) from a single request's statement.
+			i, err1 := int64(1), error(nil)
+			if len(msg.Values) == 2 {
+				i, err1 = strconv.ParseInt(string(msg.Values[0]), 10, 64)
+			} else if len(msg.Values) != 1 || len(m.results) != 1 {
 				return m.die(errors.New("shared session: unexpected row"))
 			}
-			i, err1 := strconv.ParseInt(string(msg.Values[0]), 10, 64)
-			r, err2 := strconv.ParseInt(string(msg.Values[1]), 10, 64)
+			r, err2 := strconv.ParseInt(string(msg.Values[len(msg.Values)-1]), 10, 64)
 			if err1 != nil || err2 != nil || i < 1 || int(i) > len(m.results) {
 				return m.die(errors.New("shared session: unexpected row"))
 			}
@@ -272,6 +299,11 @@ func (m *Mux) takeLocked() []*req {
 
 // send writes one round trip. Only the party that took the batch (and so set busy) writes.
 func (m *Mux) send(batch []*req) error {
+	if len(batch) == 1 {
+		buf, err := (&pgproto3.Bind{PreparedStatement: singleStmt[batch[0].op-1],
+			Parameters: [][]byte{strconv.AppendInt(nil, batch[0].key, 10)}}).Encode(nil)
+		return m.write(buf, err)
+	}
 	ops, keys := make([]byte, 1, 4*len(batch)+2), make([]byte, 1, 21*len(batch)+2)
 	ops[0], keys[0] = '{', '{'
 	for i, r := range batch {
@@ -283,6 +315,11 @@ func (m *Mux) send(batch []*req) error {
 	}
 	ops, keys = append(ops, '}'), append(keys, '}')
 	buf, err := (&pgproto3.Bind{PreparedStatement: muxStmt, Parameters: [][]byte{ops, keys}}).Encode(nil)
+	return m.write(buf, err)
+}
+
+// write sends a Bind (already in buf) with its Execute and Sync.
+func (m *Mux) write(buf []byte, err error) error {
 	if err == nil {
 		buf, err = (&pgproto3.Execute{}).Encode(buf)
 	}
