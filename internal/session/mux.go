@@ -18,8 +18,12 @@ import (
 //	callers --> queue --> one round trip at a time: everything queued while the previous one was on the wire
 //	                      goes out together, as one Bind/Execute of a prepared statement over arrays (no timer:
 //	                      a lone caller goes out at once, from its own goroutine)
-//	socket  <-- reader:   always reading; answers are matched to requests by position; a FATAL, EOF or a round
-//	                      trip not answered within the bound ends every lock on the session at once
+//	socket  <-- one reader at a time: the caller that sent a round trip reads its answer itself (no goroutine
+//	            hand-off for a lone caller); when its own request is answered and another round trip is on the
+//	            wire, a caller waiting in that round trip takes over; when the session has been quiet for
+//	            WatchDelay, a background reader takes the idle socket, so a FATAL or EOF is seen at once and a
+//	            keepalive bounds silent loss. A FATAL, EOF or a round trip not answered within the bound ends every
+//	            lock on the session at once.
 //
 // Only statements that never wait go on a Mux: tries and unlocks. A wait for a key held elsewhere happens on a
 // session of its own ([Acquire]). Errors in a round trip: rows answered before the failing one are applied (the
@@ -29,23 +33,36 @@ import (
 type Mux struct {
 	conn      Conn
 	nc        net.Conn
+	fe        *pgproto3.Frontend
 	bound     time.Duration // how long a round trip may stay unanswered, and how long the session may stay silent
-	ready     chan error    // the reader's setup result
-	exit      chan struct{} // closed when the reader has returned and the connection is destroyed
-	gone      func(*Mux)    // tells the owner the Mux died (called once, from the reader)
+	ready     chan error    // setup's result
+	stop      chan struct{} // closed by die: the connection is given up
+	exit      chan struct{} // closed when the connection is destroyed and every goroutine of the Mux has returned
+	gone      func(*Mux)    // tells the owner the Mux died (called once)
 	unlockKey func(ID) ID   // tests only
+	bg        sync.WaitGroup
 
-	mu       sync.Mutex
-	queue    []*req // not yet sent
-	wire     []*req // on the wire, in order (nil for a keepalive)
-	busy     bool   // a round trip is on the wire
-	sentAt   time.Time
-	dead     error // once set, the Mux takes nothing more
-	closing  bool
-	held     map[*Held]struct{}
-	results  []int64 // per position of the round trip on the wire; -1 = no answer yet
-	batchErr error
+	mu        sync.Mutex
+	queue     []*req // not yet sent
+	wire      []*req // on the wire, in order (nil for a keepalive)
+	busy      bool   // a round trip is on the wire
+	sentAt    time.Time
+	token     int           // who reads the socket: tokenFree, tokenCaller or tokenBG
+	wantToken chan struct{} // a caller asked the background reader to yield; closed when it has
+	timer     *time.Timer   // starts the background reader after a quiet moment
+	dead      error         // once set, the Mux takes nothing more
+	closing   bool
+	held      map[*Held]struct{}
+	results   []int64
+	batchErr  error
 }
+
+// Who reads the socket.
+const (
+	tokenFree   = iota // nobody: the next caller to send reads, or the background reader after WatchDelay
+	tokenCaller        // a caller, until its own request is answered
+	tokenBG            // the background reader, while the session is quiet
+)
 
 // Operations of the mux statement. The pair variants add 4.
 const (
@@ -92,13 +109,15 @@ const muxSQL = `SELECT t.i, CASE t.op
  END FROM unnest($1::int2[], $2::int8[]) WITH ORDINALITY AS t(op, k, i)`
 
 type req struct {
-	op   int16
-	key  int64
-	res  int64
-	err  error
-	done chan struct{}
-	h    *Held // for an unlock: the lock it ends; for a try: filled in when granted
-	hook func(r *req)
+	op       int16
+	key      int64
+	res      int64
+	err      error
+	answered bool          // guarded by Mux.mu
+	turn     bool          // guarded by Mux.mu: this waiter is to read the socket next
+	sig      chan struct{} // for a waiting caller: answered, or its turn to read (buffered)
+	h        *Held
+	hook     func(r *req)
 }
 
 // ErrMuxGone is what a request that never reached the server gets when its Mux died first: the caller may try
@@ -109,7 +128,7 @@ var ErrMuxGone = fmt.Errorf("advlock: shared session ended before the request wa
 // trip may stay unanswered and the session silent (the keepalive interval). gone is called once when it dies.
 // unlockKey is a test hook (see Config.UnlockKey).
 func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux), unlockKey func(ID) ID) (*Mux, error) {
-	// The connection is the caller's until the reader takes it: on any error here it is ours to end.
+	// The connection is the caller's until the Mux takes it: on any error here it is ours to end.
 	if r, err := conn.QueryInt(ctx, "SELECT pg_is_in_recovery()::int"); err != nil {
 		conn.Destroy()
 		return nil, fmt.Errorf("check server: %w", err)
@@ -117,59 +136,127 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 		conn.Release() // nothing was taken on it
 		return nil, ErrStandby
 	}
-	m := &Mux{conn: conn, bound: bound, ready: make(chan error, 1), exit: make(chan struct{}), gone: gone,
-		held: map[*Held]struct{}{}, unlockKey: unlockKey}
+	m := &Mux{conn: conn, bound: bound, ready: make(chan error, 1), stop: make(chan struct{}),
+		exit: make(chan struct{}), gone: gone, held: map[*Held]struct{}{}, unlockKey: unlockKey}
 	go func() {
-		err := conn.Wire(func(pc *pgconn.PgConn) error { return m.run(ctx, pc) })
-		m.conn.Destroy() // never pooled: it held many locks, and its prepared statement is ours
-		m.mu.Lock()
-		if m.dead == nil {
-			m.dead = err
-		}
-		m.mu.Unlock()
+		// The connection stays pinned (inside Wire) for the Mux's life; readers use it from their goroutines.
+		_ = conn.Wire(func(pc *pgconn.PgConn) error {
+			if err := m.setup(ctx, pc); err != nil {
+				m.ready <- err
+				return err
+			}
+			m.ready <- nil
+			<-m.stop
+			return nil
+		})
+		m.conn.Destroy() // never pooled: it held many locks, and its prepared statements are ours
+		m.bg.Wait()
 		close(m.exit)
 	}()
-	select {
-	case err := <-m.ready:
-		if err != nil {
-			<-m.exit
-			return nil, err
-		}
-		return m, nil
-	case <-m.exit:
-		return nil, m.dead
+	if err := <-m.ready; err != nil {
+		<-m.exit
+		return nil, err
 	}
+	m.mu.Lock()
+	m.armLocked()
+	m.mu.Unlock()
+	return m, nil
 }
 
-// run owns the connection for the Mux's life: it prepares the statement, then reads.
-func (m *Mux) run(ctx context.Context, pc *pgconn.PgConn) error {
+// setup prepares the statements.
+func (m *Mux) setup(ctx context.Context, pc *pgconn.PgConn) error {
 	if _, err := pc.Prepare(ctx, muxStmt, muxSQL, nil); err != nil {
-		err = fmt.Errorf("prepare shared session: %w", TranslateErr(err))
-		m.ready <- err
-		return err
+		return fmt.Errorf("prepare shared session: %w", TranslateErr(err))
 	}
 	for i, sql := range singleSQL {
 		if _, err := pc.Prepare(ctx, singleStmt[i], sql, nil); err != nil {
-			err = fmt.Errorf("prepare shared session: %w", TranslateErr(err))
-			m.ready <- err
-			return err
+			return fmt.Errorf("prepare shared session: %w", TranslateErr(err))
 		}
 	}
-	m.nc = pc.Conn()
-	fe := pc.Frontend()
-	m.ready <- nil
-	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
+	m.nc, m.fe = pc.Conn(), pc.Frontend()
+	return nil
+}
+
+// do queues r and waits for its answer. If no round trip is on the wire it sends r at once and reads the answer
+// itself; else r goes out in the next round trip, and the caller waits (or reads, when its turn comes).
+func (m *Mux) do(r *req) {
+	m.mu.Lock()
+	for m.dead == nil && !m.busy && m.token == tokenBG { // take the quiet socket back from the background reader
+		if m.wantToken == nil {
+			m.wantToken = make(chan struct{})
+			_ = m.nc.SetReadDeadline(time.Unix(1, 0))
+		}
+		ch := m.wantToken
+		m.mu.Unlock()
+		<-ch
+		m.mu.Lock()
+	}
+	if m.dead != nil {
+		cause := m.dead
+		m.mu.Unlock()
+		r.err = ErrMuxGone
+		if !isTry(r.op) { // the session holding the lock is gone
+			r.err = fmt.Errorf("%w: %w", ErrLockLost, cause)
+		}
+		return
+	}
+	m.queue = append(m.queue, r)
+	if m.busy { // whoever reads now sends it in the next round trip
+		r.sig = make(chan struct{}, 1)
+		m.mu.Unlock()
+		m.wait(r)
+		return
+	}
+	batch := m.takeLocked()
+	m.token = tokenCaller
+	m.mu.Unlock()
+	if err := m.send(batch); err != nil {
+		m.die(err)
+		return
+	}
+	m.read(r)
+}
+
+// wait blocks a caller whose request is queued or on the wire until it is answered, reading the socket when the
+// role passes to it.
+func (m *Mux) wait(r *req) {
 	for {
-		msg, err := fe.Receive()
+		<-r.sig
+		m.mu.Lock()
+		if r.answered {
+			m.mu.Unlock()
+			return
+		}
+		turn := r.turn
+		r.turn = false
+		m.mu.Unlock()
+		if turn {
+			m.read(r)
+			return
+		}
+	}
+}
+
+// read is the reading role: it reads answers until me is answered (me nil: the background reader, until it
+// yields or the Mux dies), sending what queued meanwhile.
+func (m *Mux) read(me *req) {
+	for {
+		msg, err := m.fe.Receive()
 		if err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
-				if err := m.onTimeout(); err != nil {
-					return m.die(err)
+				yield, err := m.onTimeout(me)
+				if err != nil {
+					m.die(err)
+					return
+				}
+				if yield {
+					return
 				}
 				continue
 			}
-			return m.die(fmt.Errorf("session ended: %w", err))
+			m.die(fmt.Errorf("session ended: %w", err))
+			return
 		}
 		switch msg := msg.(type) {
 		case *pgproto3.DataRow:
@@ -178,56 +265,74 @@ func (m *Mux) run(ctx context.Context, pc *pgconn.PgConn) error {
 			if len(msg.Values) == 2 {
 				i, err1 = strconv.ParseInt(string(msg.Values[0]), 10, 64)
 			} else if len(msg.Values) != 1 || len(m.results) != 1 {
-				return m.die(errors.New("shared session: unexpected row"))
+				m.die(errors.New("shared session: unexpected row"))
+				return
 			}
 			r, err2 := strconv.ParseInt(string(msg.Values[len(msg.Values)-1]), 10, 64)
 			if err1 != nil || err2 != nil || i < 1 || int(i) > len(m.results) {
-				return m.die(errors.New("shared session: unexpected row"))
+				m.die(errors.New("shared session: unexpected row"))
+				return
 			}
 			m.results[i-1] = r
 		case *pgproto3.ErrorResponse:
 			pgErr := pgconn.ErrorResponseToPgError(msg)
 			if msg.Severity == "FATAL" || msg.Severity == "PANIC" {
-				return m.die(fmt.Errorf("session ended: %w", TranslateErr(pgErr)))
+				m.die(fmt.Errorf("session ended: %w", TranslateErr(pgErr)))
+				return
 			}
 			m.batchErr = TranslateErr(pgErr)
 		case *pgproto3.ReadyForQuery:
-			if err := m.complete(); err != nil {
-				return m.die(err)
+			done, err := m.complete(me)
+			if err != nil {
+				m.die(err)
+				return
+			}
+			if done {
+				return
 			}
 		case *pgproto3.BindComplete, *pgproto3.CommandComplete, *pgproto3.NoticeResponse,
 			*pgproto3.ParameterStatus, *pgproto3.NotificationResponse:
 		default:
-			return m.die(fmt.Errorf("shared session: unexpected %T", msg))
+			m.die(fmt.Errorf("shared session: unexpected %T", msg))
+			return
 		}
 	}
 }
 
-// onTimeout handles a read deadline: a silent idle session gets a keepalive round trip; a round trip unanswered
-// past the bound ends the session.
-func (m *Mux) onTimeout() error {
+// onTimeout handles a read deadline: a caller wants the quiet socket (the background reader yields), a silent
+// idle session gets a keepalive round trip, a round trip unanswered past the bound ends the session.
+func (m *Mux) onTimeout(me *req) (yield bool, err error) {
 	m.mu.Lock()
 	if m.busy {
 		left := m.bound - time.Since(m.sentAt)
 		m.mu.Unlock()
 		if left > 0 {
 			_ = m.nc.SetReadDeadline(time.Now().Add(left))
-			return nil
+			return false, nil
 		}
-		return fmt.Errorf("keepalive: no answer within %v", m.bound)
+		return false, fmt.Errorf("keepalive: no answer within %v", m.bound)
+	}
+	if me == nil && m.wantToken != nil { // the background reader gives the socket to a caller
+		m.token = tokenFree
+		close(m.wantToken)
+		m.wantToken = nil
+		m.mu.Unlock()
+		return true, nil
 	}
 	m.busy, m.wire, m.results, m.sentAt = true, nil, m.results[:0], time.Now()
 	m.mu.Unlock()
 	buf, _ := (&pgproto3.Sync{}).Encode(nil) // a keepalive: the server answers ReadyForQuery
 	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
 	if _, err := m.nc.Write(buf); err != nil {
-		return fmt.Errorf("keepalive: %w", err)
+		return false, fmt.Errorf("keepalive: %w", err)
 	}
-	return nil
+	return false, nil
 }
 
-// complete settles the round trip on the wire and sends whatever queued meanwhile.
-func (m *Mux) complete() error {
+// complete settles the round trip on the wire, sends whatever queued meanwhile, and decides who reads next. It
+// reports done when the reader me may stop reading: its own request is answered (and the role has passed on or
+// the socket is free), or the background reader must yield.
+func (m *Mux) complete(me *req) (done bool, err error) {
 	m.mu.Lock()
 	wire, results, batchErr := m.wire, m.results, m.batchErr
 	m.wire, m.batchErr = nil, nil
@@ -246,36 +351,113 @@ func (m *Mux) complete() error {
 			if batchErr == nil {
 				batchErr = errors.New("a request got no answer")
 			}
-			return fmt.Errorf("shared session in doubt: %w", batchErr)
+			return false, fmt.Errorf("shared session in doubt: %w", batchErr)
 		}
 	}
 	if len(retry) > 0 {
 		m.queue = append(retry, m.queue...)
 	}
+	answered := wire
+	if failed >= 0 {
+		answered = wire[:failed+1]
+	}
+	for _, r := range answered {
+		r.answered = true
+	}
 	next := m.takeLocked()
-	closing := m.closing && next == nil
-	m.mu.Unlock()
-	for i, r := range wire {
-		if failed < 0 || i <= failed {
-			m.answered(r)
+	mine := me != nil && me.answered
+	var heir *req
+	switch {
+	case next == nil && m.closing:
+		m.mu.Unlock()
+		m.settle(answered, nil)
+		return false, ErrClosed
+	case next == nil:
+		if me != nil { // a caller's reading ends; the background reader takes over after a quiet moment
+			m.token = tokenFree
+			m.armLocked()
+		} // (the background reader goes on reading the quiet socket)
+	case mine: // my answer is in: pass the reading role to a caller waiting in the next round trip
+		for _, r := range next {
+			if r.sig != nil {
+				heir = r
+				break
+			}
+		}
+		if heir != nil {
+			heir.turn = true
+		} else {
+			mine = false // nobody to pass it to: read on
 		}
 	}
-	switch {
-	case next != nil:
-		return m.send(next)
-	case closing:
-		return ErrClosed
+	m.mu.Unlock()
+	m.settle(answered, heir)
+	if next != nil {
+		if err := m.send(next); err != nil {
+			if heir != nil {
+				// the heir is on its way to read; the failed write's connection is closed, so it will find the
+				// error and settle everything
+				m.kill(err)
+				return true, nil
+			}
+			return false, err
+		}
 	}
-	return nil
+	if me == nil {
+		return false, nil
+	}
+	return mine, nil
 }
 
-// answered runs r's hook (which records a grant or a release while the reader still orders events) and wakes
-// its caller.
-func (m *Mux) answered(r *req) {
-	if r.hook != nil {
-		r.hook(r)
+// settle runs the hooks of answered requests (which record grants and releases) and wakes their callers, then
+// wakes heir, if any, to read.
+func (m *Mux) settle(answered []*req, heir *req) {
+	for _, r := range answered {
+		if r.hook != nil {
+			r.hook(r)
+		}
+		if r.sig != nil {
+			select {
+			case r.sig <- struct{}{}:
+			default:
+			}
+		}
 	}
-	close(r.done)
+	if heir != nil {
+		select {
+		case heir.sig <- struct{}{}:
+		default: // already signalled; it will see its turn
+		}
+	}
+}
+
+// armLocked schedules the background reader for when the socket has been quiet for WatchDelay.
+func (m *Mux) armLocked() {
+	if m.dead != nil {
+		return
+	}
+	if m.timer == nil {
+		m.timer = time.AfterFunc(WatchDelay, m.startBG)
+		return
+	}
+	m.timer.Reset(WatchDelay)
+}
+
+// startBG starts the background reader if the socket is still free and quiet.
+func (m *Mux) startBG() {
+	m.mu.Lock()
+	if m.dead != nil || m.busy || m.token != tokenFree {
+		m.mu.Unlock()
+		return
+	}
+	m.token = tokenBG
+	m.bg.Add(1)
+	m.mu.Unlock()
+	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
+	go func() {
+		defer m.bg.Done()
+		m.read(nil)
+	}()
 }
 
 // takeLocked takes everything queued as the next round trip, marking the Mux busy; nil when nothing is queued.
@@ -297,7 +479,7 @@ func (m *Mux) takeLocked() []*req {
 	return batch
 }
 
-// send writes one round trip. Only the party that took the batch (and so set busy) writes.
+// send writes one round trip. Only the reader writes.
 func (m *Mux) send(batch []*req) error {
 	if len(batch) == 1 {
 		buf, err := (&pgproto3.Bind{PreparedStatement: singleStmt[batch[0].op-1],
@@ -336,50 +518,30 @@ func (m *Mux) write(buf []byte, err error) error {
 	return nil
 }
 
-// do queues r and, if no round trip is on the wire, sends it at once from the caller's goroutine. It returns once
-// r is answered or the Mux died.
-func (m *Mux) do(r *req) {
-	r.done = make(chan struct{})
-	m.mu.Lock()
-	if m.dead != nil {
-		cause := m.dead
-		m.mu.Unlock()
-		r.err = ErrMuxGone
-		if !isTry(r.op) { // the session holding the lock is gone
-			r.err = fmt.Errorf("%w: %w", ErrLockLost, cause)
-		}
-		close(r.done)
-		return
-	}
-	m.queue = append(m.queue, r)
-	var batch []*req
-	if !m.busy {
-		batch = m.takeLocked()
-	}
-	m.mu.Unlock()
-	if batch != nil {
-		if err := m.send(batch); err != nil {
-			m.kill(err)
-		}
-	}
-	<-r.done
-}
-
-// kill ends the Mux from any goroutine: its socket is closed, so the reader returns and settles everything.
+// kill ends the Mux from any goroutine: the socket is closed, so whoever reads finds the error and settles
+// everything; if nobody reads, kill settles it itself.
 func (m *Mux) kill(cause error) {
 	m.mu.Lock()
 	if m.dead == nil {
 		m.dead = cause
 	}
+	free := m.token == tokenFree && !m.busy
+	if free {
+		m.token = tokenCaller // ours now: nobody else will settle
+	}
 	m.mu.Unlock()
 	if m.nc != nil {
 		_ = m.nc.Close()
 	}
+	if free {
+		m.die(cause)
+	}
 }
 
-// die settles a dead Mux from the reader: requests on the wire fail (their effect is undone by the session's end),
-// queued ones fail with ErrMuxGone (never sent), and every lock held on it is lost.
-func (m *Mux) die(cause error) error {
+// die settles a dead Mux; only the one reading (or kill, when nobody was) calls it. Requests on the wire fail
+// (their effect ended with the session), queued ones fail with ErrMuxGone (never sent), every lock held on it is
+// lost, and the connection is given up.
+func (m *Mux) die(cause error) {
 	_ = m.nc.Close()
 	if m.gone != nil {
 		m.gone(m) // first: no new request should come here
@@ -390,6 +552,13 @@ func (m *Mux) die(cause error) error {
 	} else if m.dead == nil {
 		m.dead = cause
 	}
+	if m.timer != nil {
+		m.timer.Stop()
+	}
+	if m.wantToken != nil {
+		close(m.wantToken)
+		m.wantToken = nil
+	}
 	wire, queue := m.wire, m.queue
 	m.wire, m.queue, m.busy = nil, nil, false
 	held := make([]*Held, 0, len(m.held))
@@ -397,20 +566,28 @@ func (m *Mux) die(cause error) error {
 		held = append(held, h)
 	}
 	clear(m.held)
-	m.mu.Unlock()
 	for _, r := range wire { // a try's grant, if any, ended with the session
 		r.err = cause
 		if !isTry(r.op) {
 			r.err = fmt.Errorf("%w: %w", ErrLockLost, cause)
 		}
-		close(r.done)
+		r.answered = true
 	}
 	for _, r := range queue {
 		r.err = ErrMuxGone
 		if !isTry(r.op) {
 			r.err = fmt.Errorf("%w: %w", ErrLockLost, cause)
 		}
-		close(r.done)
+		r.answered = true
+	}
+	m.mu.Unlock()
+	for _, r := range append(wire, queue...) {
+		if r.sig != nil {
+			select {
+			case r.sig <- struct{}{}:
+			default:
+			}
+		}
 	}
 	lost := fmt.Errorf("%w: %w", ErrLockLost, cause)
 	if errors.Is(cause, ErrClosed) {
@@ -419,7 +596,11 @@ func (m *Mux) die(cause error) error {
 	for _, h := range held {
 		h.finish(lost)
 	}
-	return cause
+	select {
+	case <-m.stop:
+	default:
+		close(m.stop)
+	}
 }
 
 // Try takes t on the Mux if no other session holds it. ctx is looked at before the request goes out; once out, the
@@ -440,7 +621,13 @@ func (m *Mux) Try(ctx context.Context, t Target, onEnd func()) (*Held, error) {
 	r := &req{op: op, key: t.ID.V, hook: func(r *req) {
 		if r.err == nil && r.res == 1 {
 			m.mu.Lock()
-			m.held[h] = struct{}{}
+			if m.dead == nil {
+				m.held[h] = struct{}{}
+			} else {
+				m.mu.Unlock()
+				h.finish(fmt.Errorf("%w: %w", ErrLockLost, m.dead)) // granted on a session that died since
+				return
+			}
 			m.mu.Unlock()
 		}
 	}}
@@ -461,14 +648,14 @@ func (m *Mux) Try(ctx context.Context, t Target, onEnd func()) (*Held, error) {
 	return h, nil
 }
 
-// Close ends the Mux once its last round trip is answered; its locks are reported ErrClosed. It waits for the
-// reader to return.
+// Close ends the Mux once its last round trip is answered; its locks are reported ErrClosed. It waits until the
+// connection is given up and every goroutine of the Mux has returned.
 func (m *Mux) Close() {
 	m.mu.Lock()
 	m.closing = true
-	idle := !m.busy && len(m.queue) == 0
+	idle := !m.busy
 	m.mu.Unlock()
-	if idle && m.nc != nil {
+	if idle {
 		m.kill(ErrClosed)
 	}
 	<-m.exit
