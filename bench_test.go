@@ -2,10 +2,16 @@ package advlock
 
 import (
 	"context"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // BenchmarkCycleRawPgx and BenchmarkCycleTryLock make the same two round trips per cycle. On a shared machine
@@ -124,4 +130,123 @@ func BenchmarkLossNotice(b *testing.B) {
 		_ = lk.Unlock(ctx)
 	}
 	b.ReportMetric(float64(total.Microseconds())/1000/float64(n), "ms/loss")
+}
+
+// BenchmarkManyVsRaw: one process, 256 goroutines, each taking and releasing a key of its own (a lock per entity,
+// per request): a Locker with shared sessions against raw pgx whose goroutines share 8 dedicated connections,
+// interleaved in 50 ms phases. It reports both throughputs and their ratio (x-raw).
+func BenchmarkManyVsRaw(b *testing.B) {
+	const goroutines, conns = 256, 8
+	url := pgtest.URL(b)
+	raws := make([]*pgx.Conn, conns)
+	var mus [conns]sync.Mutex
+	for i := range raws {
+		raws[i] = pgtest.Conn(b, url)
+	}
+	l := New(pgtest.Pool(b, url, func(c *pgxpool.Config) { c.MaxConns = 32 }))
+	defer l.Close()
+	ctx := context.Background()
+	base := time.Now().UnixNano()
+	rawCycle := func(g int) error {
+		i, k := g%conns, base+int64(g)
+		mus[i].Lock()
+		defer mus[i].Unlock()
+		var ok bool
+		if err := raws[i].QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", k).Scan(&ok); err != nil || !ok {
+			return fmt.Errorf("lock: %v %v", ok, err)
+		}
+		if err := raws[i].QueryRow(ctx, "SELECT pg_advisory_unlock($1)", k).Scan(&ok); err != nil || !ok {
+			return fmt.Errorf("unlock: %v %v", ok, err)
+		}
+		return nil
+	}
+	ourCycle := func(g int) error {
+		lk, err := l.TryLock(ctx, Int64Key(base+goroutines+int64(g)))
+		if err != nil {
+			return err
+		}
+		return lk.Unlock(ctx)
+	}
+	phase := func(cycle func(int) error) (int64, time.Duration) {
+		var n atomic.Int64
+		var wg sync.WaitGroup
+		start := time.Now()
+		stop := start.Add(50 * time.Millisecond)
+		for g := range goroutines {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for time.Now().Before(stop) {
+					if err := cycle(g); err != nil {
+						b.Error(err)
+						return
+					}
+					n.Add(1)
+				}
+			}()
+		}
+		wg.Wait()
+		return n.Load(), time.Since(start)
+	}
+	phase(ourCycle) // warm up: shared sessions, prepared statements
+	var rawN, ourN int64
+	var rawT, ourT time.Duration
+	for b.Loop() {
+		n, d := phase(rawCycle)
+		rawN, rawT = rawN+n, rawT+d
+		n, d = phase(ourCycle)
+		ourN, ourT = ourN+n, ourT+d
+	}
+	raw, ours := float64(rawN)/rawT.Seconds(), float64(ourN)/ourT.Seconds()
+	b.ReportMetric(raw, "raw-cycles/s")
+	b.ReportMetric(ours, "advlock-cycles/s")
+	b.ReportMetric(ours/raw, "x-raw")
+}
+
+// BenchmarkHeldShared: heap and server connections for 5,000 locks held at once through one Locker (shared
+// sessions), per held lock.
+func BenchmarkHeldShared(b *testing.B) {
+	const n = 5000
+	url := pgtest.URL(b)
+	pool := pgtest.Pool(b, url, nil)
+	obs := pgtest.Conn(b, url)
+	ctx := context.Background()
+	var heap, sessions float64
+	for b.Loop() {
+		l := New(pool)
+		warm, err := l.TryLock(ctx, Int64Key(time.Now().UnixNano()))
+		if err != nil {
+			b.Fatal(err)
+		}
+		_ = warm.Unlock(ctx)
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		locks := make([]*Lock, 0, n)
+		base := time.Now().UnixNano()
+		for i := range n {
+			lk, err := l.TryLock(ctx, Int64Key(base+int64(i)))
+			if err != nil {
+				b.Fatal(err)
+			}
+			locks = append(locks, lk)
+		}
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		heap += float64(int64(after.HeapAlloc)-int64(before.HeapAlloc)) / n
+		var pids int
+		if err := obs.QueryRow(ctx, `SELECT count(DISTINCT pid) FROM pg_locks WHERE locktype = 'advisory' AND granted
+			AND objsubid = 1 AND ((classid::text::int8 << 32) | objid::text::int8) BETWEEN $1 AND $2`, base, base+n).Scan(&pids); err != nil {
+			b.Fatal(err)
+		}
+		sessions += float64(pids)
+		for _, lk := range locks {
+			if err := lk.Unlock(ctx); err != nil {
+				b.Fatal(err)
+			}
+		}
+		l.Close()
+	}
+	b.ReportMetric(heap/float64(b.N), "heap-B/lock")
+	b.ReportMetric(sessions/float64(b.N), "sessions/5000-locks")
 }

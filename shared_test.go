@@ -132,3 +132,66 @@ func TestSharedThousands(t *testing.T) {
 		}
 	}
 }
+
+// Pair keys go through shared sessions as two int4 halves, negative ones included, and stay a key space of their
+// own: an Int64Key with the same 64 bits is a different lock.
+func TestSharedPairKeys(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 10*time.Second)
+	a := int32(time.Now().UnixNano() % 1e6)
+	keys := []Key{PairKey(-a, 7), PairKey(7, -a), PairKey(-1, -a)}
+	var held []*Lock
+	for i, k := range keys {
+		var lk *Lock
+		var err error
+		if i == 2 {
+			lk, err = b.l.TryRLock(ctx, k)
+		} else {
+			lk, err = b.l.TryLock(ctx, k)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, lk)
+		hi, lo, _ := k.Pair() // the same bits as an int8 key: another lock
+		other, err := b.l.TryLock(ctx, Int64Key(int64(hi)<<32|int64(uint32(lo))))
+		if err != nil {
+			t.Fatalf("Int64Key with the bits of %s: %v, want it free (another key space)", k, err)
+		}
+		held = append(held, other)
+	}
+	rows, err := pgtest.Locks(ctx, b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, k := range keys {
+		hi, lo, _ := k.Pair()
+		mode := "ExclusiveLock"
+		if i == 2 {
+			mode = "ShareLock"
+		}
+		found := false
+		for _, r := range rows {
+			found = found || r.Granted && r.ObjSubID == 2 && int32(r.ClassID) == hi && int32(r.ObjID) == lo && r.Mode == mode
+		}
+		if !found {
+			t.Errorf("pg_locks has no %s row for %s", mode, k)
+		}
+	}
+	for _, lk := range held {
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rows, err = pgtest.Locks(ctx, b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		for _, k := range keys {
+			if hi, lo, _ := k.Pair(); r.ObjSubID == 2 && int32(r.ClassID) == hi && int32(r.ObjID) == lo {
+				t.Errorf("%s still in pg_locks after Unlock: %v", k, r)
+			}
+		}
+	}
+}

@@ -49,6 +49,21 @@ type env struct {
 	etcdURLs []string
 }
 
+// poolSizeKey in a ctx given to contender.new overrides the pool size of the pool it makes.
+type poolSizeKey struct{}
+
+// newPool makes a pool on e.poolURL (64 connections) or with the size ctx carries.
+func (e *env) newPool(ctx context.Context) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(e.poolURL)
+	if err != nil {
+		return nil, err
+	}
+	if n, ok := ctx.Value(poolSizeKey{}).(int); ok {
+		cfg.MaxConns = int32(n)
+	}
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
 func contenders(e *env) []contender {
 	return []contender{
 		{name: "raw pgx (dedicated conn)", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
@@ -56,23 +71,23 @@ func contenders(e *env) []contender {
 			return &rawPgx{c: c}, err
 		}},
 		{name: "raw pgxpool", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
-			p, err := pgxpool.New(ctx, e.poolURL)
+			p, err := e.newPool(ctx)
 			return &rawPool{p: p}, err
 		}},
 		{name: "advlock TryLock", pg: true, shares: true, new: func(ctx context.Context) (client, error) {
-			p, err := pgxpool.New(ctx, e.poolURL)
+			p, err := e.newPool(ctx)
 			return &advClient{p: p, l: advlock.New(p), try: true}, err
 		}},
 		{name: "advlock Lock", blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {
-			p, err := pgxpool.New(ctx, e.poolURL)
+			p, err := e.newPool(ctx)
 			return &advClient{p: p, l: advlock.New(p)}, err
 		}},
 		{name: sessionPerLock, blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
-			p, err := pgxpool.New(ctx, e.poolURL)
+			p, err := e.newPool(ctx)
 			return &advClient{p: p, l: advlock.New(p, advlock.WithSharedSessions(0))}, err
 		}},
 		{name: "advlock Do", blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {
-			p, err := pgxpool.New(ctx, e.poolURL)
+			p, err := e.newPool(ctx)
 			return &advClient{p: p, l: advlock.New(p), do: true}, err
 		}},
 		{name: "advlock database/sql", blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {

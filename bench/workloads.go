@@ -558,9 +558,9 @@ func median(v []float64) float64 {
 
 var manyNotes = map[string]string{
 	rawName:           "8 dedicated connections shared by the goroutines",
-	"raw pgxpool":     "pool of 64",
-	"advlock TryLock": "shared sessions (default 4), pool of 64",
-	sessionPerLock:    "TryLock, pool of 64",
+	"raw pgxpool":     "pool of 32",
+	"advlock TryLock": "shared sessions (default 4), pool of 32",
+	sessionPerLock:    "TryLock, pool of 32",
 }
 
 // many measures one process whose n goroutines each take and release a lock on a key of their own (a lock per
@@ -589,7 +589,8 @@ func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[st
 		if c.name != "raw pgxpool" && c.name != "advlock TryLock" && c.name != sessionPerLock {
 			continue
 		}
-		cl, err := c.new(ctx)
+		// Pools of 32 here: every contender is connected at once, within max_connections (100 by default).
+		cl, err := c.new(context.WithValue(ctx, poolSizeKey{}, 32))
 		if !check(c, wMany, err) {
 			continue
 		}

@@ -18,10 +18,10 @@ import (
 //	callers --> queue --> one round trip at a time: everything queued while the previous one was on the wire
 //	                      goes out together, as one Bind/Execute of a prepared statement over arrays (no timer:
 //	                      a lone caller goes out at once, from its own goroutine)
-//	socket  <-- one reader at a time: the caller that sent a round trip reads its answer itself (no goroutine
-//	            hand-off for a lone caller); when its own request is answered and another round trip is on the
-//	            wire, a caller waiting in that round trip takes over; when the session has been quiet for
-//	            WatchDelay, a background reader takes the idle socket, so a FATAL or EOF is seen at once and a
+//	socket  <-- one reader at a time: a lone caller reads its own answer (no goroutine hand-off); when others
+//	            wait behind it, a background reader takes the busy socket and keeps it while the session is busy
+//	            (callers then write and wait); after WatchDelay of quiet a caller takes the socket back, and a
+//	            quiet socket nobody reads gets the background reader, so a FATAL or EOF is seen at once and a
 //	            keepalive bounds silent loss. A FATAL, EOF or a round trip not answered within the bound ends every
 //	            lock on the session at once.
 //
@@ -48,6 +48,7 @@ type Mux struct {
 	busy      bool   // a round trip is on the wire
 	sentAt    time.Time
 	token     int           // who reads the socket: tokenFree, tokenCaller or tokenBG
+	idleSince time.Time     // when the last round trip was answered
 	wantToken chan struct{} // a caller asked the background reader to yield; closed when it has
 	timer     *time.Timer   // starts the background reader after a quiet moment
 	dead      error         // once set, the Mux takes nothing more
@@ -114,8 +115,7 @@ type req struct {
 	res      int64
 	err      error
 	answered bool          // guarded by Mux.mu
-	turn     bool          // guarded by Mux.mu: this waiter is to read the socket next
-	sig      chan struct{} // for a waiting caller: answered, or its turn to read (buffered)
+	sig      chan struct{} // for a waiting caller: answered (buffered)
 	h        *Held
 	hook     func(r *req)
 }
@@ -181,7 +181,9 @@ func (m *Mux) setup(ctx context.Context, pc *pgconn.PgConn) error {
 // itself; else r goes out in the next round trip, and the caller waits (or reads, when its turn comes).
 func (m *Mux) do(r *req) {
 	m.mu.Lock()
-	for m.dead == nil && !m.busy && m.token == tokenBG { // take the quiet socket back from the background reader
+	// Take the socket back from a background reader that has been quiet for a while (a sporadic caller reads its
+	// own answer); one that was busy a moment ago goes on reading (under load the socket stays with it).
+	for m.dead == nil && !m.busy && m.token == tokenBG && time.Since(m.idleSince) >= WatchDelay {
 		if m.wantToken == nil {
 			m.wantToken = make(chan struct{})
 			_ = m.nc.SetReadDeadline(time.Unix(1, 0))
@@ -208,6 +210,15 @@ func (m *Mux) do(r *req) {
 		return
 	}
 	batch := m.takeLocked()
+	if m.token == tokenBG { // send it; the background reader reads the answer
+		r.sig = make(chan struct{}, 1)
+		m.mu.Unlock()
+		if err := m.send(batch); err != nil {
+			m.kill(err) // the reader finds the closed socket and settles everything
+		}
+		m.wait(r)
+		return
+	}
 	m.token = tokenCaller
 	m.mu.Unlock()
 	if err := m.send(batch); err != nil {
@@ -217,21 +228,14 @@ func (m *Mux) do(r *req) {
 	m.read(r)
 }
 
-// wait blocks a caller whose request is queued or on the wire until it is answered, reading the socket when the
-// role passes to it.
+// wait blocks a caller whose request is queued or on the wire until it is answered.
 func (m *Mux) wait(r *req) {
 	for {
 		<-r.sig
 		m.mu.Lock()
-		if r.answered {
-			m.mu.Unlock()
-			return
-		}
-		turn := r.turn
-		r.turn = false
+		answered := r.answered
 		m.mu.Unlock()
-		if turn {
-			m.read(r)
+		if answered {
 			return
 		}
 	}
@@ -366,52 +370,38 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 	}
 	next := m.takeLocked()
 	mine := me != nil && me.answered
-	var heir *req
 	switch {
 	case next == nil && m.closing:
 		m.mu.Unlock()
-		m.settle(answered, nil)
+		m.settle(answered)
 		return false, ErrClosed
-	case next == nil:
-		if me != nil { // a caller's reading ends; the background reader takes over after a quiet moment
-			m.token = tokenFree
-			m.armLocked()
-		} // (the background reader goes on reading the quiet socket)
-	case mine: // my answer is in: pass the reading role to a caller waiting in the next round trip
-		for _, r := range next {
-			if r.sig != nil {
-				heir = r
-				break
-			}
-		}
-		if heir != nil {
-			heir.turn = true
-		} else {
-			mine = false // nobody to pass it to: read on
-		}
+	case next == nil && me != nil: // a caller's reading ends; the background reader takes over after a quiet moment
+		m.token = tokenFree
+		m.armLocked()
+	case next != nil && mine: // my answer is in and others wait: the background reader takes the busy socket
+		m.token = tokenBG
+		m.bg.Add(1)
+		go func() {
+			defer m.bg.Done()
+			m.read(nil)
+		}()
 	}
 	m.mu.Unlock()
-	m.settle(answered, heir)
+	m.settle(answered)
 	if next != nil {
 		if err := m.send(next); err != nil {
-			if heir != nil {
-				// the heir is on its way to read; the failed write's connection is closed, so it will find the
-				// error and settle everything
-				m.kill(err)
+			if mine {
+				m.kill(err) // the background reader finds the closed socket and settles everything
 				return true, nil
 			}
 			return false, err
 		}
 	}
-	if me == nil {
-		return false, nil
-	}
 	return mine, nil
 }
 
-// settle runs the hooks of answered requests (which record grants and releases) and wakes their callers, then
-// wakes heir, if any, to read.
-func (m *Mux) settle(answered []*req, heir *req) {
+// settle runs the hooks of answered requests (which record grants and releases) and wakes their callers.
+func (m *Mux) settle(answered []*req) {
 	for _, r := range answered {
 		if r.hook != nil {
 			r.hook(r)
@@ -421,12 +411,6 @@ func (m *Mux) settle(answered []*req, heir *req) {
 			case r.sig <- struct{}{}:
 			default:
 			}
-		}
-	}
-	if heir != nil {
-		select {
-		case heir.sig <- struct{}{}:
-		default: // already signalled; it will see its turn
 		}
 	}
 }
@@ -463,7 +447,7 @@ func (m *Mux) startBG() {
 // takeLocked takes everything queued as the next round trip, marking the Mux busy; nil when nothing is queued.
 func (m *Mux) takeLocked() []*req {
 	if len(m.queue) == 0 {
-		m.busy = false
+		m.busy, m.idleSince = false, time.Now()
 		return nil
 	}
 	batch := m.queue
