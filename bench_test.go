@@ -81,7 +81,9 @@ func BenchmarkCycleRawPgx(b *testing.B) {
 func BenchmarkCycleTryLock(b *testing.B) { benchCycle(b, (*Locker).TryLock) }
 
 // BenchmarkCycleLock: Locker.Lock (the blocking statement) + Unlock, uncontended.
-func BenchmarkCycleLock(b *testing.B) { benchCycle(b, (*Locker).Lock) }
+func BenchmarkCycleLock(b *testing.B) {
+	benchCycle(b, func(l *Locker, ctx context.Context, k Key) (*Lock, error) { return l.Lock(ctx, k) })
+}
 
 func benchCycle(b *testing.B, lock func(*Locker, context.Context, Key) (*Lock, error)) {
 	l := New(pgtest.Pool(b, pgtest.URL(b), nil))

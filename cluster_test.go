@@ -28,7 +28,9 @@ func TestPrivateCluster(t *testing.T) {
 		ctx := ctxT(t, 10*time.Second)
 		k := key(t)
 		for name, lock := range map[string]func(context.Context, Key) (*Lock, error){
-			"TryLock": l.TryLock, "Lock": l.Lock, "RLock": l.RLock, "TryRLock": l.TryRLock,
+			"TryLock": l.TryLock, "TryRLock": l.TryRLock,
+			"Lock":  func(ctx context.Context, k Key) (*Lock, error) { return l.Lock(ctx, k) },
+			"RLock": func(ctx context.Context, k Key) (*Lock, error) { return l.RLock(ctx, k) },
 		} {
 			if _, err := lock(ctx, k); !errors.Is(err, ErrStandby) {
 				t.Errorf("%s on a standby: %v, want ErrStandby", name, err)

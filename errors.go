@@ -29,6 +29,10 @@ var (
 	ErrUnlockFailed = session.ErrUnlockFailed
 	// ErrInvalidKey: the zero Key, or text that ParseKey cannot read.
 	ErrInvalidKey = session.ErrInvalidKey
+	// ErrPoolExhausted: a try (TryLock, TryRLock, TryDo, Wait(0)) found no free connection in the pool when it
+	// needed one (a session of its own, or the first shared session) and did not wait. Nothing was locked; the
+	// key's state is unknown. Give the Locker a pool of its own ([Open]) or a bigger one.
+	ErrPoolExhausted = session.ErrPoolExhausted
 	// ErrTxPooling: the connection goes through a pooler in transaction mode (PgBouncer pool_mode=transaction),
 	// where a session lock would stay on a server session other clients use. Nothing was locked. Use session
 	// pooling, or the transaction-scoped XactLock and DoTx.
@@ -37,3 +41,12 @@ var (
 	// prove that the pooler pins server sessions. Nothing was locked.
 	ErrUnverified = session.ErrUnverified
 )
+
+// notAcquiredError is ErrNotAcquired with the reason in its text.
+type notAcquiredError struct{ why string }
+
+func (e *notAcquiredError) Error() string        { return "advlock: not acquired: " + e.why }
+func (e *notAcquiredError) Is(target error) bool { return target == ErrNotAcquired }
+
+// errHeldInProcess: a Try call found the key held by another holder of the same Locker.
+var errHeldInProcess error = &notAcquiredError{why: "the key is held by another holder in this process (the same Locker)"}

@@ -50,7 +50,7 @@ func (l *Locker) enter(ctx context.Context, t session.Target, wait bool) error {
 	}()
 	for !g.admits(t.Shared) {
 		if !wait {
-			return ErrNotAcquired
+			return errHeldInProcess
 		}
 		if !t.Shared && !writerQueued {
 			writerQueued = true

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/session"
@@ -73,30 +74,50 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 	return l
 }
 
-// TryLock takes key exclusively if no other session holds it, or fails at once with ErrNotAcquired.
+// TryLock takes key exclusively if no other session holds it, or fails at once with ErrNotAcquired. It never waits
+// for a connection: with shared sessions it needs none once one is open, and with a session per lock it fails with
+// ErrPoolExhausted when the pool has no free connection.
 func (l *Locker) TryLock(ctx context.Context, key Key) (*Lock, error) {
-	return l.lock(ctx, key, false, false)
+	return l.lock(ctx, key, false, false, nil)
 }
 
 // Lock takes key exclusively, waiting inside PostgreSQL (no polling) until it is granted or ctx ends. When ctx
 // ends first the error wraps ctx.Err(), and the key is not held: if the server granted it as the wait was
-// cancelled, the session is closed so that the server drops it.
-func (l *Locker) Lock(ctx context.Context, key Key) (*Lock, error) {
-	return l.lock(ctx, key, false, true)
+// cancelled, the session is closed so that the server drops it. [Wait] bounds the wait apart from ctx: when it
+// elapses Lock returns ErrNotAcquired.
+func (l *Locker) Lock(ctx context.Context, key Key, opts ...CallOption) (*Lock, error) {
+	return l.lock(ctx, key, false, true, opts)
 }
 
 // TryRLock is TryLock in shared mode: any number of shared holders, no exclusive one.
 func (l *Locker) TryRLock(ctx context.Context, key Key) (*Lock, error) {
-	return l.lock(ctx, key, true, false)
+	return l.lock(ctx, key, true, false, nil)
 }
 
 // RLock is Lock in shared mode.
-func (l *Locker) RLock(ctx context.Context, key Key) (*Lock, error) {
-	return l.lock(ctx, key, true, true)
+func (l *Locker) RLock(ctx context.Context, key Key, opts ...CallOption) (*Lock, error) {
+	return l.lock(ctx, key, true, true, opts)
 }
 
-func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool) (*Lock, error) {
-	lk, err := l.lock1(ctx, key, shared, wait)
+func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool, opts []CallOption) (*Lock, error) {
+	co := callOptions(opts)
+	var lk *Lock
+	var err error
+	switch {
+	case wait && co.waitSet && co.wait <= 0:
+		wait = false
+		lk, err = l.lock1(ctx, key, shared, false)
+	case wait && co.waitSet:
+		// The bound is a deadline of its own: the server's lock_timeout honours it and the session survives it.
+		wctx, cancel := context.WithTimeoutCause(ctx, co.wait, errWaitElapsed)
+		lk, err = l.lock1(wctx, key, shared, true)
+		cancel()
+		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) && ownDeadline(ctx, co.wait) {
+			err = &notAcquiredError{why: "not granted within " + co.wait.String()}
+		}
+	default:
+		lk, err = l.lock1(ctx, key, shared, wait)
+	}
 	if err != nil {
 		verb := "lock"
 		switch {
@@ -111,6 +132,15 @@ func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool) (*Lock, e
 	}
 	return lk, nil
 }
+
+// ownDeadline reports whether a wait bound d, started just now, ends before ctx's own deadline (so that a deadline
+// error is the bound's, not ctx's).
+func ownDeadline(ctx context.Context, d time.Duration) bool {
+	dl, ok := ctx.Deadline()
+	return !ok || time.Until(dl) > 0
+}
+
+var errWaitElapsed = errors.New("advlock: the Wait bound elapsed")
 
 func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, error) {
 	if l == nil || l.pool == nil {
@@ -163,7 +193,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 func (l *Locker) take(ctx context.Context, t session.Target, wait bool, onEnd func()) (handle, error) {
 	if l.shared != nil {
 		for attempt := 0; ; attempt++ {
-			m, err := l.shared.Get(ctx)
+			m, err := l.shared.Get(ctx, wait)
 			if err != nil {
 				return nil, err
 			}
@@ -280,12 +310,12 @@ func (l *Locker) Close() {
 	}
 }
 
-// Do takes key exclusively (waiting like Lock), runs fn, and unlocks, also when fn panics. The context given to fn
-// is cancelled, with cause ErrLockLost, as soon as the lock is lost. Do returns fn's error joined with the
-// unlock's; when the lock was lost at any point the result matches ErrLockLost, since fn may have overlapped with
-// another holder.
-func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) error) (err error) {
-	lk, err := l.Lock(ctx, key)
+// Do takes key exclusively (waiting like Lock; [Wait] bounds that wait apart from ctx), runs fn, and unlocks, also
+// when fn panics. The context given to fn is ctx, cancelled with cause ErrLockLost as soon as the lock is lost.
+// Do returns fn's error together with the unlock's, on one line, each matchable with errors.Is; when the lock was
+// lost at any point the result matches ErrLockLost, since fn may have overlapped with another holder.
+func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...CallOption) (err error) {
+	lk, err := l.Lock(ctx, key, opts...)
 	if err != nil {
 		return err
 	}
@@ -297,10 +327,20 @@ func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.ReleaseTimeout)
 		defer ucancel()
 		if uerr := lk.Unlock(uctx); uerr != nil {
-			err = errors.Join(err, uerr)
+			if err == nil {
+				err = uerr
+			} else {
+				err = fmt.Errorf("%w; and %w", err, uerr)
+			}
 		}
 	}()
 	return fn(fctx)
+}
+
+// TryDo is Do that does not wait: it takes key if no other session holds it (else ErrNotAcquired), runs fn with a
+// context cancelled when the lock is lost, and unlocks. It is Do(ctx, key, fn, Wait(0)).
+func (l *Locker) TryDo(ctx context.Context, key Key, fn func(ctx context.Context) error) error {
+	return l.Do(ctx, key, fn, Wait(0))
 }
 
 // keyError names the operation and key in an error while keeping the cause matchable.
@@ -322,4 +362,45 @@ func trimPrefix(s string) string {
 		return s[len(p):]
 	}
 	return s
+}
+
+// Stats is what a Locker is doing now.
+type Stats struct {
+	Held             int // locks held
+	HeldShared       int // of them on shared sessions
+	WaitingInProcess int // Lock calls waiting behind another holder of the same key in this Locker
+	WaitingInServer  int // Lock calls waiting in PostgreSQL, each on a session of its own
+	SharedSessions   int // shared sessions open
+	OwnSessions      int // sessions of their own in use: holding a lock, or waiting in the server
+	Pool             PoolStats
+}
+
+// PoolStats are the figures of the pool a Locker takes sessions from (pgxpool, or database/sql's pool).
+type PoolStats = session.PoolStats
+
+// Stats reports what the Locker holds and waits for, its sessions, and its pool's own figures. It takes the
+// Locker's lock for a moment and reads the pool's counters; it sends nothing to the server.
+func (l *Locker) Stats() Stats {
+	var st Stats
+	if l == nil || l.pool == nil {
+		return st
+	}
+	l.mu.Lock()
+	st.Held = len(l.held)
+	for lk := range l.held {
+		if _, ok := lk.h.(*session.Held); ok {
+			st.HeldShared++
+		}
+	}
+	for _, g := range l.gates {
+		st.WaitingInProcess += g.waiting
+	}
+	l.mu.Unlock()
+	st.WaitingInServer = l.cfg.Waits.Count()
+	if l.shared != nil {
+		st.SharedSessions = l.shared.Sessions()
+	}
+	st.OwnSessions = st.Held - st.HeldShared + st.WaitingInServer
+	st.Pool = l.pool.Stats()
+	return st
 }

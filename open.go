@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"strings"
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
@@ -41,6 +42,9 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("advlock: parse dsn: %w", err)
 	}
+	if !strings.Contains(dsn, "pool_max_conns") {
+		cfg.MaxConns = DefaultOpenConns
+	}
 	if rp := cfg.ConnConfig.RuntimeParams; rp["application_name"] == "" {
 		rp["application_name"] = "advlock"
 	}
@@ -69,6 +73,11 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	l.ownsPool = pool
 	return l, nil
 }
+
+// DefaultOpenConns is the size of Open's pool unless the DSN's pool_max_conns or WithPoolConfig sets another: the
+// shared sessions (4 by default), and 20 more for Lock calls waiting in the server at once, each of which keeps
+// its session while the lock it got is held (with WithSharedSessions(0), every held lock takes one).
+const DefaultOpenConns = 24
 
 // openSettings are what Open's Locker sets on each lock session (see Open).
 var openSettings = []session.Setting{

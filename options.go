@@ -54,3 +54,27 @@ func WithSharedSessions(n int) Option {
 		}
 	}
 }
+
+// CallOption adjusts one call of Lock, RLock, Do (not TryLock, TryRLock or TryDo, which never wait).
+type CallOption func(*callOpts)
+
+type callOpts struct {
+	wait    time.Duration
+	waitSet bool
+}
+
+func callOptions(opts []CallOption) callOpts {
+	var c callOpts
+	for _, o := range opts {
+		o(&c)
+	}
+	return c
+}
+
+// Wait bounds how long a call waits for the key, apart from its ctx: when d elapses without a grant the call
+// returns ErrNotAcquired (not a context error), while ctx keeps governing the wait (and, for Do, fn's run: fn's
+// context is not cut when d elapses). Wait(0) or less tries once. The server bounds the wait itself
+// (lock_timeout), so a wait that runs out keeps its session. The last Wait given counts.
+func Wait(d time.Duration) CallOption {
+	return func(c *callOpts) { c.wait, c.waitSet = d, true }
+}

@@ -23,6 +23,12 @@ func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 
 func (pgxPool) Wires() bool { return true }
 
+func (a pgxPool) Stats() session.PoolStats {
+	st := a.p.Stat()
+	return session.PoolStats{Max: int(st.MaxConns()), Open: int(st.TotalConns()), InUse: int(st.AcquiredConns()),
+		Idle: int(st.IdleConns()), WaitCount: st.EmptyAcquireCount()}
+}
+
 // pgxConn is one pinned pgxpool connection. The embedded Reader keeps the PgConn, which c forgets once released.
 type pgxConn struct {
 	c *pgxpool.Conn

@@ -74,6 +74,13 @@ func (p *pool) Wires() bool {
 	return ok
 }
 
+// Stats reads db.Stats.
+func (p *pool) Stats() session.PoolStats {
+	st := p.db.Stats()
+	return session.PoolStats{Max: st.MaxOpenConnections, Open: st.OpenConnections, InUse: st.InUse, Idle: st.Idle,
+		WaitCount: st.WaitCount}
+}
+
 // Wire runs f inside Conn.Raw with pgx's connection; with other drivers it reports errNoWire.
 func (a *conn) Wire(f func(pc *pgconn.PgConn) error) error {
 	if a.pgx == nil {

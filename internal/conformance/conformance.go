@@ -99,6 +99,8 @@ func (s *suite) run(t *testing.T) {
 		{"CloseWhileAcquiring", s.closeWhileAcquiring},
 		{"UnlockRacingClose", s.unlockRacingClose},
 		{"TimedWaitsKeepSessions", s.timedWaitsKeepSessions},
+		{"WaitBound", s.waitBound},
+		{"NoPoolSurprises", s.noPoolSurprises},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, tc.fn)

@@ -183,7 +183,8 @@ func (s *suite) closeWhileAcquiring(t *testing.T) {
 	defer giveBack()
 	errc := make(chan error, 2)
 	go func() { _, err := h.L.Lock(context.Background(), Key(t)); errc <- err }()
-	go func() { _, err := h.L.TryLock(context.Background(), Key(t)); errc <- err }()
+	go func() { _, err := h.L.RLock(context.Background(), Key(t)); errc <- err }()
+	// (A try does not wait for a connection at all: NoPoolSurprises.)
 	time.Sleep(100 * time.Millisecond)
 	closed := make(chan struct{})
 	go func() { h.L.Close(); close(closed) }()
@@ -283,4 +284,159 @@ func (s *suite) timedWaitsKeepSessions(t *testing.T) {
 	}
 	waitFree(t, obs, k)
 	noIdleLocks(t, h, obs)
+}
+
+// waitBound: Wait(d) bounds a wait apart from ctx (ErrNotAcquired when d elapses, ctx errors when ctx ends first,
+// Wait(0) tries once), Do's fn is not cut when d elapses, TryDo never waits, in-process contention says so, and
+// Do reports fn's error and the unlock's on one line.
+func (s *suite) waitBound(t *testing.T) {
+	holder, h, obs := s.open(t), s.open(t), s.observer(t)
+	ctx := ctxT(t, 30*time.Second)
+	k := Key(t)
+	hl, err := holder.L.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	_, err = h.L.Lock(context.Background(), k, advlock.Wait(100*time.Millisecond))
+	took := time.Since(start)
+	if !errors.Is(err, advlock.ErrNotAcquired) || errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Lock with Wait(100ms) on a held key: %v, want ErrNotAcquired and no context error", err)
+	}
+	if took < 90*time.Millisecond || took > 5*time.Second {
+		t.Errorf("Lock with Wait(100ms) returned after %v", took)
+	}
+	short, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	_, err = h.L.RLock(short, k, advlock.Wait(5*time.Second))
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) || errors.Is(err, advlock.ErrNotAcquired) {
+		t.Errorf("RLock whose ctx ends before its Wait: %v, want DeadlineExceeded", err)
+	}
+	if _, err := h.L.Lock(ctx, k, advlock.Wait(0)); !errors.Is(err, advlock.ErrNotAcquired) {
+		t.Errorf("Lock with Wait(0) on a held key: %v, want ErrNotAcquired", err)
+	}
+	ran := false
+	if err := h.L.TryDo(ctx, k, func(context.Context) error { ran = true; return nil }); !errors.Is(err, advlock.ErrNotAcquired) || ran {
+		t.Errorf("TryDo on a held key: %v (fn ran: %v), want ErrNotAcquired without running fn", err, ran)
+	}
+	if err := hl.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFree(t, obs, k)
+
+	// Do with a Wait bound: the bound is for the wait only; fn's ctx lives on after it.
+	err = h.L.Do(ctx, k, func(fctx context.Context) error {
+		time.Sleep(250 * time.Millisecond)
+		if len(holders(t, obs, k)) != 1 {
+			t.Error("Do's fn runs without the key held")
+		}
+		return fctx.Err()
+	}, advlock.Wait(100*time.Millisecond))
+	if err != nil {
+		t.Errorf("Do with Wait(100ms) whose fn ran 250ms: %v, want nil (the bound is for the wait only)", err)
+	}
+	err = h.L.TryDo(ctx, k, func(context.Context) error {
+		if len(holders(t, obs, k)) != 1 {
+			t.Error("TryDo's fn runs without the key held")
+		}
+		// Another holder in the same Locker: the message says so.
+		_, err := h.L.TryLock(ctx, k)
+		if !errors.Is(err, advlock.ErrNotAcquired) || !strings.Contains(err.Error(), "in this process") {
+			t.Errorf("TryLock of a key this Locker holds: %v, want ErrNotAcquired naming in-process contention", err)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Errorf("TryDo on a free key: %v", err)
+	}
+
+	// fn's error and the unlock's, on one line, each matchable.
+	bad := s.open(t, wrongUnlock())
+	errFn := errors.New("fn failed")
+	err = bad.L.Do(ctx, Key(t), func(context.Context) error { return errFn })
+	if !errors.Is(err, errFn) || !errors.Is(err, advlock.ErrLockLost) || strings.Contains(err.Error(), "\n") {
+		t.Errorf("Do whose fn and unlock both fail: %q, want one line matching both", err)
+	}
+	waitFree(t, obs, k)
+	noIdleLocks(t, h, obs)
+}
+
+// noPoolSurprises: a try never waits for a connection (ErrPoolExhausted at once when the pool has none free), and
+// Stats tells what the Locker holds and waits for.
+func (s *suite) noPoolSurprises(t *testing.T) {
+	h, holder, obs := s.open(t), s.open(t), s.observer(t)
+	ctx := ctxT(t, 30*time.Second)
+	giveBack := h.Exhaust(t)
+	start := time.Now()
+	_, err := h.L.TryLock(context.Background(), Key(t))
+	if !errors.Is(err, advlock.ErrPoolExhausted) {
+		t.Errorf("TryLock with every pool connection taken: %v, want ErrPoolExhausted", err)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Errorf("TryLock with every pool connection taken returned after %v: it waited", d)
+	}
+	if err := h.L.TryDo(context.Background(), Key(t), func(context.Context) error { return nil }); !errors.Is(err, advlock.ErrPoolExhausted) {
+		t.Errorf("TryDo with every pool connection taken: %v, want ErrPoolExhausted", err)
+	}
+	giveBack()
+
+	var held []*advlock.Lock
+	for range 3 {
+		lk, err := h.L.TryLock(ctx, Key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, lk)
+	}
+	k := Key(t)
+	hl, err := holder.L.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	errc := make(chan error, 2)
+	lockUnlock := func() {
+		lk, err := h.L.Lock(ctx, k, advlock.Wait(10*time.Second))
+		if err == nil {
+			err = lk.Unlock(ctx)
+		}
+		errc <- err
+	}
+	go lockUnlock()
+	waitQueued(t, obs, k)
+	go lockUnlock()
+	var st advlock.Stats
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if st = h.L.Stats(); st.WaitingInProcess == 1 || time.Now().After(deadline) {
+			break
+		}
+	}
+	wantShared, wantSessions := 0, 1 // a session of its own per held lock, plus the waiting one
+	if s.shared {
+		wantShared = 3
+		if st.SharedSessions < 1 {
+			t.Errorf("Stats: %d shared sessions open, want at least 1", st.SharedSessions)
+		}
+	} else {
+		wantSessions = 4
+	}
+	if st.Held != 3 || st.HeldShared != wantShared || st.WaitingInServer != 1 || st.WaitingInProcess != 1 ||
+		st.OwnSessions != wantSessions || st.Pool.InUse < st.OwnSessions+st.SharedSessions {
+		t.Errorf("Stats = %+v, want 3 held (%d shared), 1 waiting in the server, 1 in-process, %d sessions of their own", st, wantShared, wantSessions)
+	}
+	if err := hl.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 { // the first waiter gets it and lets it go; the second, waiting behind it in-process, then too
+		select {
+		case err := <-errc:
+			if err != nil {
+				t.Error(err)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatal("a waiting Lock did not return")
+		}
+	}
+	for _, lk := range held {
+		_ = lk.Unlock(ctx)
+	}
 }

@@ -263,6 +263,11 @@ func (r *stressRun) judgeAcquire(err error, ctx context.Context, try bool, close
 		r.count("closed")
 	case session.Ended(err):
 		r.count("acquire: session terminated") // the terminator ended the session while it locked or waited
+	case errors.Is(err, advlock.ErrPoolExhausted):
+		if !try {
+			r.violation("a waiting call returned ErrPoolExhausted: %v", err)
+		}
+		r.count("acquire: pool exhausted") // a try does not wait for a connection
 	case errors.Is(err, advlock.ErrUnverified):
 		r.count("acquire: unverified") // behind a pooler, no second connection free within 2s to prove pinning
 	case errors.As(err, new(*pgconn.ConnectError)):

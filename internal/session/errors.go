@@ -22,7 +22,9 @@ var (
 	ErrDeadlock      = errors.New("advlock: deadlock detected by the server (SQLSTATE 40P01)")
 	ErrUnlockFailed  = errors.New("advlock: unlock not confirmed; the session was closed so the server releases the lock")
 	ErrInvalidKey    = errors.New("advlock: invalid key")
-	ErrTxPooling     = errors.New("advlock: the connection goes through a pooler in transaction mode (another client " +
+	ErrPoolExhausted = errors.New("advlock: no free connection in the pool (held locks, waits and the application " +
+		"have taken them all); a try does not wait for one")
+	ErrTxPooling = errors.New("advlock: the connection goes through a pooler in transaction mode (another client " +
 		"got the same server session): a session-level lock would stay on a server session that other clients use; " +
 		"use pool_mode=session for session locks, or transaction-scoped locks (XactLock, DoTx)")
 	ErrUnverified = errors.New("advlock: the connection goes through a pooler and no second connection was free to " +

@@ -67,7 +67,21 @@ type Pool interface {
 	Acquire(ctx context.Context) (Conn, error)
 	// Wires reports whether its connections' Wire works, which shared sessions need.
 	Wires() bool
+	// Stats reports the pool's connections.
+	Stats() PoolStats
 }
+
+// PoolStats are a pool's own figures.
+type PoolStats struct {
+	Max       int   // the most connections it opens (0: no limit)
+	Open      int   // connections open
+	InUse     int   // taken out of the pool (by locks, shared sessions, waits, or the application)
+	Idle      int   // open and free
+	WaitCount int64 // acquisitions so far that had to wait for a connection
+}
+
+// Exhausted reports whether every connection the pool may open is taken: an acquisition now would wait.
+func (p PoolStats) Exhausted() bool { return p.Max > 0 && p.InUse >= p.Max }
 
 // Config tunes a session.
 type Config struct {
@@ -131,6 +145,9 @@ type Session struct {
 //
 // onEnd, if not nil, is called once when the lock ends, however it ends (released, lost, closed).
 func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onEnd func()) (*Session, error) {
+	if !wait && pool.Stats().Exhausted() {
+		return nil, ErrPoolExhausted // a try does not wait for a connection
+	}
 	conn, err := cfg.Waits.acquire(ctx, pool)
 	if err != nil {
 		if errors.Is(err, ErrClosed) {

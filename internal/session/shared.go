@@ -34,11 +34,58 @@ func NewShared(max int, pool Pool, cfg Config) *Shared {
 	return s
 }
 
-// Get returns the shared session a request should go to.
-func (s *Shared) Get(ctx context.Context) (*Mux, error) {
+// Get returns the shared session a request should go to: one with no round trip on the wire if there is one; else
+// the least loaded (and, below the maximum, another opens in the background); with none open, a new one (a try,
+// wait false, does not wait for a connection for it: ErrPoolExhausted); with every slot being opened, the first
+// to open.
+func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 	s.mu.Lock()
-	for len(s.muxes) == 0 && s.opening >= s.max && !s.closed { // all being opened: wait for one
-		ch := s.changed
+	for {
+		if s.closed {
+			s.mu.Unlock()
+			return nil, ErrClosed
+		}
+		var best *Mux
+		bestLoad, live := 0, 0
+		for _, m := range s.muxes {
+			busy, load, dead := m.state()
+			if dead {
+				continue // being removed
+			}
+			live++
+			if !busy {
+				s.mu.Unlock()
+				return m, nil
+			}
+			if best == nil || load < bestLoad {
+				best, bestLoad = m, load
+			}
+		}
+		grow := live+s.opening < s.max
+		switch {
+		case best != nil:
+			if grow {
+				s.opening++
+				s.bg.Add(1)
+				go func() {
+					defer s.bg.Done()
+					ctx, cancel := context.WithTimeout(s.bgCtx, 30*time.Second)
+					defer cancel()
+					_, _ = s.open(ctx)
+				}()
+			}
+			s.mu.Unlock()
+			return best, nil
+		case grow:
+			if !wait && s.pool.Stats().Exhausted() {
+				s.mu.Unlock()
+				return nil, ErrPoolExhausted
+			}
+			s.opening++
+			s.mu.Unlock()
+			return s.open(ctx)
+		}
+		ch := s.changed // every slot is being opened: wait for one
 		s.mu.Unlock()
 		select {
 		case <-ch:
@@ -47,44 +94,6 @@ func (s *Shared) Get(ctx context.Context) (*Mux, error) {
 		}
 		s.mu.Lock()
 	}
-	if s.closed {
-		s.mu.Unlock()
-		return nil, ErrClosed
-	}
-	var best *Mux
-	bestLoad, live := 0, 0
-	for _, m := range s.muxes {
-		busy, load, dead := m.state()
-		if dead {
-			continue // being removed
-		}
-		live++
-		if !busy {
-			s.mu.Unlock()
-			return m, nil
-		}
-		if best == nil || load < bestLoad {
-			best, bestLoad = m, load
-		}
-	}
-	grow := live+s.opening < s.max
-	if grow {
-		s.opening++
-	}
-	s.mu.Unlock()
-	if best != nil {
-		if grow {
-			s.bg.Add(1)
-			go func() {
-				defer s.bg.Done()
-				ctx, cancel := context.WithTimeout(s.bgCtx, 30*time.Second)
-				defer cancel()
-				_, _ = s.open(ctx)
-			}()
-		}
-		return best, nil
-	}
-	return s.open(ctx)
 }
 
 // open makes one shared session and adds it to the set.

@@ -89,3 +89,10 @@ func (w *Waits) Close() {
 		cancel(ErrClosed)
 	}
 }
+
+// Count is the number of lock statements waiting in the server now.
+func (w *Waits) Count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.conns)
+}
