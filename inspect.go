@@ -29,31 +29,64 @@ type LockInfo struct {
 	State           string // pg_stat_activity.state: idle, active, ...
 }
 
+// inspectSQL reads pg_locks once (the CTE, referenced twice, is materialized: one snapshot), and computes each
+// waiter's blockers from that snapshot (the holders of its key in a conflicting mode, and the conflicting waiters
+// queued before it, as PostgreSQL's queue orders them), so that holders and waiters agree with each other.
 const inspectSQL = `
+WITH l AS (
+  SELECT pid, classid, objid, objsubid, mode, granted, waitstart FROM pg_locks
+  WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
 SELECT l.classid::text::int8, l.objid::text::int8, l.objsubid, l.mode = 'ShareLock', l.granted, l.waitstart,
-       CASE WHEN l.granted THEN '{}'::int4[] ELSE pg_blocking_pids(l.pid) END,
+       CASE WHEN l.granted THEN '{}'::int4[] ELSE ARRAY(
+         SELECT h.pid FROM l h WHERE h.pid <> l.pid AND h.classid = l.classid AND h.objid = l.objid
+           AND h.objsubid = l.objsubid AND (l.mode = 'ExclusiveLock' OR h.mode = 'ExclusiveLock')
+           AND (h.granted OR h.waitstart < l.waitstart) ORDER BY h.pid) END,
        l.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'), a.backend_start,
-       coalesce(a.state, '')
-FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       coalesce(a.state, ''), a.pid IS NOT NULL
+FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid`
 
 // Inspect lists every advisory lock in the current database, holders first, then waiters in the order they
 // started waiting. It needs PostgreSQL 14 or later (pg_locks.waitstart). Rows of other users' sessions show
 // their application name and address only to roles allowed to see them (pg_read_all_stats).
+//
+// pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
+// waiting (its wait ended between the two reads) or a session is gone, Inspect reads both again (up to 3 times),
+// so that what it returns is one consistent picture.
 func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
+	var out []LockInfo
+	for range 3 {
+		var consistent bool
+		var err error
+		out, consistent, err = inspectOnce(ctx, q)
+		if err != nil {
+			return nil, fmt.Errorf("advlock: inspect: %w", err)
+		}
+		if consistent {
+			break
+		}
+	}
+	return out, nil
+}
+
+func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 	rows, err := q.Query(ctx, inspectSQL)
 	if err != nil {
-		return nil, fmt.Errorf("advlock: inspect: %w", err)
+		return nil, false, err
 	}
+	consistent := true
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
 		var li LockInfo
 		var cls, obj int64
 		var sub int16
 		var start *time.Time
+		var live bool
 		if err := r.Scan(&cls, &obj, &sub, &li.Shared, &li.Granted, &li.WaitStart, &li.BlockedBy, &li.PID,
-			&li.ApplicationName, &li.ClientAddr, &start, &li.State); err != nil {
+			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live); err != nil {
 			return li, err
+		}
+		if !live || !li.Granted && li.State != "active" {
+			consistent = false
 		}
 		if start != nil {
 			li.BackendStart = *start
@@ -62,10 +95,7 @@ func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 		li.Key = k
 		return li, err
 	})
-	if err != nil {
-		return nil, fmt.Errorf("advlock: inspect: %w", err)
-	}
-	return out, nil
+	return out, consistent, err
 }
 
 // Mode is "shared" or "exclusive".

@@ -3,6 +3,7 @@ package advlock
 import (
 	"encoding/json"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -110,4 +111,69 @@ func TestLockTable(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// While holders and waiters of one key come and go, every Inspect shows each waiter as active and blocked by
+// someone: locks and activity come from one consistent picture.
+func TestInspectConsistent(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	k := key(t)
+	var others []*Locker
+	for range 4 {
+		l := New(b.pool, WithSharedSessions(0))
+		t.Cleanup(l.Close)
+		others = append(others, l)
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for i, l := range others {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				lock := l.Lock
+				if i%2 == 1 {
+					lock = l.RLock
+				}
+				lk, err := lock(ctx, k)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				time.Sleep(time.Duration(1+i) * time.Millisecond)
+				if err := lk.Unlock(ctx); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	waiting := 0
+	for range 200 {
+		rows, err := Inspect(ctx, b.obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range rows {
+			if !r.Key.Equal(k) || r.Granted {
+				continue
+			}
+			waiting++
+			if r.State != "active" || len(r.BlockedBy) == 0 {
+				t.Errorf("a waiter shown %q and blocked by %v", r.State, r.BlockedBy)
+			}
+		}
+	}
+	close(stop)
+	wg.Wait()
+	if waiting == 0 {
+		t.Error("no waiter seen: the test did not exercise the race")
+	}
+	t.Logf("%d waiting rows checked", waiting)
 }

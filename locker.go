@@ -68,7 +68,7 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 	if pool != nil && o.SharedSessions > 0 && pool.Wires() {
 		cfg := l.cfg
 		cfg.Keepalive = min(o.Keepalive, o.ReleaseTimeout) // also how long a round trip may stay unanswered
-		l.shared = session.NewShared(o.SharedSessions, pool, cfg)
+		l.shared = session.NewShared(o.SharedSessions, pool, cfg, o.Keepalive)
 	}
 	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
 	return l

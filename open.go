@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"strconv"
 	"strings"
 	"time"
 
@@ -20,8 +21,13 @@ import (
 // Once per physical connection, before its first session lock and only after proving that the connection is a
 // server session of its own (direct, or pinned by a pooler in session mode), Open's Locker sets on it:
 //
-//   - statement_timeout=0, lock_timeout=0, idle_session_timeout=0 and idle_in_transaction_session_timeout=0, so
-//     that no server or role default cuts a wait or silently ends an idle holder;
+//   - statement_timeout=0, lock_timeout=0 and idle_in_transaction_session_timeout=0, so that no server or role
+//     default cuts a wait;
+//   - idle_session_timeout of 3 keepalive intervals ([WithKeepalive]; 15s by default): a live holder's session
+//     is never silent that long (it is pinged after one interval of silence), so the server ends only the sessions
+//     of a holder that froze (SIGSTOP, a debugger, a stuck VM), and a waiter takes its locks; when the holder
+//     resumes it is told its locks were lost (SQLSTATE 57P05). Idle pooled connections end the same way, and the
+//     pool replaces them;
 //   - tcp_keepalives_idle=10, tcp_keepalives_interval=5, tcp_keepalives_count=3 and
 //     client_connection_check_interval=5s, so that the server drops the locks of a client that vanished without
 //     closing its socket in about 25 s instead of the kernel's default of two hours (on a direct connection;
@@ -57,7 +63,7 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	for _, opt := range opts {
 		opt(&o)
 	}
-	o.Settings = openSettings
+	o.Settings = openSettings(o.Keepalive)
 	if o.PoolConfig != nil {
 		o.PoolConfig(cfg)
 	}
@@ -80,13 +86,15 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 const DefaultOpenConns = 24
 
 // openSettings are what Open's Locker sets on each lock session (see Open).
-var openSettings = []session.Setting{
-	{Name: "statement_timeout", Value: "0"},
-	{Name: "lock_timeout", Value: "0"},
-	{Name: "idle_session_timeout", Value: "0"},
-	{Name: "idle_in_transaction_session_timeout", Value: "0"},
-	{Name: "tcp_keepalives_idle", Value: "10"},
-	{Name: "tcp_keepalives_interval", Value: "5"},
-	{Name: "tcp_keepalives_count", Value: "3"},
-	{Name: "client_connection_check_interval", Value: "5s"},
+func openSettings(keepalive time.Duration) []session.Setting {
+	return []session.Setting{
+		{Name: "statement_timeout", Value: "0"},
+		{Name: "lock_timeout", Value: "0"},
+		{Name: "idle_session_timeout", Value: strconv.FormatInt(session.FrozenAfter(keepalive).Milliseconds(), 10)},
+		{Name: "idle_in_transaction_session_timeout", Value: "0"},
+		{Name: "tcp_keepalives_idle", Value: "10"},
+		{Name: "tcp_keepalives_interval", Value: "5"},
+		{Name: "tcp_keepalives_count", Value: "3"},
+		{Name: "client_connection_check_interval", Value: "5s"},
+	}
 }

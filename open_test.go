@@ -20,7 +20,7 @@ import (
 var openWants = map[string]string{
 	"statement_timeout":                   "0",
 	"lock_timeout":                        "0",
-	"idle_session_timeout":                "0",
+	"idle_session_timeout":                "15000", // 3 keepalive intervals: a frozen holder's sessions end
 	"idle_in_transaction_session_timeout": "0",
 	"tcp_keepalives_idle":                 "10",
 	"tcp_keepalives_interval":             "5",

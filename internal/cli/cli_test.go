@@ -292,6 +292,11 @@ func TestRunLost(t *testing.T) {
 		t.Errorf("ls --json = %s", out)
 	}
 
+	// Without KEY, ls shows the key by the name advlock run's session is named after, not as int:N.
+	code, out, errOut = run(t, "", "ls", "--json", "--dsn", pgtest.URL(t))
+	if code != 0 || !strings.Contains(out, `"key": "`+k+`"`) {
+		t.Errorf("ls --json without KEY (exit %d, %s) does not name %s: %s", code, errOut, k, out)
+	}
 	conn := pgtest.Conn(t, pgtest.URL(t))
 	time.Sleep(50 * time.Millisecond)
 	pgtest.Terminate(t, conn, uint32(h.PID))

@@ -86,6 +86,13 @@ func inspect(ctx context.Context, conn string, key *advlock.Key) ([]advlock.Lock
 	}
 	defer c.Close(context.WithoutCancel(ctx))
 	rows, err := advlock.Inspect(ctx, c)
+	for i, r := range rows { // a key taken by advlock run NAME shows as NAME, which its session is named after
+		if text, ok := strings.CutPrefix(r.ApplicationName, "advlock run "); ok {
+			if k, err := advlock.ParseKey(text); err == nil && k.Equal(r.Key) {
+				rows[i].Key = k
+			}
+		}
+	}
 	var use *advlock.LockTableUse
 	if u, uerr := advlock.LockTable(ctx, c); uerr == nil {
 		use = &u

@@ -14,7 +14,7 @@ import (
 	"github.com/advlock/advlock"
 )
 
-const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
+const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
 
 const runExits = `
 Holds KEY while COMMAND runs and releases it when COMMAND exits. Flags may come before or after KEY; COMMAND
@@ -26,7 +26,10 @@ are forwarded to that group. If advlock dies (even by SIGKILL), the whole group 
 the lock.
 
 The wait for KEY (--wait) does not include connecting; connecting is bounded by the DSN's connect_timeout
-(default 10s). --wait 0 is --no-wait.
+(default 10s). --wait 0 is --no-wait. If advlock itself freezes (SIGSTOP, a debugger, a stuck VM), the server
+ends its session after 3 --keepalive intervals of silence and a waiter gets KEY; when advlock resumes it finds
+the lock lost and ends COMMAND (exit 70). COMMAND runs on while advlock is frozen: protect what it writes with a
+fencing check if that matters.
 
 Exit status: COMMAND's (128+N if it died of signal N); 75 KEY not acquired (--no-wait, or --wait elapsed);
 69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND's group got SIGTERM, then SIGKILL
@@ -77,6 +80,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	noWait := fs.Bool("no-wait", false, "exit 75 at once if KEY is held elsewhere")
 	shared := fs.Bool("shared", false, "take KEY in shared mode (any number of shared holders, no exclusive one)")
 	grace := fs.Duration("grace", 10*time.Second, "after the lock is lost, how long COMMAND has between SIGTERM and SIGKILL")
+	keepalive := fs.Duration("keepalive", 5*time.Second, "ping the lock's session after `DURATION` of silence; the server ends it after 3 of them, "+
+		"so if advlock freezes (SIGSTOP, a stuck VM) a waiter gets KEY within about 3x this")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	usage := fs.Usage
 	fs.Usage = func() {}
@@ -106,8 +111,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	if *noWait && waitSet {
 		return usageError(std, "run: --wait and --no-wait exclude each other")
 	}
-	if *wait < 0 || *grace < 0 {
-		return usageError(std, "run: durations must not be negative")
+	if *wait < 0 || *grace < 0 || *keepalive <= 0 {
+		return usageError(std, "run: durations must not be negative (and --keepalive must be positive)")
 	}
 	if waitSet && *wait == 0 {
 		*noWait = true // as flock -w 0: do not wait
@@ -144,7 +149,7 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		}
 	}()
 
-	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait)
+	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait, *keepalive)
 	close(stopSigWatch)
 	<-sigWatchDone
 	if l != nil {
@@ -166,8 +171,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 // acquire connects and takes key. Connecting has its own budget (the DSN's connect_timeout, default 10s); the
 // lock is tried first, and only then waited for, within wait if it is not zero. It returns the lock, or the exit
 // status when there is none.
-func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait bool, wait time.Duration) (*advlock.Lock, *advlock.Locker, int) {
-	l, err := open(ctx, conn, "advlock run "+key.String())
+func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait bool, wait, keepalive time.Duration) (*advlock.Lock, *advlock.Locker, int) {
+	l, err := open(ctx, conn, "advlock run "+key.String(), advlock.WithKeepalive(keepalive))
 	if err != nil {
 		if ctx.Err() == nil {
 			fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))

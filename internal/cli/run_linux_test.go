@@ -339,3 +339,35 @@ func TestRunThroughPgBouncer(t *testing.T) {
 		t.Errorf("run through PgBouncer in transaction mode: exit %d stdout %q stderr %q, want 69 saying pool_mode=session", code, p.out.String(), p.err.String())
 	}
 }
+
+// A frozen holder (advlock stopped with SIGSTOP; its kernel still answers TCP keepalives) loses KEY within about
+// 3 --keepalive intervals: a waiter gets it; when the holder is continued it finds the lock lost, ends COMMAND and
+// exits 70.
+func TestRunFrozenHolder(t *testing.T) {
+	k := keyName(t)
+	key, _ := advlock.ParseKey(k)
+	const keepalive = 300 * time.Millisecond
+	p := start(t, dbEnv(t), "run", "--keepalive", keepalive.String(), "--grace", "2s", k, "--", "sh", "-c",
+		`trap 'echo got-term; exit 0' TERM; while :; do sleep 0.05; done`)
+	holderOf(t, key)
+	time.Sleep(2 * keepalive) // a live holder keeps its session past the idle bound
+	if err := p.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Now()
+	q := start(t, dbEnv(t), "run", "--wait", "20s", k, "--", "echo", "taken")
+	if code := q.wait(t, 25*time.Second); code != 0 || q.out.String() != "taken\n" {
+		t.Fatalf("waiter behind a frozen holder: exit %d stdout %q stderr %q", code, q.out.String(), q.err.String())
+	}
+	took := time.Since(stopped)
+	t.Logf("the waiter got the key %v after the holder froze (keepalive %v)", took, keepalive)
+	if took > 10*time.Second {
+		t.Errorf("the waiter got the key %v after the holder froze, want about 3 keepalives (%v)", took, 3*keepalive)
+	}
+	if err := p.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.wait(t, 15*time.Second); code != exitLost || !strings.Contains(p.out.String(), "got-term") {
+		t.Errorf("the frozen holder, continued: exit %d stdout %q stderr %q, want 70 after its command got SIGTERM", code, p.out.String(), p.err.String())
+	}
+}

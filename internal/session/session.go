@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -333,6 +334,18 @@ func notTxPooled(ctx context.Context, pool Pool, p1 int64) error {
 		return fmt.Errorf("%w (server pid %d)", ErrTxPooling, p1)
 	}
 	return nil
+}
+
+// FrozenAfter is the idle_session_timeout that advlock sets on the sessions it controls: a live holder pings its
+// session after one keepalive interval of silence, so only a frozen holder's session stays silent this long.
+func FrozenAfter(keepalive time.Duration) time.Duration { return 3 * keepalive }
+
+// frozenSQL sets FrozenAfter on a session on servers that have idle_session_timeout (PostgreSQL 14+); the CASE
+// evaluates lazily, so older servers are not asked for a setting they do not know.
+func frozenSQL(keepalive time.Duration) string {
+	return "SELECT CASE WHEN current_setting('server_version_num')::int >= 140000 THEN " +
+		"length(set_config('idle_session_timeout', '" + strconv.FormatInt(FrozenAfter(keepalive).Milliseconds(), 10) +
+		"', false)) ELSE 0 END"
 }
 
 // DefaultKeepalive is used when Config.Keepalive is zero.

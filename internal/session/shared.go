@@ -13,9 +13,10 @@ import (
 // open, another is opened in the background while the request queues on the least loaded one (so nobody waits
 // for a connection to be made, except for the first session).
 type Shared struct {
-	max  int
-	pool Pool
-	cfg  Config
+	max             int
+	pool            Pool
+	cfg             Config
+	frozenKeepalive time.Duration // the Locker's keepalive (cfg.Keepalive is the round-trip bound)
 
 	mu      sync.Mutex
 	muxes   []*Mux
@@ -27,9 +28,10 @@ type Shared struct {
 	changed chan struct{} // closed (and replaced) whenever an open ends
 }
 
-// NewShared returns a set of at most max shared sessions over pool.
-func NewShared(max int, pool Pool, cfg Config) *Shared {
-	s := &Shared{max: max, pool: pool, cfg: cfg, changed: make(chan struct{})}
+// NewShared returns a set of at most max shared sessions over pool. keepalive is the Locker's: shared sessions
+// silent for FrozenAfter(keepalive) are ended by the server.
+func NewShared(max int, pool Pool, cfg Config, keepalive time.Duration) *Shared {
+	s := &Shared{max: max, pool: pool, cfg: cfg, frozenKeepalive: keepalive, changed: make(chan struct{})}
 	s.bgCtx, s.bgStop = context.WithCancel(context.Background())
 	return s
 }
@@ -131,6 +133,12 @@ func (s *Shared) open(ctx context.Context) (m *Mux, err error) {
 			conn.Destroy()
 		}
 		return nil, WithContext(ctx, err)
+	}
+	// A shared session is advlock's for its whole life (destroyed, never pooled, at the end): a frozen holder's is
+	// ended by the server (see FrozenAfter), whatever the pool's settings.
+	if _, err := conn.QueryInt(ctx, frozenSQL(s.frozenKeepalive)); err != nil {
+		conn.Destroy()
+		return nil, WithContext(ctx, fmt.Errorf("set up shared session: %w", err))
 	}
 	m, err = OpenMux(ctx, conn, s.cfg.Keepalive, s.remove, s.cfg.UnlockKey)
 	if err != nil {
