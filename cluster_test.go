@@ -205,8 +205,9 @@ func TestPrivateCluster(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer obs.Exec(context.Background(), "ALTER DATABASE postgres RESET idle_session_timeout")
-		// Over a plain pool the server ends the idle holder; its FATAL is seen at once.
-		plain := New(pgtest.Pool(t, c.URL, nil), WithKeepalive(time.Minute))
+		// A session of its own from a plain pool keeps the application's settings: the server ends the idle holder;
+		// its FATAL is seen at once.
+		plain := New(pgtest.Pool(t, c.URL, nil), WithKeepalive(time.Minute), WithSharedSessions(0))
 		defer plain.Close()
 		lk, err := plain.TryLock(ctx, key(t))
 		if err != nil {
@@ -216,7 +217,23 @@ func TestPrivateCluster(t *testing.T) {
 		if !errors.Is(lk.Err(), ErrLockLost) || errCode(lk.Err()) != "57P05" {
 			t.Errorf("Err = %v, want ErrLockLost wrapping SQLSTATE 57P05", lk.Err())
 		}
-		// Open's sessions turn it off: the lock survives well past the timeout.
+		// A shared session is advlock's: it carries its own idle_session_timeout (3 keepalive intervals), so the
+		// database's 300ms does not end it.
+		sh := New(pgtest.Pool(t, c.URL, nil), WithKeepalive(time.Second))
+		defer sh.Close()
+		slk, err := sh.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-slk.Done():
+			t.Fatalf("lock on a shared session lost: %v", slk.Err())
+		case <-time.After(1500 * time.Millisecond):
+		}
+		if err := slk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		// Open's sessions set it from the keepalive too: the lock survives well past the database's timeout.
 		ol, err := Open(ctx, c.URL)
 		if err != nil {
 			t.Fatal(err)

@@ -41,8 +41,8 @@ type Backend struct {
 	Pooled bool
 	// Shares: the backend supports shared sessions; the suite then runs in both modes.
 	Shares bool
-	// NoCancel: the stress must not end a context while a statement runs. PgBouncer 1.18 to 1.20 can crash on the
-	// cancel request that lib/pq then sends (pgbouncer issue #822).
+	// NoCancel: tests must not end a context while a statement's answer is on its way. PgBouncer 1.18 to 1.20
+	// can crash on the cancel request that lib/pq then sends (pgbouncer issue #822).
 	NoCancel bool
 }
 
@@ -553,6 +553,11 @@ func (s *suite) releaseExact(t *testing.T) {
 		}, context.DeadlineExceeded},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			if s.be.NoCancel && tc.latency > 0 {
+				// The ctx ends while the answer is on its way: lib/pq's cancel request then reaches PgBouncer 1.18
+				// to 1.20 as the server answers, which crashes it (pgbouncer#822). Covered on the other backends.
+				t.Skip("PgBouncer before 1.21 crashes on this cancel (pgbouncer#822)")
+			}
 			h, p := s.proxied(t)
 			obs := s.observer(t)
 			lk, err := h.L.TryLock(ctxT(t, 10*time.Second), Key(t))
