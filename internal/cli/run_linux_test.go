@@ -277,10 +277,12 @@ func TestRunSignalAtGrant(t *testing.T) {
 				t.Fatal("run never waited in the server")
 			}
 		}
-		go func() { _ = lk.Unlock(context.Background()) }()
+		unlocked := make(chan struct{})
+		go func() { _ = lk.Unlock(context.Background()); close(unlocked) }()
 		time.Sleep(time.Duration(i*100) * time.Microsecond)
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 		p.wait(t, 10*time.Second)
+		<-unlocked
 		if strings.Contains(p.out.String(), "finished") {
 			t.Fatalf("iteration %d: SIGTERM was lost: the command ran to its end (stdout %q, exit %d)", i, p.out.String(), p.code)
 		}
