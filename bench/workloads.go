@@ -192,36 +192,17 @@ func throughput(ctx context.Context, cs []contender, n int, sameKey bool, tag st
 			}
 		}
 	}
-	const slice = 50 * time.Millisecond
-	for spent := time.Duration(0); spent < *flagDur; spent += slice {
-		for _, r := range rs {
-			if r.err != nil {
-				continue
+	turns := make([]turn, len(rs))
+	for i, r := range rs {
+		turns[i] = turn{n: len(r.cl), spent: &r.spent, err: &r.err, cycle: func(g int) error {
+			err := cycle(r, g)
+			if err == nil {
+				r.counts[g]++
 			}
-			var wg sync.WaitGroup
-			var failed atomic.Value
-			start := time.Now()
-			stop := start.Add(slice)
-			for g := range r.cl {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for time.Now().Before(stop) {
-						if err := cycle(r, g); err != nil {
-							failed.Store(err)
-							return
-						}
-						r.counts[g]++
-					}
-				}()
-			}
-			wg.Wait()
-			r.spent += time.Since(start)
-			if err, _ := failed.Load().(error); err != nil {
-				r.err = err
-			}
-		}
+			return err
+		}}
 	}
+	takeTurns(turns)
 	out := map[string]tput{}
 	for _, r := range rs {
 		if !check(r.c, "throughput", r.err) {
@@ -630,36 +611,17 @@ func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[st
 		}
 		wg.Wait()
 	}
-	const slice = 50 * time.Millisecond
-	for spent := time.Duration(0); spent < *flagDur; spent += slice {
-		for _, r := range rs {
-			if r.err != nil {
-				continue
+	turns := make([]turn, len(rs))
+	for i, r := range rs {
+		turns[i] = turn{n: n, spent: &r.spent, err: &r.err, cycle: func(g int) error {
+			err := r.cycle(g)
+			if err == nil {
+				r.count.Add(1)
 			}
-			var wg sync.WaitGroup
-			var failed atomic.Value
-			start := time.Now()
-			stop := start.Add(slice)
-			for g := range n {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for time.Now().Before(stop) {
-						if err := r.cycle(g); err != nil {
-							failed.Store(err)
-							return
-						}
-						r.count.Add(1)
-					}
-				}()
-			}
-			wg.Wait()
-			r.spent += time.Since(start)
-			if err, _ := failed.Load().(error); err != nil {
-				r.err = err
-			}
-		}
+			return err
+		}}
 	}
+	takeTurns(turns)
 	out := map[string]float64{}
 	for _, r := range rs {
 		if r.err != nil {
@@ -669,4 +631,46 @@ func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[st
 		out[r.name] = float64(r.count.Load()) / r.spent.Seconds()
 	}
 	return out
+}
+
+// turn is one contender's part in takeTurns: n goroutines running cycle.
+type turn struct {
+	n     int
+	cycle func(g int) error // one cycle of goroutine g; counts its own successes
+	spent *time.Duration    // time run so far
+	err   *error            // the first failure; the contender then sits out
+}
+
+// takeTurns runs the contenders in 50 ms slices, one after another, until each has run *flagDur, so that they
+// share the machine's weather.
+func takeTurns(ts []turn) {
+	const slice = 50 * time.Millisecond
+	for spent := time.Duration(0); spent < *flagDur; spent += slice {
+		for _, t := range ts {
+			if *t.err != nil {
+				continue
+			}
+			var wg sync.WaitGroup
+			var failed atomic.Value
+			start := time.Now()
+			stop := start.Add(slice)
+			for g := range t.n {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for time.Now().Before(stop) {
+						if err := t.cycle(g); err != nil {
+							failed.Store(err)
+							return
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			*t.spent += time.Since(start)
+			if err, _ := failed.Load().(error); err != nil {
+				*t.err = err
+			}
+		}
+	}
 }
