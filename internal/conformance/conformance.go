@@ -11,6 +11,7 @@ import (
 	mrand "math/rand/v2"
 	"net"
 	"net/url"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -103,7 +104,12 @@ func (s *suite) run(t *testing.T) {
 		{"NoPoolSurprises", s.noPoolSurprises},
 		{"Stress", s.stress},
 	} {
-		t.Run(tc.name, tc.fn)
+		t.Run(tc.name, func(t *testing.T) {
+			if os.Getenv("ADVLOCK_STRESS") != "" && tc.name != "Stress" {
+				t.Skip("ADVLOCK_STRESS is set: a stress campaign runs only the Stress subtests")
+			}
+			tc.fn(t)
+		})
 	}
 }
 
