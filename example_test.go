@@ -9,6 +9,7 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // exampleDSN is the server the examples run against (the tests' server).
@@ -70,4 +71,50 @@ func ExampleNameKey() {
 	n, _ := k.Int64()
 	fmt.Println(k, n)
 	// Output: billing-sync 6451652757638753977
+}
+
+// A resource guarded by fencing tokens keeps the largest token it has seen and refuses writes that bring a smaller
+// one: a holder that was paused past the loss of its lock cannot overwrite the work of the holder after it.
+func ExampleWithFencing() {
+	ctx := context.Background()
+	l, err := advlock.Open(ctx, exampleDSN(), advlock.WithFencing())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer l.Close()
+	db, err := pgx.Connect(ctx, exampleDSN())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer db.Close(ctx)
+	if _, err := db.Exec(ctx, `CREATE TEMP TABLE invoice (id int PRIMARY KEY, fence bigint NOT NULL, state text);
+		INSERT INTO invoice VALUES (42, 0, 'new')`); err != nil {
+		log.Fatal(err)
+	}
+	// The resource side: a write carries the writer's token and happens only if no later holder has written.
+	write := func(token int64, state string) bool {
+		tag, err := db.Exec(ctx, "UPDATE invoice SET fence = $1, state = $2 WHERE id = 42 AND fence < $1", token, state)
+		if err != nil {
+			log.Fatal(err)
+		}
+		return tag.RowsAffected() == 1
+	}
+	key := advlock.PairKey(2, 42)
+	first, err := l.TryLock(ctx, key)
+	if err != nil {
+		log.Fatal(err)
+	}
+	stale := first.Token()
+	_ = first.Unlock(ctx) // as if its holder had been paused (a GC pause, SIGSTOP) until its lock was lost
+
+	second, err := l.TryLock(ctx, key)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer second.Unlock(ctx)
+	fmt.Println("the second holder writes:", write(second.Token(), "sent"))
+	fmt.Println("the first holder, resumed, writes:", write(stale, "cancelled"))
+	// Output:
+	// the second holder writes: true
+	// the first holder, resumed, writes: false
 }

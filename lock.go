@@ -22,6 +22,7 @@ type handle interface {
 	Err() error
 	Release(ctx context.Context, after error) error
 	AfterEnd(f func()) (stop func() bool)
+	Token() int64
 }
 
 // Values of Lock.ended.
@@ -30,6 +31,10 @@ const (
 	unlockedByCaller
 	releasedByClose
 )
+
+// Token is the grant's fencing token: strictly greater than every token handed out before it (see [WithFencing]);
+// 0 when the Locker has no fencing.
+func (lk *Lock) Token() int64 { return lk.h.Token() }
 
 // Key returns the key this lock holds.
 func (lk *Lock) Key() Key { return lk.key }

@@ -32,6 +32,9 @@ type Locker struct {
 	inflight    sync.WaitGroup // Lock calls under way
 	heldWG      sync.WaitGroup // locks in held
 
+	fenceMu sync.Mutex
+	fenceOK bool // the fencing sequence exists and may be used
+
 	mu     sync.Mutex
 	closed bool
 	gates  map[session.ID]*gate
@@ -60,7 +63,7 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 	l := &Locker{
 		opts: o,
 		cfg: session.Config{Keepalive: o.Keepalive, Wrap: o.Wrap, Starter: new(session.Starter),
-			Waits: new(session.Waits), Settings: o.Settings, UnlockKey: o.UnlockKey},
+			Waits: new(session.Waits), Settings: o.Settings, UnlockKey: o.UnlockKey, Fencing: o.Fencing},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
 	}
@@ -156,6 +159,11 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 		return nil, err
 	}
 	defer done()
+	if l.opts.Fencing {
+		if err := l.ensureFence(ctx); err != nil {
+			return nil, err
+		}
+	}
 	t := session.Target{ID: key.id, Shared: shared}
 	if err := l.enter(ctx, t, wait); err != nil {
 		return nil, err
@@ -186,6 +194,20 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	}
 	l.mu.Unlock()
 	return lk, nil
+}
+
+// ensureFence checks (once per Locker, until it succeeds) that the fencing sequence exists and may be used.
+func (l *Locker) ensureFence(ctx context.Context) error {
+	l.fenceMu.Lock()
+	defer l.fenceMu.Unlock()
+	if l.fenceOK {
+		return nil
+	}
+	if err := session.EnsureFence(ctx, l.pool); err != nil {
+		return err
+	}
+	l.fenceOK = true
+	return nil
 }
 
 // take holds t: on a shared session if it can be granted at once, else (when wait) on a session of its own that
@@ -319,7 +341,7 @@ func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 	if err != nil {
 		return err
 	}
-	fctx, cancel := context.WithCancelCause(ctx)
+	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, lockKey{}, lk))
 	stop := lk.h.AfterEnd(func() { cancel(lk.Err()) })
 	defer func() {
 		stop()
@@ -403,4 +425,15 @@ func (l *Locker) Stats() Stats {
 	st.OwnSessions = st.Held - st.HeldShared + st.WaitingInServer
 	st.Pool = l.pool.Stats()
 	return st
+}
+
+type lockKey struct{}
+
+// FenceToken returns the fencing token of the lock that Do (or TryDo) holds while running the fn that got ctx, or
+// 0 (no such lock, or no fencing: [WithFencing]).
+func FenceToken(ctx context.Context) int64 {
+	if lk, ok := ctx.Value(lockKey{}).(*Lock); ok {
+		return lk.Token()
+	}
+	return 0
 }

@@ -55,6 +55,22 @@ func WithSharedSessions(n int) Option {
 	}
 }
 
+// WithFencing makes every grant of a session lock (exclusive or shared, on a shared session or one of its own,
+// through TryLock, Lock, Do and the rest) carry a fencing token ([Lock.Token], [FenceToken] inside Do): a number
+// strictly greater than every token handed out before, for any key, by any client, process or Locker of the same
+// database, including after a server restart or crash. It is drawn in the grant's own statement (no extra round
+// trip) from the sequence public.advlock_fence, which the Locker creates on first use if it is missing (that needs
+// CREATE on schema public; for a role without it, create it once as one that has it: CREATE SEQUENCE
+// public.advlock_fence; GRANT USAGE ON SEQUENCE public.advlock_fence TO <role>). Without it a lock call fails with
+// ErrFencing saying so. Default off: Token is 0.
+//
+// A protected resource checks the token and refuses a stale holder, for example UPDATE ... SET fence = $token
+// WHERE id = $1 AND fence < $token: a holder that was paused past the loss of its lock (a GC pause, SIGSTOP) and
+// then writes is refused once a later holder has written.
+func WithFencing() Option {
+	return func(o *config.Options) { o.Fencing = true }
+}
+
 // CallOption adjusts one call of Lock, RLock, Do (not TryLock, TryRLock or TryDo, which never wait).
 type CallOption func(*callOpts)
 

@@ -40,8 +40,8 @@ type Stdio struct {
 const usage = `advlock: PostgreSQL advisory locks from the shell
 
 Usage:
-  advlock run [--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--keepalive DURATION] [--dsn DSN]
-              KEY [--] COMMAND [ARGS...]
+  advlock run [--wait DURATION | --no-wait] [--shared] [--fence] [--grace DURATION] [--keepalive DURATION]
+              [--dsn DSN] KEY [--] COMMAND [ARGS...]
   advlock ls [--json] [--dsn DSN] [KEY]
   advlock break [--yes] [--dsn DSN] KEY
   advlock demo

@@ -49,7 +49,8 @@ type jobEvent struct {
 	err     error
 }
 
-func startJob(command []string, std Stdio) (*job, error) {
+// startJob starts COMMAND under its guard with env added to advlock's environment.
+func startJob(command, env []string, std Stdio) (*job, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("cannot find the advlock executable to guard COMMAND: %w", err)
@@ -77,6 +78,7 @@ func startJob(command []string, std Stdio) (*job, error) {
 	}
 	j.guard = exec.Command(exe, append(append(args, "--"), command...)...)
 	j.guard.Stdin, j.guard.Stdout, j.guard.Stderr = std.In, std.Out, std.Err
+	j.guard.Env = append(os.Environ(), env...) // the guard passes its environment on to COMMAND
 	j.guard.ExtraFiles = []*os.File{r, sw}
 	j.guard.SysProcAttr = attr
 	if err := j.guard.Start(); err != nil {

@@ -22,7 +22,7 @@ type jobEvent struct {
 	err     error
 }
 
-func startJob([]string, Stdio) (*job, error) {
+func startJob(_, _ []string, _ Stdio) (*job, error) {
 	return nil, errors.New("advlock run supervises COMMAND with Linux facilities; it is not available on this system")
 }
 

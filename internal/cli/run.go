@@ -8,16 +8,20 @@ import (
 	"os"
 	"os/signal"
 	"slices"
+	"strconv"
 	"syscall"
 	"time"
 
 	"github.com/advlock/advlock"
 )
 
-const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
+const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--fence] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
 
 const runExits = `
-Holds KEY while COMMAND runs and releases it when COMMAND exits. Flags may come before or after KEY; COMMAND
+Holds KEY while COMMAND runs and releases it when COMMAND exits. COMMAND finds KEY in $ADVLOCK_KEY (as advlock
+writes keys) and, with --fence, the grant's fencing token in $ADVLOCK_TOKEN: a resource that keeps the largest
+token it saw (UPDATE ... SET fence = $ADVLOCK_TOKEN WHERE ... AND fence < $ADVLOCK_TOKEN) refuses a holder whose
+lock was lost once a later holder has written. Flags may come before or after KEY; COMMAND
 starts after "--" (or at the first argument after KEY that is not a flag).
 
 COMMAND runs in a process group of its own, which gets the terminal when advlock has it (so COMMAND can read it
@@ -79,6 +83,7 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	wait := fs.Duration("wait", 0, "give up (exit 75) if KEY is not acquired within `DURATION` (0: do not wait); default: wait as long as it takes")
 	noWait := fs.Bool("no-wait", false, "exit 75 at once if KEY is held elsewhere")
 	shared := fs.Bool("shared", false, "take KEY in shared mode (any number of shared holders, no exclusive one)")
+	fence := fs.Bool("fence", false, "pass a fencing token to COMMAND in $ADVLOCK_TOKEN (greater than every token before it; needs the sequence public.advlock_fence, created if missing)")
 	grace := fs.Duration("grace", 10*time.Second, "after the lock is lost, how long COMMAND has between SIGTERM and SIGKILL")
 	keepalive := fs.Duration("keepalive", 5*time.Second, "ping the lock's session after `DURATION` of silence; the server ends it after 3 of them, "+
 		"so if advlock freezes (SIGSTOP, a stuck VM) a waiter gets KEY within about 3x this")
@@ -149,7 +154,11 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		}
 	}()
 
-	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait, *keepalive)
+	opts := []advlock.Option{advlock.WithKeepalive(*keepalive)}
+	if *fence {
+		opts = append(opts, advlock.WithFencing())
+	}
+	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait, opts)
 	close(stopSigWatch)
 	<-sigWatchDone
 	if l != nil {
@@ -171,8 +180,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 // acquire connects and takes key. Connecting has its own budget (the DSN's connect_timeout, default 10s); the
 // lock is tried first, and only then waited for, within wait if it is not zero. It returns the lock, or the exit
 // status when there is none.
-func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait bool, wait, keepalive time.Duration) (*advlock.Lock, *advlock.Locker, int) {
-	l, err := open(ctx, conn, "advlock run "+key.String(), advlock.WithKeepalive(keepalive))
+func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait bool, wait time.Duration, opts []advlock.Option) (*advlock.Lock, *advlock.Locker, int) {
+	l, err := open(ctx, conn, "advlock run "+key.String(), opts...)
 	if err != nil {
 		if ctx.Err() == nil {
 			fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))
@@ -211,7 +220,11 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 
 // supervise runs command under lk until it exits, forwarding signals, and ends its group if the lock is lost.
 func supervise(ctx context.Context, std Stdio, lk *advlock.Lock, key advlock.Key, command []string, sigs <-chan os.Signal, grace time.Duration) int {
-	j, err := startJob(command, std)
+	env := []string{"ADVLOCK_KEY=" + key.String()}
+	if lk.Token() != 0 {
+		env = append(env, "ADVLOCK_TOKEN="+strconv.FormatInt(lk.Token(), 10))
+	}
+	j, err := startJob(command, env, std)
 	if err != nil {
 		_ = lk.Unlock(ctx)
 		fmt.Fprintf(std.Err, "advlock: run: %v\n", err)

@@ -373,3 +373,24 @@ func TestRunFrozenHolder(t *testing.T) {
 		t.Errorf("the frozen holder, continued: exit %d stdout %q stderr %q, want 70 after its command got SIGTERM", code, p.out.String(), p.err.String())
 	}
 }
+
+// COMMAND gets KEY in $ADVLOCK_KEY, and with --fence a token in $ADVLOCK_TOKEN that grows from run to run.
+func TestRunPassesKeyAndToken(t *testing.T) {
+	k := keyName(t)
+	p := start(t, dbEnv(t), "run", k, "--", "sh", "-c", `echo "key=$ADVLOCK_KEY token=${ADVLOCK_TOKEN:-none}"`)
+	if code := p.wait(t, 10*time.Second); code != 0 || p.out.String() != "key="+k+" token=none\n" {
+		t.Errorf("without --fence: exit %d stdout %q", code, p.out.String())
+	}
+	var last int64
+	for range 3 {
+		p := start(t, dbEnv(t), "run", "--fence", k, "--", "sh", "-c", `echo "$ADVLOCK_TOKEN"`)
+		if code := p.wait(t, 10*time.Second); code != 0 {
+			t.Fatalf("--fence: exit %d stderr %q", code, p.err.String())
+		}
+		var tok int64
+		if _, err := fmt.Sscan(p.out.String(), &tok); err != nil || tok <= last {
+			t.Fatalf("--fence: ADVLOCK_TOKEN %q after %d, want a larger number", p.out.String(), last)
+		}
+		last = tok
+	}
+}

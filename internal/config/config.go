@@ -27,6 +27,8 @@ type Options struct {
 	Settings []session.Setting
 	// SharedSessions is how many shared sessions a Locker may open (0: a session per lock).
 	SharedSessions int
+	// Fencing: every session-lock grant carries a token from the sequence session.FenceSeq.
+	Fencing bool
 }
 
 // Defaults returns the options before any Option is applied.

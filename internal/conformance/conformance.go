@@ -102,6 +102,7 @@ func (s *suite) run(t *testing.T) {
 		{"TimedWaitsKeepSessions", s.timedWaitsKeepSessions},
 		{"WaitBound", s.waitBound},
 		{"NoPoolSurprises", s.noPoolSurprises},
+		{"Fencing", s.fencing},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -3,6 +3,7 @@ package conformance
 import (
 	"context"
 	"errors"
+	"fmt"
 	mrand "math/rand/v2"
 	"strings"
 	"sync"
@@ -438,5 +439,98 @@ func (s *suite) noPoolSurprises(t *testing.T) {
 	}
 	for _, lk := range held {
 		_ = lk.Unlock(ctx)
+	}
+}
+
+// fencing: with WithFencing every grant carries a token greater than every token before it, whichever Locker,
+// session kind or call took it; without it Token is 0. A resource that checks the token refuses the write of a
+// holder whose lock was lost (terminated, but still running) once a later holder has written.
+func (s *suite) fencing(t *testing.T) {
+	a, b := s.open(t, advlock.WithFencing()), s.open(t, advlock.WithFencing())
+	plain, obs := s.open(t), s.observer(t)
+	ctx := ctxT(t, 30*time.Second)
+	k := Key(t)
+	var last int64
+	next := func(what string, tok int64) {
+		t.Helper()
+		if tok <= last {
+			t.Fatalf("%s: token %d after %d, want it greater", what, tok, last)
+		}
+		last = tok
+	}
+	for i := range 12 {
+		l := []*advlock.Locker{a.L, b.L}[i%2]
+		var lk *advlock.Lock
+		var err error
+		switch i % 4 {
+		case 0:
+			lk, err = l.TryLock(ctx, k)
+		case 1:
+			lk, err = l.Lock(ctx, k)
+		case 2:
+			lk, err = l.RLock(ctx, k, advlock.Wait(time.Second))
+		case 3:
+			err = l.Do(ctx, k, func(fctx context.Context) error {
+				next("Do", advlock.FenceToken(fctx))
+				return nil
+			})
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if lk != nil {
+			next(fmt.Sprintf("grant %d", i), lk.Token())
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if lk, err := plain.L.TryLock(ctx, k); err != nil || lk.Token() != 0 {
+		t.Errorf("without fencing: %v, token %v, want 0", err, lk)
+	} else {
+		_ = lk.Unlock(ctx)
+	}
+
+	// The resource side.
+	table := fmt.Sprintf("advlock_fence_demo_%d", time.Now().UnixNano())
+	if _, err := obs.Exec(ctx, "CREATE TABLE "+table+" (id int PRIMARY KEY, fence bigint NOT NULL, value text)"); err != nil {
+		t.Fatal(err)
+	}
+	defer obs.Exec(context.Background(), "DROP TABLE "+table)
+	if _, err := obs.Exec(ctx, "INSERT INTO "+table+" VALUES (1, 0, 'none')"); err != nil {
+		t.Fatal(err)
+	}
+	write := func(token int64, value string) int64 {
+		tag, err := obs.Exec(ctx, "UPDATE "+table+" SET fence = $1, value = $2 WHERE id = 1 AND fence < $1", token, value)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tag.RowsAffected()
+	}
+	stale, err := a.L.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if write(stale.Token(), "first holder") != 1 {
+		t.Fatal("the first holder's write was refused")
+	}
+	pgtest.Terminate(t, obs, pidOf(t, obs, k)) // the holder goes on running, unaware for a moment
+	fresh, err := b.L.Lock(ctx, k, advlock.Wait(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if write(fresh.Token(), "second holder") != 1 {
+		t.Fatal("the second holder's write was refused")
+	}
+	if write(stale.Token(), "stale write") != 0 {
+		t.Error("the stale holder's write was accepted after a later holder wrote")
+	}
+	var value string
+	if err := obs.QueryRow(ctx, "SELECT value FROM "+table+" WHERE id = 1").Scan(&value); err != nil || value != "second holder" {
+		t.Errorf("the resource holds %q (%v), want the second holder's write", value, err)
+	}
+	_ = stale.Unlock(ctx)
+	if err := fresh.Unlock(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

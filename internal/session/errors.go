@@ -22,6 +22,7 @@ var (
 	ErrDeadlock      = errors.New("advlock: deadlock detected by the server (SQLSTATE 40P01)")
 	ErrUnlockFailed  = errors.New("advlock: unlock not confirmed; the session was closed so the server releases the lock")
 	ErrInvalidKey    = errors.New("advlock: invalid key")
+	ErrFencing       = errors.New("advlock: fencing tokens unavailable")
 	ErrPoolExhausted = errors.New("advlock: no free connection in the pool (held locks, waits and the application " +
 		"have taken them all); a try does not wait for one")
 	ErrTxPooling = errors.New("advlock: the connection goes through a pooler in transaction mode (another client " +

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -40,6 +41,7 @@ type Mux struct {
 	exit      chan struct{} // closed when the connection is destroyed and every goroutine of the Mux has returned
 	gone      func(*Mux)    // tells the owner the Mux died (called once)
 	unlockKey func(ID) ID   // tests only
+	fenced    bool          // grants draw tokens from FenceSeq
 	bg        sync.WaitGroup
 
 	mu        sync.Mutex
@@ -77,37 +79,48 @@ const (
 // isTry reports whether op takes a lock (the others release one).
 func isTry(op int16) bool { return (op-1)%opPair < opUnlock-1 }
 
-const muxStmt = "advlock_mux_1"
+// The statements of a shared session, [fenced]: the array statement for a round trip of several requests, and for a
+// round trip that carries one request (the usual case for a lone caller) a plain call, which costs the server
+// about 20 µs less. muxSQL answers each (op, key) with its position and 1 or 0 (with fencing, a granted try
+// answers its token instead of 1: the token is drawn in the branch that granted, after the grant). Pairs travel
+// as one int8: high 32 bits, low 32 bits, each a signed int4 (the shifts are arithmetic).
+var (
+	muxStmt    = [2]string{"advlock_mux_1", "advlock_muxf_1"}
+	muxSQL     [2]string
+	singleSQL  [2][8]string // by op-1
+	singleStmt [2][8]string
+)
 
-// singleSQL are the statements for a round trip that carries one request (the usual case for a lone caller): a
-// plain function call costs the server about 20 µs less than the array statement. Indexed by op-1.
-var singleSQL = [8]string{
-	"SELECT pg_try_advisory_lock($1::int8)::int",
-	"SELECT pg_try_advisory_lock_shared($1::int8)::int",
-	"SELECT pg_advisory_unlock($1::int8)::int",
-	"SELECT pg_advisory_unlock_shared($1::int8)::int",
-	"SELECT pg_try_advisory_lock(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
-	"SELECT pg_try_advisory_lock_shared(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
-	"SELECT pg_advisory_unlock(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
-	"SELECT pg_advisory_unlock_shared(($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4)::int",
+func init() {
+	keys := [2]string{"t.k", "(t.k >> 32)::int4, (t.k << 32 >> 32)::int4"}
+	single := [2]string{"$1::int8", "($1::int8 >> 32)::int4, ($1::int8 << 32 >> 32)::int4"}
+	for f := range 2 {
+		fenced := f == 1
+		var cases strings.Builder
+		for op := int16(1); op <= 8; op++ {
+			pair, kind := (op-1)/opPair, (op-1)%opPair // kind: try, try shared, unlock, unlock shared
+			shared, try := kind%2 == 1, kind < 2
+			call := func(args string) string {
+				if !try {
+					return unlockFn(shared, args) + "::int"
+				}
+				return "CASE WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE 0 END"
+			}
+			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair]))
+			singleSQL[f][op-1] = "SELECT " + call(single[pair])
+			singleStmt[f][op-1] = fmt.Sprintf("%s_%d", muxStmt[f], op)
+		}
+		muxSQL[f] = "SELECT t.i, CASE t.op\n" + cases.String() +
+			" END FROM unnest($1::int2[], $2::int8[]) WITH ORDINALITY AS t(op, k, i)"
+	}
 }
 
-// singleStmt names the prepared statement of singleSQL[i].
-var singleStmt = [8]string{"advlock_mux_1_1", "advlock_mux_1_2", "advlock_mux_1_3", "advlock_mux_1_4",
-	"advlock_mux_1_5", "advlock_mux_1_6", "advlock_mux_1_7", "advlock_mux_1_8"}
-
-// muxSQL answers each (op, key) with 1 or 0, with its position. Pairs travel as one int8: high 32 bits, low 32
-// bits, each a signed int4 (the shifts are arithmetic).
-const muxSQL = `SELECT t.i, CASE t.op
- WHEN 1 THEN pg_try_advisory_lock(t.k)::int
- WHEN 2 THEN pg_try_advisory_lock_shared(t.k)::int
- WHEN 3 THEN pg_advisory_unlock(t.k)::int
- WHEN 4 THEN pg_advisory_unlock_shared(t.k)::int
- WHEN 5 THEN pg_try_advisory_lock((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
- WHEN 6 THEN pg_try_advisory_lock_shared((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
- WHEN 7 THEN pg_advisory_unlock((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
- WHEN 8 THEN pg_advisory_unlock_shared((t.k >> 32)::int4, (t.k << 32 >> 32)::int4)::int
- END FROM unnest($1::int2[], $2::int8[]) WITH ORDINALITY AS t(op, k, i)`
+func unlockFn(shared bool, args string) string {
+	if shared {
+		return "pg_advisory_unlock_shared(" + args + ")"
+	}
+	return "pg_advisory_unlock(" + args + ")"
+}
 
 type req struct {
 	op       int16
@@ -127,7 +140,7 @@ var ErrMuxGone = fmt.Errorf("advlock: shared session ended before the request wa
 // OpenMux pins conn (already verified, with settings applied) as a shared session. bound limits how long a round
 // trip may stay unanswered and the session silent (the keepalive interval). gone is called once when it dies.
 // unlockKey is a test hook (see Config.UnlockKey).
-func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux), unlockKey func(ID) ID) (*Mux, error) {
+func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux), unlockKey func(ID) ID, fenced bool) (*Mux, error) {
 	// The connection is the caller's until the Mux takes it: on any error here it is ours to end.
 	if r, err := conn.QueryInt(ctx, "SELECT pg_is_in_recovery()::int"); err != nil {
 		conn.Destroy()
@@ -137,7 +150,7 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 		return nil, ErrStandby
 	}
 	m := &Mux{conn: conn, bound: bound, ready: make(chan error, 1), stop: make(chan struct{}),
-		exit: make(chan struct{}), gone: gone, held: map[*Held]struct{}{}, unlockKey: unlockKey}
+		exit: make(chan struct{}), gone: gone, held: map[*Held]struct{}{}, unlockKey: unlockKey, fenced: fenced}
 	go func() {
 		// The connection stays pinned (inside Wire) for the Mux's life; readers use it from their goroutines.
 		_ = conn.Wire(func(pc *pgconn.PgConn) error {
@@ -165,11 +178,12 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 
 // setup prepares the statements.
 func (m *Mux) setup(ctx context.Context, pc *pgconn.PgConn) error {
-	if _, err := pc.Prepare(ctx, muxStmt, muxSQL, nil); err != nil {
+	f := b2i(m.fenced)
+	if _, err := pc.Prepare(ctx, muxStmt[f], muxSQL[f], nil); err != nil {
 		return fmt.Errorf("prepare shared session: %w", TranslateErr(err))
 	}
-	for i, sql := range singleSQL {
-		if _, err := pc.Prepare(ctx, singleStmt[i], sql, nil); err != nil {
+	for i, sql := range singleSQL[f] {
+		if _, err := pc.Prepare(ctx, singleStmt[f][i], sql, nil); err != nil {
 			return fmt.Errorf("prepare shared session: %w", TranslateErr(err))
 		}
 	}
@@ -466,7 +480,7 @@ func (m *Mux) takeLocked() []*req {
 // send writes one round trip. Only the reader writes.
 func (m *Mux) send(batch []*req) error {
 	if len(batch) == 1 {
-		buf, err := (&pgproto3.Bind{PreparedStatement: singleStmt[batch[0].op-1],
+		buf, err := (&pgproto3.Bind{PreparedStatement: singleStmt[b2i(m.fenced)][batch[0].op-1],
 			Parameters: [][]byte{strconv.AppendInt(nil, batch[0].key, 10)}}).Encode(nil)
 		return m.write(buf, err)
 	}
@@ -480,7 +494,7 @@ func (m *Mux) send(batch []*req) error {
 		keys = strconv.AppendInt(keys, r.key, 10)
 	}
 	ops, keys = append(ops, '}'), append(keys, '}')
-	buf, err := (&pgproto3.Bind{PreparedStatement: muxStmt, Parameters: [][]byte{ops, keys}}).Encode(nil)
+	buf, err := (&pgproto3.Bind{PreparedStatement: muxStmt[b2i(m.fenced)], Parameters: [][]byte{ops, keys}}).Encode(nil)
 	return m.write(buf, err)
 }
 
@@ -603,7 +617,7 @@ func (m *Mux) Try(ctx context.Context, t Target, onEnd func()) (*Held, error) {
 	}
 	h := &Held{mux: m, target: t, done: make(chan struct{}), onEnd: onEnd}
 	r := &req{op: op, key: t.ID.V, hook: func(r *req) {
-		if r.err == nil && r.res == 1 {
+		if r.err == nil && r.res >= 1 {
 			m.mu.Lock()
 			if m.dead == nil {
 				m.held[h] = struct{}{}
@@ -619,8 +633,11 @@ func (m *Mux) Try(ctx context.Context, t Target, onEnd func()) (*Held, error) {
 	switch {
 	case r.err != nil:
 		return nil, r.err
-	case r.res != 1:
+	case r.res < 1:
 		return nil, ErrNotAcquired
+	}
+	if m.fenced {
+		h.token = r.res
 	}
 	if ctx.Err() != nil { // granted after the caller gave up: give it back (the caller frees its slot)
 		h.mu.Lock()
@@ -661,6 +678,7 @@ func (m *Mux) state() (busy bool, load int, dead bool) {
 
 // Held is one lock held on a Mux.
 type Held struct {
+	token  int64 // the grant's fencing token (0 without fencing)
 	mux    *Mux
 	target Target
 	once   sync.Once
@@ -674,6 +692,9 @@ type Held struct {
 
 // Done is closed when the lock is released or lost.
 func (h *Held) Done() <-chan struct{} { return h.done }
+
+// Token is the grant's fencing token: 0 without fencing.
+func (h *Held) Token() int64 { return h.token }
 
 // Err is nil while held; afterwards it says why it ended.
 func (h *Held) Err() error {

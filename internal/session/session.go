@@ -95,6 +95,8 @@ type Config struct {
 	Starter *Starter
 	// Waits, when set, lets Close abort lock statements that wait in the server.
 	Waits *Waits
+	// Fencing: every grant draws a token from FenceSeq (which must exist: EnsureFence).
+	Fencing bool
 	// UnlockKey, in tests only, changes the key an unlock is sent for, so that the server really answers false.
 	UnlockKey func(ID) ID
 	// Settings are applied (SET, session level) once per physical connection, once it is proved to be a server
@@ -136,7 +138,11 @@ type Session struct {
 	onEnd      func()
 	endOnce    sync.Once
 	unlockKey  func(ID) ID
+	token      int64 // the grant's fencing token (0 without fencing)
 }
+
+// Token is the grant's fencing token: 0 without fencing.
+func (s *Session) Token() int64 { return s.token }
 
 // Acquire pins a connection from pool and locks t on it. With wait it blocks in the server until granted or ctx
 // ends; without, it fails at once with ErrNotAcquired when the key is held elsewhere.
@@ -170,9 +176,9 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	// One prepared statement: a try, or a wait in the server. Only when the session carries a statement_timeout
 	// or lock_timeout (a role or pool default) and the key is held does a second statement wait with them lifted.
 	// A wait whose ctx has a deadline is bounded by the server instead (timedWait).
-	sql, args := TrySQL(t)
+	sql, args := TrySQL(t, cfg.Fencing)
 	if wait {
-		sql, args = LockSQL(t)
+		sql, args = LockSQL(t, cfg.Fencing)
 		if !cfg.Waits.add(conn) {
 			conn.Release() // nothing was sent
 			return nil, ErrClosed
@@ -182,11 +188,11 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	deadline, timed := ctx.Deadline()
 	timed = timed && wait
 	if timed {
-		r, err = timedWait(ctx, conn, t, deadline)
+		r, err = timedWait(ctx, conn, t, deadline, cfg.Fencing)
 	} else {
 		r, err = conn.QueryInt(ctx, sql, args...)
 		if wait && err == nil && r == resultTimeouts {
-			r, err = conn.QueryInt(ctx, WaitSQL(t))
+			r, err = conn.QueryInt(ctx, WaitSQL(t, cfg.Fencing))
 		}
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
@@ -207,21 +213,25 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		return nil, WithContext(ctx, err)
 	}
-	switch r {
-	case resultAcquired:
-	case resultNotHeld:
+	switch {
+	case r >= resultAcquired:
+	case r == resultNotHeld:
 		conn.Release()
 		return nil, ErrNotAcquired
-	case resultStandby:
+	case r == resultStandby:
 		conn.Release() // the CASE took no lock
 		return nil, ErrStandby
 	default:
 		conn.Destroy()
 		return nil, fmt.Errorf("advlock: unexpected lock result %d; session closed", r)
 	}
+	var token int64
+	if cfg.Fencing {
+		token = r
+	}
 
 	s := &Session{conn: conn, target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{}), onEnd: onEnd,
-		unlockKey: cfg.UnlockKey}
+		unlockKey: cfg.UnlockKey, token: token}
 	if s.keepalive <= 0 {
 		s.keepalive = DefaultKeepalive
 	}
@@ -239,7 +249,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 // cut the statement (which would cost the session, and could send a cancel request that reaches a later
 // statement). Only a server that does not answer within the deadline plus a margin, or a cancellation of ctx
 // other than its deadline, interrupts the statement.
-func timedWait(ctx context.Context, conn Conn, t Target, deadline time.Time) (int64, error) {
+func timedWait(ctx context.Context, conn Conn, t Target, deadline time.Time, fenced bool) (int64, error) {
 	d := time.Until(deadline)
 	if d <= 0 {
 		return 0, context.DeadlineExceeded // nothing sent
@@ -253,7 +263,7 @@ func timedWait(ctx context.Context, conn Conn, t Target, deadline time.Time) (in
 	})
 	defer stop()
 	ms := (d + time.Millisecond - 1) / time.Millisecond
-	return conn.QueryInt(qctx, TimedWaitSQL(t, int64(ms)))
+	return conn.QueryInt(qctx, TimedWaitSQL(t, int64(ms), fenced))
 }
 
 // notGranted settles a timed wait the server ended (55P03): the grant can race the timeout (the server may have

@@ -140,7 +140,7 @@ func (s *Shared) open(ctx context.Context) (m *Mux, err error) {
 		conn.Destroy()
 		return nil, WithContext(ctx, fmt.Errorf("set up shared session: %w", err))
 	}
-	m, err = OpenMux(ctx, conn, s.cfg.Keepalive, s.remove, s.cfg.UnlockKey)
+	m, err = OpenMux(ctx, conn, s.cfg.Keepalive, s.remove, s.cfg.UnlockKey, s.cfg.Fencing)
 	if err != nil {
 		return nil, WithContext(ctx, err)
 	}

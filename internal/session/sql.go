@@ -1,7 +1,9 @@
 package session
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"strconv"
 )
 
@@ -34,32 +36,76 @@ func (id ID) literal() string {
 	return strconv.FormatInt(id.V, 10)
 }
 
-// Result codes of the lock statements.
+// Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
+	resultTimeouts = -2 // LockSQL: held elsewhere, and a statement_timeout or lock_timeout is set: use WaitSQL
 	resultStandby  = -1
 	resultNotHeld  = 0
 	resultAcquired = 1
-	resultTimeouts = 2 // LockSQL: held elsewhere, and a statement_timeout or lock_timeout is set: use WaitSQL
 )
 
-// Statements indexed by [pair][shared]. The try statement refuses on a standby without taking the lock (CASE
-// evaluates lazily), so the recovery check costs no extra round trip.
-var (
-	trySQL = [2][2]string{
-		{
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_lock($1::int8) THEN 1 ELSE 0 END",
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_lock_shared($1::int8) THEN 1 ELSE 0 END",
-		},
-		{
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_lock($1::int4, $2::int4) THEN 1 ELSE 0 END",
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_lock_shared($1::int4, $2::int4) THEN 1 ELSE 0 END",
-		},
+// FenceSeq is the sequence fencing tokens come from: one for every key, every client, every database user of the
+// cluster's database. nextval never returns a value twice and never goes back, also across a crash (the server
+// logs sequence values ahead of handing them out).
+const FenceSeq = "public.advlock_fence"
+
+// grant is what a statement yields for a grant: 1, or a fresh token. A token is used outside the database, so it
+// must survive a crash: a nextval in a transaction that writes nothing else may be lost with the server (its WAL
+// need not be flushed before the value reaches the client, and after a crash the sequence can hand it out again).
+// So the grant also takes a transaction id and sets synchronous_commit on for its own transaction: the statement's
+// commit then flushes the sequence's WAL (and waits for synchronous standbys, if any) before the answer is sent.
+func grant(fenced bool) string {
+	if fenced {
+		return "(nextval('" + FenceSeq + "') + 0 * txid_current() + " +
+			"0 * length(set_config('synchronous_commit', 'on', true)))"
 	}
-	unlockSQL = [2][2]string{
-		{"SELECT pg_advisory_unlock($1::int8)::int", "SELECT pg_advisory_unlock_shared($1::int8)::int"},
-		{"SELECT pg_advisory_unlock($1::int4, $2::int4)::int", "SELECT pg_advisory_unlock_shared($1::int4, $2::int4)::int"},
+	return "1"
+}
+
+// lockFn names the advisory-lock function of a target's kind: lock(try, shared) with the key arguments args.
+func lockFn(try, shared bool, args string) string {
+	fn := "pg_advisory_lock"
+	if try {
+		fn = "pg_try_advisory_lock"
 	}
-)
+	if shared {
+		fn += "_shared"
+	}
+	return fn + "(" + args + ")"
+}
+
+var keyArgs = [2]string{"$1::int8", "$1::int4, $2::int4"} // by pair
+
+// Statements indexed by [fenced][pair][shared]. The try statement refuses on a standby without taking the lock
+// (CASE evaluates lazily), so the recovery check costs no extra round trip. A token, when fenced, is drawn only in
+// the branch that granted, after the grant, in the same statement: no extra round trip, and a later grant always
+// gets a larger token.
+var trySQL, lockSQL [2][2][2]string
+
+// lockSQL blocks in the server when the session has no statement_timeout and no lock_timeout, as one prepared
+// statement (the cheapest wait there is). When one is set it only tries, and yields -2 if the key is held, so that
+// the caller waits with WaitSQL, which lifts them. The blocking functions return void; length(void::text) is 0,
+// which turns the grant into a value without a subquery, whose InitPlan costs about 20 µs per call.
+func init() {
+	for f := range 2 {
+		for p := range 2 {
+			for sh := range 2 {
+				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
+				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
+					" THEN " + grant(fenced) + " ELSE 0 END"
+				lockSQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 " +
+					"WHEN current_setting('statement_timeout') = '0' AND current_setting('lock_timeout') = '0' " +
+					"THEN length(" + lockFn(false, shared, args) + "::text) + " + grant(fenced) +
+					" WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE -2 END"
+			}
+		}
+	}
+}
+
+var unlockSQL = [2][2]string{
+	{"SELECT pg_advisory_unlock($1::int8)::int", "SELECT pg_advisory_unlock_shared($1::int8)::int"},
+	{"SELECT pg_advisory_unlock($1::int4, $2::int4)::int", "SELECT pg_advisory_unlock_shared($1::int4, $2::int4)::int"},
+}
 
 func b2i(b bool) int {
 	if b {
@@ -68,31 +114,17 @@ func b2i(b bool) int {
 	return 0
 }
 
-// The blocking functions return void; length(void::text) + 1 turns the grant into 1 without a subquery, whose
-// InitPlan costs about 20 µs per call.
-
-// lockSQL blocks in the server when the session has no statement_timeout and no lock_timeout, as one prepared
-// statement (the cheapest wait there is). When one is set it only tries, and yields 2 if the key is held, so that
-// the caller waits with WaitSQL, which lifts them. CASE evaluates lazily: the branch not taken takes no lock.
-var lockSQL = [2][2]string{
-	{lockCase("pg_advisory_lock($1::int8)", "pg_try_advisory_lock($1::int8)"),
-		lockCase("pg_advisory_lock_shared($1::int8)", "pg_try_advisory_lock_shared($1::int8)")},
-	{lockCase("pg_advisory_lock($1::int4, $2::int4)", "pg_try_advisory_lock($1::int4, $2::int4)"),
-		lockCase("pg_advisory_lock_shared($1::int4, $2::int4)", "pg_try_advisory_lock_shared($1::int4, $2::int4)")},
+// LockSQL returns the blocking lock statement and its arguments: it yields a grant (1, or the token when fenced),
+// -1 (standby) or -2 (see lockSQL).
+func LockSQL(t Target, fenced bool) (string, []any) {
+	return lockSQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
 }
 
-func lockCase(lock, try string) string {
-	return "SELECT CASE WHEN pg_is_in_recovery() THEN -1 " +
-		"WHEN current_setting('statement_timeout') = '0' AND current_setting('lock_timeout') = '0' " +
-		"THEN length(" + lock + "::text) + 1 WHEN " + try + " THEN 1 ELSE 2 END"
+// TrySQL returns the try-lock statement and its arguments. It yields a grant (1, or the token when fenced), 0
+// (held elsewhere) or -1 (the server is in recovery; nothing was taken).
+func TrySQL(t Target, fenced bool) (string, []any) {
+	return trySQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
 }
-
-// LockSQL returns the blocking lock statement and its arguments: it yields 1, -1 (standby) or 2 (see lockSQL).
-func LockSQL(t Target) (string, []any) { return lockSQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args() }
-
-// TrySQL returns the try-lock statement and its arguments. It yields 1 (acquired), 0 (held elsewhere) or -1 (the
-// server is in recovery; nothing was taken).
-func TrySQL(t Target) (string, []any) { return trySQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args() }
 
 // UnlockSQL returns the unlock statement and its arguments. It yields 1 (released) or 0 (this session did not hold
 // the key in that mode).
@@ -103,25 +135,19 @@ func UnlockSQL(t Target) (string, []any) {
 // WaitSQL returns the blocking lock statements, to be sent as one simple-protocol query (no arguments). They run in
 // one implicit transaction whose SET LOCAL lifts any statement_timeout or lock_timeout that a role, database or
 // pool default put on the session, so that only the caller's context bounds the wait; the settings revert when the
-// implicit transaction ends, while the session-level lock stays. It yields 1 or -1 like TrySQL.
-func WaitSQL(t Target) string {
-	fn := "pg_advisory_lock"
-	if t.Shared {
-		fn = "pg_advisory_lock_shared"
-	}
+// implicit transaction ends, while the session-level lock stays. It yields a grant or -1 like TrySQL.
+func WaitSQL(t Target, fenced bool) string {
 	return "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; " +
-		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + fn + "(" + t.ID.literal() + ")::text) + 1 END"
+		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + lockFn(false, t.Shared, t.ID.literal()) +
+		"::text) + " + grant(fenced) + " END"
 }
 
 // TimedWaitSQL is WaitSQL bounded by the server: lock_timeout is set to ms for the statement's implicit
 // transaction, so that a wait not granted in time ends with SQLSTATE 55P03 and the session stays usable.
-func TimedWaitSQL(t Target, ms int64) string {
-	fn := "pg_advisory_lock"
-	if t.Shared {
-		fn = "pg_advisory_lock_shared"
-	}
+func TimedWaitSQL(t Target, ms int64, fenced bool) string {
 	return "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; " +
-		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + fn + "(" + t.ID.literal() + ")::text) + 1 END"
+		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + lockFn(false, t.Shared, t.ID.literal()) +
+		"::text) + " + grant(fenced) + " END"
 }
 
 // Transaction-scoped statements, indexed by [pair][shared]. They yield 1, 0 (try only) or -1 (standby).
@@ -167,4 +193,37 @@ func XactResult(r int64) error {
 		return ErrStandby
 	}
 	return errors.New("advlock: unexpected lock result " + strconv.FormatInt(r, 10))
+}
+
+// EnsureFence makes sure FenceSeq exists and can be used, creating it if it is missing, through one connection of
+// pool. A role that can neither create it nor use it gets ErrFencing saying what to run.
+func EnsureFence(ctx context.Context, pool Pool) error {
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		return WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
+	}
+	exists, err := conn.QueryInt(ctx, "SELECT (to_regclass('"+FenceSeq+"') IS NOT NULL)::int")
+	if err == nil && exists == 0 {
+		// IF NOT EXISTS: another client may create it at the same moment. It needs CREATE on schema public.
+		if _, err = conn.QueryInt(ctx, "CREATE SEQUENCE IF NOT EXISTS "+FenceSeq+"; SELECT 1"); SQLState(err) == "42501" {
+			conn.Release()
+			return fmt.Errorf("%w: the sequence %s does not exist and this role may not create it (it needs CREATE on "+
+				"schema public); as a role that may, run: CREATE SEQUENCE %s; GRANT USAGE ON SEQUENCE %s TO <role>: %v",
+				ErrFencing, FenceSeq, FenceSeq, FenceSeq, err)
+		}
+	}
+	var usable int64
+	if err == nil {
+		usable, err = conn.QueryInt(ctx, "SELECT has_sequence_privilege('"+FenceSeq+"', 'USAGE')::int")
+	}
+	if err != nil {
+		conn.Destroy()
+		return WithContext(ctx, fmt.Errorf("%w: %w", ErrFencing, err))
+	}
+	conn.Release()
+	if usable == 0 {
+		return fmt.Errorf("%w: this role may not use the sequence %s; as its owner run: GRANT USAGE ON SEQUENCE %s TO <role>",
+			ErrFencing, FenceSeq, FenceSeq)
+	}
+	return nil
 }
