@@ -1,0 +1,81 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+)
+
+// A Semaphore admits at most n holders at once, across every process that uses the same name and n: "at most n
+// workers against a rate-limited API". Each holder holds one of n slots; slot i is the session lock on
+// NameKey("advlock.semaphore/NAME/i"), so a slot is released like any lock (Unlock, the holder's session ending,
+// its process dying) and no slot is ever lost. Do not use names with that prefix for other locks. advlock ls shows
+// the slots as the int:N keys of those names; `advlock ls advlock.semaphore/NAME/0` finds slot 0.
+type Semaphore struct {
+	l    *Locker
+	name string
+	keys []Key
+}
+
+// semaphorePoll is how often a waiting Acquire, which waits in the server on one slot, also tries the others once.
+const semaphorePoll = 200 * time.Millisecond
+
+// Semaphore returns the semaphore name of n slots (n >= 1; calls on one with n < 1 fail with ErrInvalidKey).
+// Every process must use the same n for a name.
+func (l *Locker) Semaphore(name string, n int) *Semaphore {
+	s := &Semaphore{l: l, name: name}
+	for i := range max(n, 0) {
+		s.keys = append(s.keys, NameKey(fmt.Sprintf("advlock.semaphore/%s/%d", name, i)))
+	}
+	return s
+}
+
+// TryAcquire takes a free slot, or fails at once with ErrNotAcquired when all n are taken. The returned Lock works
+// as any other: Unlock frees the slot; Done, Err and Token work as for a key.
+func (s *Semaphore) TryAcquire(ctx context.Context) (*Lock, error) {
+	if len(s.keys) == 0 {
+		return nil, fmt.Errorf("advlock: semaphore %q: %w: n must be at least 1", s.name, ErrInvalidKey)
+	}
+	start := rand.IntN(len(s.keys)) // spread holders over the slots
+	for i := range s.keys {
+		lk, err := s.l.TryLock(ctx, s.keys[(start+i)%len(s.keys)])
+		if err == nil || !errors.Is(err, ErrNotAcquired) {
+			return lk, err
+		}
+	}
+	return nil, &notAcquiredError{why: fmt.Sprintf("all %d slots of semaphore %q are taken", len(s.keys), s.name)}
+}
+
+// Acquire takes a slot, waiting until one is free or ctx ends (or [Wait]'s bound elapses: ErrNotAcquired). The
+// wait is in the server, on one slot at a time: the release of that slot, or its holder's death, wakes the waiter
+// at once; every 200 ms the waiter also tries every slot once, then waits on the next one, so a slot freed
+// elsewhere is found within that bound.
+func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, error) {
+	co := callOptions(opts)
+	var deadline time.Time
+	if co.waitSet {
+		deadline = time.Now().Add(co.wait)
+	}
+	slot := rand.IntN(max(len(s.keys), 1))
+	for {
+		lk, err := s.TryAcquire(ctx)
+		if err == nil || !errors.Is(err, ErrNotAcquired) {
+			return lk, err
+		}
+		wait := semaphorePoll
+		if co.waitSet {
+			left := time.Until(deadline)
+			if left <= 0 {
+				return nil, &notAcquiredError{why: fmt.Sprintf("no slot of semaphore %q free within %v", s.name, co.wait)}
+			}
+			wait = min(wait, left)
+		}
+		slot = (slot + 1) % len(s.keys)
+		lk, err = s.l.Lock(ctx, s.keys[slot], Wait(wait))
+		if err == nil || !errors.Is(err, ErrNotAcquired) {
+			return lk, err
+		}
+	}
+}
