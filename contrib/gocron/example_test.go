@@ -1,0 +1,48 @@
+package advlockgocron_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"os"
+	"time"
+
+	"github.com/advlock/advlock"
+	advlockgocron "github.com/advlock/advlock/contrib/gocron"
+	"github.com/go-co-op/gocron/v2"
+)
+
+// A scheduler that runs its jobs only while its process leads: start the same program on several pods and one of
+// them runs the jobs; if it dies or is cut off, another takes over.
+func Example() {
+	ctx := context.Background()
+	dsn := os.Getenv("ADVLOCK_TEST_DATABASE_URL")
+	if dsn == "" {
+		dsn = "postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+	}
+	locks, err := advlock.Open(ctx, dsn)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer locks.Close()
+	elector := advlockgocron.NewElector(ctx, locks, "example-reports")
+	defer elector.Close()
+	s, err := gocron.NewScheduler(gocron.WithDistributedElector(elector))
+	if err != nil {
+		log.Fatal(err)
+	}
+	ran := make(chan struct{}, 1)
+	if _, err := s.NewJob(gocron.DurationJob(20*time.Millisecond), gocron.NewTask(func() {
+		select {
+		case ran <- struct{}{}:
+		default:
+		}
+	})); err != nil {
+		log.Fatal(err)
+	}
+	s.Start()
+	<-ran
+	_ = s.Shutdown()
+	fmt.Println("the job ran on the leader")
+	// Output: the job ran on the leader
+}
