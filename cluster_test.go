@@ -199,61 +199,6 @@ func TestPrivateCluster(t *testing.T) {
 		}
 	})
 
-	// Fencing: the sequence is created on first use by a role that may; a role that may neither create nor use it
-	// gets ErrFencing saying what to run; tokens go on growing across a clean restart and a crash.
-	t.Run("fencing", func(t *testing.T) {
-		ctx := ctxT(t, 60*time.Second)
-		if _, err := obs.Exec(ctx, "CREATE ROLE fenceweak LOGIN"); err != nil {
-			t.Fatal(err)
-		}
-		weakURL := strings.Replace(c.URL, "postgres@", "fenceweak@", 1)
-		weak := New(pgtest.Pool(t, weakURL, nil), WithFencing())
-		defer weak.Close()
-		_, err := weak.TryLock(ctx, key(t))
-		if !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "CREATE SEQUENCE public.advlock_fence") {
-			t.Fatalf("fencing for a role that may not create the sequence: %v, want ErrFencing saying what to run", err)
-		}
-		admin := New(pgtest.Pool(t, c.URL, nil), WithFencing())
-		defer admin.Close()
-		lk, err := admin.TryLock(ctx, key(t))
-		if err != nil {
-			t.Fatalf("fencing for a role that may create the sequence: %v", err)
-		}
-		last := lk.Token()
-		_ = lk.Unlock(ctx)
-		_, err = weak.TryLock(ctx, key(t))
-		if !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "GRANT USAGE") {
-			t.Fatalf("fencing for a role that may not use the sequence: %v, want ErrFencing naming GRANT USAGE", err)
-		}
-		if _, err := obs.Exec(ctx, "GRANT USAGE ON SEQUENCE public.advlock_fence TO fenceweak"); err != nil {
-			t.Fatal(err)
-		}
-		for _, step := range []string{"granted", "fast", "immediate"} {
-			if step != "granted" {
-				if err := c.Restart(step); err != nil {
-					t.Fatal(err)
-				}
-			}
-			for _, l := range []*Locker{weak, admin} {
-				var lk *Lock
-				var err error
-				for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-					if lk, err = l.TryLock(ctx, key(t)); err == nil || time.Now().After(deadline) {
-						break // (right after a restart the pools' old connections fail once)
-					}
-				}
-				if err != nil {
-					t.Fatalf("%s: %v", step, err)
-				}
-				if lk.Token() <= last {
-					t.Fatalf("after %s: token %d, want more than %d", step, lk.Token(), last)
-				}
-				last = lk.Token()
-				_ = lk.Unlock(ctx)
-			}
-		}
-	})
-
 	t.Run("idle_session_timeout", func(t *testing.T) {
 		ctx := ctxT(t, 30*time.Second)
 		if _, err := obs.Exec(ctx, "ALTER DATABASE postgres SET idle_session_timeout = '300ms'"); err != nil {
@@ -400,5 +345,67 @@ func TestDeadlockTranslated(t *testing.T) {
 	}
 	if terr := session.TranslateErr(e1); !errors.Is(terr, ErrDeadlock) || errCode(terr) != "40P01" {
 		t.Errorf("TranslateErr(%v) = %v, want ErrDeadlock keeping the PgError", e1, terr)
+	}
+}
+
+// Fencing on a private cluster: the sequence is created on first use by a role that may; a role that may neither
+// create nor use it gets ErrFencing saying what to run; tokens go on growing across a clean restart and a crash.
+func TestFencingCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private PostgreSQL cluster")
+	}
+	c := pgtest.StartCluster(t) // of its own: it is restarted
+	obs := pgtest.Conn(t, c.URL)
+	{
+		ctx := ctxT(t, 60*time.Second)
+		if _, err := obs.Exec(ctx, "CREATE ROLE fenceweak LOGIN"); err != nil {
+			t.Fatal(err)
+		}
+		weakURL := strings.Replace(c.URL, "postgres@", "fenceweak@", 1)
+		weak := New(pgtest.Pool(t, weakURL, nil), WithFencing())
+		defer weak.Close()
+		_, err := weak.TryLock(ctx, key(t))
+		if !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "CREATE SEQUENCE public.advlock_fence") {
+			t.Fatalf("fencing for a role that may not create the sequence: %v, want ErrFencing saying what to run", err)
+		}
+		admin := New(pgtest.Pool(t, c.URL, nil), WithFencing())
+		defer admin.Close()
+		lk, err := admin.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatalf("fencing for a role that may create the sequence: %v", err)
+		}
+		last := lk.Token()
+		_ = lk.Unlock(ctx)
+		_, err = weak.TryLock(ctx, key(t))
+		if !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "GRANT USAGE") {
+			t.Fatalf("fencing for a role that may not use the sequence: %v, want ErrFencing naming GRANT USAGE", err)
+		}
+		if _, err := obs.Exec(ctx, "GRANT USAGE ON SEQUENCE public.advlock_fence TO fenceweak"); err != nil {
+			t.Fatal(err)
+		}
+		for _, step := range []string{"granted", "fast", "immediate"} {
+			if step != "granted" {
+				if err := c.Restart(step); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, l := range []*Locker{weak, admin} {
+				var lk *Lock
+				var err error
+				for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+					if lk, err = l.TryLock(ctx, key(t)); err == nil || time.Now().After(deadline) {
+						break // (right after a restart the pools' old connections fail once)
+					}
+				}
+				if err != nil {
+					t.Fatalf("%s: %v", step, err)
+				}
+				if lk.Token() <= last {
+					t.Fatalf("after %s: token %d, want more than %d", step, lk.Token(), last)
+				}
+				last = lk.Token()
+				_ = lk.Unlock(ctx)
+			}
+		}
 	}
 }
