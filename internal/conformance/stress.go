@@ -172,9 +172,6 @@ func (r *stressRun) round(t *testing.T, round int, total time.Duration, obs *pgx
 func (r *stressRun) op(l *advlock.Locker, rng *mrand.Rand, closed func() bool) {
 	k := r.keys[rng.IntN(len(r.keys))]
 	kind := rng.IntN(6)
-	if r.s.be.NoCancel && kind >= 2 && kind <= 4 {
-		kind = 6 + kind%2 // waits without a deadline
-	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	try := false
@@ -202,10 +199,6 @@ func (r *stressRun) op(l *advlock.Locker, rng *mrand.Rand, closed func() bool) {
 	case 5:
 		r.do(l, k, rng, closed)
 		return
-	case 6:
-		lk, err = l.Lock(ctx, k)
-	case 7:
-		lk, err = l.RLock(ctx, k)
 	}
 	if err != nil {
 		r.judgeAcquire(err, ctx, try, closed)
@@ -216,7 +209,7 @@ func (r *stressRun) op(l *advlock.Locker, rng *mrand.Rand, closed func() bool) {
 	time.Sleep(time.Duration(rng.IntN(1500)) * time.Microsecond)
 	end := time.Now()
 	uctx, ucancel := context.Background(), context.CancelFunc(func() {})
-	if rng.IntN(8) == 0 && !r.s.be.NoCancel {
+	if rng.IntN(8) == 0 {
 		uctx, ucancel = context.WithTimeout(uctx, time.Duration(rng.IntN(1000))*time.Microsecond)
 	}
 	defer ucancel()
@@ -225,9 +218,6 @@ func (r *stressRun) op(l *advlock.Locker, rng *mrand.Rand, closed func() bool) {
 
 func (r *stressRun) do(l *advlock.Locker, k advlock.Key, rng *mrand.Rand, closed func() bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-	if r.s.be.NoCancel {
-		ctx, cancel = context.WithCancel(context.Background())
-	}
 	defer cancel()
 	iv := interval{how: "Do"}
 	ran := false

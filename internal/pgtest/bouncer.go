@@ -87,7 +87,7 @@ func Bouncer(tb testing.TB, serverURL, mode string) string {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() {
-		if os.Getenv("KEEPLOG") == "" {
+		if os.Getenv("ADVLOCK_KEEP_BOUNCER_LOG") == "" { // set it to keep PgBouncer's directory and log
 			os.RemoveAll(dir)
 		}
 	})
