@@ -3,6 +3,7 @@ package advlock
 import (
 	"context"
 	"errors"
+	"github.com/advlock/advlock/internal/session"
 	"sync"
 	"testing"
 	"time"
@@ -193,5 +194,55 @@ func TestSharedPairKeys(t *testing.T) {
 				t.Errorf("%s still in pg_locks after Unlock: %v", k, r)
 			}
 		}
+	}
+}
+
+// A caller that arrives just as the quiet socket passes to the background reader (after session.WatchDelay) gets
+// the socket back at once. The reader used to set its read deadline after letting go of the Mux's lock, so a
+// caller that asked for the socket in between had its "yield now" deadline overwritten, and waited for the
+// keepalive bound: a call stalled for a whole keepalive interval (seen as 5 s stalls under contention). The hook
+// holds the reader at that moment until a caller has asked.
+func TestSharedNoStallAfterQuiet(t *testing.T) {
+	url := pgtest.URL(t)
+	pool := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = 4 })
+	l := New(pool, WithKeepalive(3*time.Second))
+	defer l.Close()
+	ctx := ctxT(t, 60*time.Second)
+	k := Int64Key(time.Now().UnixNano())
+	cycle := func() {
+		lk, err := l.TryLock(ctx, k)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Error(err)
+		}
+	}
+	cycle() // the shared session is open; its socket goes quiet and the background reader will start
+	var once sync.Once
+	took := make(chan time.Duration, 1)
+	session.SetTestHookReaderStarting(func(asked func() bool) {
+		once.Do(func() {
+			go func() {
+				t0 := time.Now()
+				cycle()
+				took <- time.Since(t0)
+			}()
+			for deadline := time.Now().Add(5 * time.Second); !asked() && time.Now().Before(deadline); {
+				time.Sleep(time.Millisecond)
+			}
+		})
+	})
+	defer session.SetTestHookReaderStarting(nil)
+	time.Sleep(50 * session.WatchDelay)
+	select {
+	case d := <-took:
+		if d > 1500*time.Millisecond {
+			t.Fatalf("the call took %v: it waited for the keepalive bound", d)
+		}
+		t.Logf("the call took %v", d)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the background reader never started, or the call never returned")
 	}
 }

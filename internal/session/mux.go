@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -450,12 +451,29 @@ func (m *Mux) startBG() {
 	}
 	m.token = tokenBG
 	m.bg.Add(1)
-	m.mu.Unlock()
+	// Under the lock: a caller that wants the socket back sets a past deadline (see do), which must not be
+	// overwritten by this one, or the reader would sleep through it until the bound (a stall of a keepalive).
 	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
+	m.mu.Unlock()
+	if h := testHookReaderStarting.Load(); h != nil {
+		(*h)(func() bool { m.mu.Lock(); defer m.mu.Unlock(); return m.wantToken != nil })
+	}
 	go func() {
 		defer m.bg.Done()
 		m.read(nil)
 	}()
+}
+
+var testHookReaderStarting atomic.Pointer[func(asked func() bool)]
+
+// SetTestHookReaderStarting makes every background reader that starts on a quiet socket call f first, outside the
+// Mux's lock; asked reports whether a caller has asked for the socket back. nil removes it. Tests only.
+func SetTestHookReaderStarting(f func(asked func() bool)) {
+	if f == nil {
+		testHookReaderStarting.Store(nil)
+		return
+	}
+	testHookReaderStarting.Store(&f)
 }
 
 // takeLocked takes everything queued as the next round trip, marking the Mux busy; nil when nothing is queued.
