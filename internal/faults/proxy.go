@@ -27,15 +27,24 @@ type Proxy struct {
 // Start listens on a free 127.0.0.1 port, forwards to target (host:port), and closes when the test ends.
 func Start(tb testing.TB, target string) *Proxy {
 	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := New(target)
 	if err != nil {
 		tb.Fatal(err)
+	}
+	tb.Cleanup(p.Close)
+	return p
+}
+
+// New listens on a free 127.0.0.1 port and forwards to target (host:port) until Close.
+func New(target string) (*Proxy, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
 	}
 	p := &Proxy{ln: ln, target: target, links: map[net.Conn]net.Conn{}}
 	p.wg.Add(1)
 	go p.accept()
-	tb.Cleanup(p.Close)
-	return p
+	return p, nil
 }
 
 // Addr is the proxy's host:port.

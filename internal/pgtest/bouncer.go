@@ -1,184 +1,29 @@
 package pgtest
 
 import (
-	"fmt"
-	"net"
-	"net/url"
 	"os"
-	"os/exec"
-	"os/user"
-	"path/filepath"
-	"strconv"
-	"sync"
-	"syscall"
 	"testing"
-	"time"
 
 	"github.com/advlock/advlock/internal/pgcluster"
 )
 
-var (
-	bouncerOnce sync.Once
-	bouncerBin  string
-	bouncerErr  error
-)
-
-// pgbouncerBin finds pgbouncer, installing Debian's package when it is missing and we are root.
-func pgbouncerBin() (string, error) {
-	bouncerOnce.Do(func() {
-		find := func() string {
-			if p, err := exec.LookPath("pgbouncer"); err == nil {
-				return p
-			}
-			if _, err := os.Stat("/usr/sbin/pgbouncer"); err == nil {
-				return "/usr/sbin/pgbouncer"
-			}
-			return ""
-		}
-		if bouncerBin = find(); bouncerBin != "" {
-			return
-		}
-		if os.Geteuid() != 0 {
-			bouncerErr = fmt.Errorf("pgbouncer is not installed (apt-get install pgbouncer)")
-			return
-		}
-		install := func() error {
-			out, err := exec.Command("apt-get", "install", "-y", "--no-install-recommends", "pgbouncer").CombinedOutput()
-			if err != nil {
-				return fmt.Errorf("apt-get install pgbouncer: %v: %s", err, out)
-			}
-			return nil
-		}
-		if err := install(); err != nil {
-			_ = exec.Command("apt-get", "update").Run()
-			if err := install(); err != nil {
-				bouncerErr = err
-				return
-			}
-		}
-		if bouncerBin = find(); bouncerBin == "" {
-			bouncerErr = fmt.Errorf("pgbouncer installed but not found")
-		}
-	})
-	return bouncerBin, bouncerErr
-}
-
-// Bouncer starts PgBouncer with pool_mode mode ("session" or "transaction") in front of the server at serverURL,
-// stops it when the test ends, and returns serverURL rewritten to go through it. Trust authentication; otherwise
-// PgBouncer's own defaults (notably ignore_startup_parameters, which refuses any startup parameter but
-// extra_float_digits and the ones it tracks).
+// Bouncer starts PgBouncer with pool_mode mode ("session" or "transaction") in front of the server at serverURL
+// (see pgcluster.StartBouncer), stops it when the test ends, and returns serverURL rewritten to go through it.
+// Set ADVLOCK_KEEP_BOUNCER_LOG to keep its directory and log.
 func Bouncer(tb testing.TB, serverURL, mode string) string {
 	tb.Helper()
-	bin, err := pgbouncerBin()
+	b, err := pgcluster.StartBouncer(serverURL, mode)
 	if err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
-	u, err := url.Parse(serverURL)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	host, port := u.Hostname(), u.Port()
-	if port == "" {
-		port = "5432"
-	}
-	usr := u.User.Username()
-	dir, err := os.MkdirTemp("", "advlock-pgbouncer-")
-	if err != nil {
-		tb.Fatal(err)
-	}
 	tb.Cleanup(func() {
-		if os.Getenv("ADVLOCK_KEEP_BOUNCER_LOG") == "" { // set it to keep PgBouncer's directory and log
-			os.RemoveAll(dir)
+		b.Stop()
+		if os.Getenv("ADVLOCK_KEEP_BOUNCER_LOG") == "" {
+			os.RemoveAll(b.Dir)
 		}
 	})
-	var args []string
-	if os.Geteuid() == 0 { // pgbouncer refuses to run as root
-		pg, err := user.Lookup("postgres")
-		if err != nil {
-			tb.Fatalf("pgtest: running pgbouncer as root needs a postgres user: %v", err)
-		}
-		uid, _ := strconv.Atoi(pg.Uid)
-		gid, _ := strconv.Atoi(pg.Gid)
-		if err := os.Chown(dir, uid, gid); err != nil {
-			tb.Fatal(err)
-		}
-		args = append(args, "-u", "postgres")
-	}
-	listen, err := pgcluster.FreePort()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	ini := fmt.Sprintf(`[databases]
-* = host=%s port=%s
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = %d
-unix_socket_dir =
-auth_type = trust
-auth_file = %s
-pool_mode = %s
-max_client_conn = 500
-logfile = %s
-pidfile = %s
-`, host, port, listen, filepath.Join(dir, "users.txt"), mode, filepath.Join(dir, "log"), filepath.Join(dir, "pid"))
-	for name, body := range map[string]string{"pgbouncer.ini": ini, "users.txt": fmt.Sprintf("%q \"\"\n", usr)} {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644); err != nil {
-			tb.Fatal(err)
-		}
-	}
-	cmd := exec.Command(bin, append(args, filepath.Join(dir, "pgbouncer.ini"))...)
-	cmd.Dir = dir
-	if err := cmd.Start(); err != nil {
-		tb.Fatalf("pgtest: start pgbouncer: %v", err)
-	}
-	exited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(exited)
-	}()
-	tb.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGINT)
-		select {
-		case <-exited:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-exited
-		}
-	})
-	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(listen))
-	for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if c, err := net.Dial("tcp", addr); err == nil {
-			c.Close()
-			break
-		}
-		select {
-		case <-exited:
-			log, _ := os.ReadFile(filepath.Join(dir, "log"))
-			tb.Fatalf("pgtest: pgbouncer exited: %s", log)
-		default:
-		}
-		if time.Now().After(deadline) {
-			tb.Fatal("pgtest: pgbouncer did not listen within 15s")
-		}
-	}
-	u.Host = addr
-	return u.String()
+	return b.URL
 }
 
 // BouncerVersion returns the installed PgBouncer's major and minor version.
-func BouncerVersion() ([2]int, error) {
-	bin, err := pgbouncerBin()
-	if err != nil {
-		return [2]int{}, err
-	}
-	out, err := exec.Command(bin, "--version").Output()
-	if err != nil {
-		return [2]int{}, fmt.Errorf("pgbouncer --version: %w", err)
-	}
-	var v [2]int
-	if _, err := fmt.Sscanf(string(out), "PgBouncer %d.%d", &v[0], &v[1]); err != nil {
-		return [2]int{}, fmt.Errorf("pgbouncer --version said %q: %w", out, err)
-	}
-	return v, nil
-}
+func BouncerVersion() ([2]int, error) { return pgcluster.BouncerVersion() }
