@@ -17,7 +17,8 @@ import (
 // Locker that owns it; [Locker.Close] closes the pool.
 //
 // dsn is a pgx connection string (URL or key=value; PG* environment variables fill the gaps). Its sessions carry
-// application_name=advlock (unless dsn names one), so that pg_stat_activity and advlock ls show who holds what.
+// application_name=advlock (unless dsn names one), so that pg_stat_activity and advlock ls show who holds what;
+// connect_timeout defaults to [DefaultConnectTimeout].
 // Once per physical connection, before its first session lock and only after proving that the connection is a
 // server session of its own (direct, or pinned by a pooler in session mode), Open's Locker sets on it:
 //
@@ -50,6 +51,9 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	}
 	if !strings.Contains(dsn, "pool_max_conns") {
 		cfg.MaxConns = DefaultOpenConns
+	}
+	if cfg.ConnConfig.ConnectTimeout == 0 { // no connect_timeout in dsn
+		cfg.ConnConfig.ConnectTimeout = DefaultConnectTimeout
 	}
 	if rp := cfg.ConnConfig.RuntimeParams; rp["application_name"] == "" {
 		rp["application_name"] = "advlock"
@@ -84,6 +88,11 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 // shared sessions (4 by default), and 20 more for Lock calls waiting in the server at once, each of which keeps
 // its session while the lock it got is held (with WithSharedSessions(0), every held lock takes one).
 const DefaultOpenConns = 24
+
+// DefaultConnectTimeout bounds each connection attempt of Open's pool (dialing and the server's answer) when dsn
+// has no connect_timeout: a connection made into a network that silently drops packets fails instead of hanging,
+// with it the call that needed the connection, even a TryLock under a context without a deadline.
+const DefaultConnectTimeout = 10 * time.Second
 
 // openSettings are what Open's Locker sets on each lock session (see Open).
 func openSettings(keepalive time.Duration) []session.Setting {

@@ -3,10 +3,13 @@ package advlock_test
 import (
 	"context"
 	"errors"
+	"github.com/advlock/advlock/internal/faults"
+	neturl "net/url"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/conformance"
@@ -178,5 +181,47 @@ func openSettings(t *testing.T, url string, txPooled, reset bool, shared int) {
 	l.Close()
 	if reset {
 		plainSettings(t, url) // PgBouncer's server_reset_query (DISCARD ALL) reset them
+	}
+}
+
+// A connection attempt into a network that drops every packet ends after DefaultConnectTimeout when the DSN sets
+// no connect_timeout, instead of hanging the caller that needed it (found by the chaos campaign: a TryLock under a
+// context without a deadline waited forever for a connection whose startup packet a blackhole had swallowed).
+func TestOpenConnectTimeout(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits for the 10 s default (-short)")
+	}
+	url := pgtest.URL(t)
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := faults.Start(t, u.Host)
+	p.Blackhole(true)
+	u.Host = p.Addr()
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		l, err := advlock.Open(context.Background(), u.String())
+		if err == nil {
+			l.Close()
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		took := time.Since(start)
+		if err == nil {
+			t.Fatal("Open succeeded through a blackhole")
+		}
+		if took < advlock.DefaultConnectTimeout-time.Second {
+			t.Fatalf("Open failed after %v, before the connect timeout: %v", took, err)
+		}
+		t.Logf("Open failed after %v: %v", took.Round(time.Millisecond), err)
+	case <-time.After(advlock.DefaultConnectTimeout + 20*time.Second):
+		p.Blackhole(false)
+		p.Cut()
+		<-done
+		t.Fatal("Open hung in a blackhole")
 	}
 }
