@@ -70,8 +70,9 @@ type Bouncer struct {
 
 // StartBouncer starts PgBouncer with pool_mode mode ("session" or "transaction") in front of the server at
 // serverURL. Trust authentication; otherwise PgBouncer's own defaults (notably ignore_startup_parameters, which
-// refuses any startup parameter but extra_float_digits and the ones it tracks). Stop it when done.
-func StartBouncer(serverURL, mode string) (*Bouncer, error) {
+// refuses any startup parameter but extra_float_digits and the ones it tracks), except for the extra ini lines
+// in settings (name = value, in the [pgbouncer] section). Stop it when done.
+func StartBouncer(serverURL, mode string, settings ...string) (*Bouncer, error) {
 	bin, err := pgbouncerBin()
 	if err != nil {
 		return nil, err
@@ -125,6 +126,9 @@ max_client_conn = 500
 logfile = %s
 pidfile = %s
 `, host, port, listen, filepath.Join(dir, "users.txt"), mode, filepath.Join(dir, "log"), filepath.Join(dir, "pid"))
+	for _, l := range settings {
+		ini += l + "\n"
+	}
 	for name, body := range map[string]string{"pgbouncer.ini": ini, "users.txt": fmt.Sprintf("%q \"\"\n", usr)} {
 		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o644); err != nil {
 			return fail(err)

@@ -1,0 +1,711 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/faults"
+	"github.com/advlock/advlock/internal/pgcluster"
+	"github.com/jackc/pgx/v5"
+)
+
+// Options configure a campaign.
+type Options struct {
+	Duration  time.Duration
+	Seed      uint64
+	Workers   int
+	Keepalive time.Duration
+	NoFaults  bool // the checker's own test: a broken locker needs no help
+	Broken    bool // every worker uses the deliberately wrong locker
+	Log       io.Writer
+	Keep      bool // keep the workers' histories and output (kept anyway when something was found)
+}
+
+// Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
+// workers themselves and counted with them.
+var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackhole", "latency", "sigstop",
+	"sigkill", "restart_fast", "restart_immediate", "close_locker"}
+
+// fault is one injected fault: when, what, and which worker it aimed at (-1: all of them).
+type fault struct {
+	Kind   string
+	At     time.Time
+	Until  time.Time
+	Worker int
+	Detail string
+}
+
+// via says how a worker reaches the server.
+func via(i int) (shared bool, path string) {
+	return i%2 == 0, []string{"direct", "direct", "proxy", "proxy", "pgbouncer", "pgbouncer"}[i%6]
+}
+
+type slot struct {
+	cfg     workerConfig
+	proxy   *faults.Proxy
+	stderr  *os.File
+	mu      sync.Mutex
+	cmd     *exec.Cmd
+	killed  bool // by the injector: restart it
+	stopped bool // by the end of the campaign
+	exited  chan struct{}
+	probs   []Violation
+	kills   int
+}
+
+type campaign struct {
+	opt     Options
+	dir     string
+	cluster *pgcluster.Cluster
+	bouncer *pgcluster.Bouncer
+	slots   []*slot
+	self    string
+
+	errors map[string]int // what the operations that failed with "error" said, by class
+
+	mu      sync.Mutex
+	faults  []fault
+	pauses  []Pause
+	samples []Sample
+}
+
+func (c *campaign) logf(f string, a ...any) {
+	if c.opt.Log != nil {
+		fmt.Fprintf(c.opt.Log, "%s "+f+"\n", append([]any{time.Now().Format("15:04:05.000")}, a...)...)
+	}
+}
+
+// Run runs a campaign and returns its report.
+func Run(ctx context.Context, opt Options) (*Report, error) {
+	if opt.Workers < 1 {
+		return nil, errors.New("chaos: need at least one worker")
+	}
+	if opt.Keepalive == 0 {
+		opt.Keepalive = 500 * time.Millisecond
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "advlock-chaos-")
+	if err != nil {
+		return nil, err
+	}
+	keep := false
+	defer func() {
+		if !keep {
+			os.RemoveAll(dir)
+		}
+	}()
+	c := &campaign{opt: opt, dir: dir, self: self}
+	c.logf("starting a private cluster")
+	if c.cluster, err = pgcluster.Start("max_connections = 300"); err != nil {
+		return nil, err
+	}
+	defer c.cluster.Remove()
+	if err := c.setupLedger(ctx); err != nil {
+		return nil, err
+	}
+	needBouncer := false
+	for i := range opt.Workers {
+		if _, p := via(i); p == "pgbouncer" {
+			needBouncer = true
+		}
+	}
+	if needBouncer {
+		// PgBouncer's defaults but one: after a server restart it refuses logins for server_login_retry (15 s);
+		// 1 s keeps its workers in the campaign.
+		if c.bouncer, err = pgcluster.StartBouncer(c.cluster.URL, "session", "server_login_retry = 1"); err != nil {
+			return nil, err
+		}
+		defer func() { c.bouncer.Stop(); os.RemoveAll(c.bouncer.Dir) }()
+	}
+	for i := range opt.Workers {
+		s, err := c.newSlot(i)
+		if err != nil {
+			return nil, err
+		}
+		if s.proxy != nil {
+			defer s.proxy.Close()
+		}
+		defer s.stderr.Close()
+		c.slots = append(c.slots, s)
+	}
+	start := time.Now()
+	for _, s := range c.slots {
+		if err := c.start(s); err != nil {
+			return nil, err
+		}
+	}
+	runCtx, cancel := context.WithTimeout(ctx, opt.Duration)
+	defer cancel()
+	var bg sync.WaitGroup
+	bg.Add(2)
+	go func() { defer bg.Done(); c.sample(runCtx) }()
+	go func() {
+		defer bg.Done()
+		if !opt.NoFaults {
+			c.inject(runCtx)
+		}
+	}()
+	bg.Wait()
+	c.logf("stopping the workers")
+	c.stopAll()
+	leaked := c.leftovers(ctx)
+	c.logf("checking %s of history", time.Since(start).Round(time.Second))
+	r, err := c.report(ctx, leaked)
+	if err == nil && (!r.OK() || c.opt.Keep) {
+		keep, r.Dir = true, dir // the workers' histories and output, for the examples
+	}
+	return r, err
+}
+
+func (c *campaign) setupLedger(ctx context.Context) error {
+	conn, err := pgx.Connect(ctx, c.cluster.URL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, `CREATE TABLE chaos_fence (key text PRIMARY KEY, fence bigint NOT NULL);
+		CREATE TABLE chaos_writes (id bigserial PRIMARY KEY, key text NOT NULL, token bigint NOT NULL,
+			cs text NOT NULL, worker int NOT NULL, mode text NOT NULL, accepted bool, at timestamptz NOT NULL)`)
+	return err
+}
+
+func (c *campaign) newSlot(i int) (*slot, error) {
+	shared, path := via(i)
+	s := &slot{}
+	dsn := c.cluster.URL
+	switch path {
+	case "proxy":
+		p, err := faults.New(fmt.Sprintf("127.0.0.1:%d", c.cluster.Port))
+		if err != nil {
+			return nil, err
+		}
+		s.proxy = p
+		u, _ := url.Parse(dsn)
+		u.Host = p.Addr()
+		dsn = u.String()
+	case "pgbouncer":
+		dsn = c.bouncer.URL
+	}
+	dsn += "&pool_max_conns=10"
+	f, err := os.Create(filepath.Join(c.dir, fmt.Sprintf("w%d.stderr", i)))
+	if err != nil {
+		return nil, err
+	}
+	s.stderr = f
+	s.cfg = workerConfig{ID: i, Name: fmt.Sprintf("chaos-w%d", i), DSN: dsn, Ledger: c.cluster.URL, Shared: shared,
+		Broken: c.opt.Broken, Seed: c.opt.Seed*1000 + uint64(i), Keepalive: c.opt.Keepalive,
+		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4}
+	return s, nil
+}
+
+func (c *campaign) start(s *slot) error {
+	s.mu.Lock()
+	if s.stopped { // the campaign ended while this worker was being restarted
+		s.mu.Unlock()
+		return nil
+	}
+	raw, _ := json.Marshal(s.cfg)
+	cmd := exec.Command(c.self)
+	cmd.Env = append(os.Environ(), envWorker+"="+string(raw))
+	cmd.Stdout = s.stderr
+	cmd.Stderr = s.stderr
+	if err := cmd.Start(); err != nil {
+		s.mu.Unlock()
+		return err
+	}
+	s.cmd, s.killed, s.exited = cmd, false, make(chan struct{})
+	exited := s.exited
+	s.mu.Unlock()
+	go func() {
+		err := cmd.Wait()
+		s.mu.Lock()
+		killed, stopped := s.killed, s.stopped
+		if !killed && (!stopped || err != nil) {
+			out, _ := os.ReadFile(s.stderr.Name())
+			if len(out) > 2000 {
+				out = out[len(out)-2000:]
+			}
+			s.probs = append(s.probs, Violation{VDied, fmt.Sprintf("worker %d (incarnation %d) exited: %v; its output ends:\n%s",
+				s.cfg.ID, s.cfg.Inc, err, out)})
+		}
+		restart := !stopped
+		if restart {
+			s.cfg.Inc++
+		}
+		s.mu.Unlock()
+		close(exited)
+		if restart {
+			time.Sleep(50 * time.Millisecond)
+			if err := c.start(s); err != nil {
+				s.mu.Lock()
+				s.probs = append(s.probs, Violation{VDied, fmt.Sprintf("worker %d: restart: %v", s.cfg.ID, err)})
+				s.mu.Unlock()
+			}
+		}
+	}()
+	return nil
+}
+
+func (c *campaign) signal(s *slot, sig syscall.Signal) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if sig == syscall.SIGKILL {
+		s.killed = true
+		s.kills++
+	}
+	_ = s.cmd.Process.Signal(sig)
+}
+
+func (c *campaign) stopAll() {
+	for _, s := range c.slots {
+		s.mu.Lock()
+		s.stopped = true
+		s.mu.Unlock()
+	}
+	for _, s := range c.slots {
+		if s.proxy != nil {
+			s.proxy.Blackhole(false)
+			s.proxy.Latency(0)
+		}
+		c.signal(s, syscall.SIGCONT)
+		c.signal(s, syscall.SIGTERM)
+	}
+	for _, s := range c.slots {
+		s.mu.Lock()
+		exited := s.exited
+		s.mu.Unlock()
+		select {
+		case <-exited:
+		case <-time.After(90 * time.Second):
+			c.signal(s, syscall.SIGQUIT) // its stacks go to its stderr
+			s.mu.Lock()
+			s.probs = append(s.probs, Violation{VHang, fmt.Sprintf("worker %d did not exit within 90 s of SIGTERM", s.cfg.ID)})
+			s.mu.Unlock()
+			select {
+			case <-exited:
+			case <-time.After(5 * time.Second):
+				c.signal(s, syscall.SIGKILL)
+				<-exited
+			}
+		}
+	}
+}
+
+// sample reads pg_locks every 100 ms.
+func (c *campaign) sample(ctx context.Context) {
+	var conn *pgx.Conn
+	defer func() {
+		if conn != nil {
+			conn.Close(context.Background())
+		}
+	}()
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		if conn == nil || conn.IsClosed() {
+			var err error
+			if conn, err = pgx.Connect(qctx, c.cluster.URL); err != nil {
+				conn = nil
+				cancel()
+				continue
+			}
+		}
+		s, err := readLocks(qctx, conn)
+		cancel()
+		if err != nil {
+			conn.Close(context.Background())
+			conn = nil
+			continue
+		}
+		c.mu.Lock()
+		c.samples = append(c.samples, s)
+		c.mu.Unlock()
+	}
+}
+
+func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
+	rows, err := conn.Query(ctx, `SELECT statement_timestamp(), l.classid, l.objid, l.objsubid, l.granted,
+			coalesce(a.application_name, ''), l.pid
+		FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory'`)
+	if err != nil {
+		return Sample{}, err
+	}
+	s := Sample{Held: map[string][]Holder{}}
+	for rows.Next() {
+		var at time.Time
+		var classid, objid uint32
+		var sub int16
+		var granted bool
+		var app string
+		var pid int32
+		if err := rows.Scan(&at, &classid, &objid, &sub, &granted, &app, &pid); err != nil {
+			return Sample{}, err
+		}
+		s.At = at
+		k, _ := advlock.KeyFromPgLocks(classid, objid, sub)
+		s.Held[canon(k)] = append(s.Held[canon(k)], Holder{App: app, Granted: granted})
+	}
+	if err := rows.Err(); err != nil {
+		return Sample{}, err
+	}
+	if s.At.IsZero() {
+		if err := conn.QueryRow(ctx, `SELECT statement_timestamp()`).Scan(&s.At); err != nil {
+			return Sample{}, err
+		}
+	}
+	return s, nil
+}
+
+func (c *campaign) record(f fault) {
+	c.mu.Lock()
+	c.faults = append(c.faults, f)
+	c.mu.Unlock()
+	c.logf("fault %s worker %d %s", f.Kind, f.Worker, f.Detail)
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// inject draws faults from a deck of every kind, shuffled with the seed, until ctx ends.
+func (c *campaign) inject(ctx context.Context) {
+	rng := rand.New(rand.NewPCG(c.opt.Seed, 1))
+	var deck []string
+	var proxied []*slot
+	for _, s := range c.slots {
+		if s.proxy != nil {
+			proxied = append(proxied, s)
+		}
+	}
+	ka := c.opt.Keepalive
+	for sleepCtx(ctx, time.Duration(300+rng.IntN(900))*time.Millisecond) {
+		if len(deck) == 0 {
+			deck = append(deck, faultKinds...)
+			rng.Shuffle(len(deck), func(i, j int) { deck[i], deck[j] = deck[j], deck[i] })
+		}
+		kind := deck[0]
+		deck = deck[1:]
+		target := c.slots[rng.IntN(len(c.slots))]
+		long := 2*ka + time.Duration(rng.Int64N(int64(3*ka))) // past the server's 3-keepalive idle timeout, mostly
+		f := fault{Kind: kind, At: time.Now(), Worker: target.cfg.ID}
+		switch kind {
+		case "terminate_holder", "terminate_waiter":
+			pid, w, ok := c.pickBackend(ctx, kind == "terminate_holder", rng)
+			if !ok {
+				continue
+			}
+			f.Worker, f.Detail = w, fmt.Sprintf("pid %d", pid)
+			f.At = time.Now()
+			_ = c.exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
+			c.record(f)
+		case "cut", "blackhole", "latency":
+			if len(proxied) == 0 {
+				continue
+			}
+			s := proxied[rng.IntN(len(proxied))]
+			f.Worker = s.cfg.ID
+			switch kind {
+			case "cut":
+				s.proxy.Cut()
+				c.record(f)
+			case "blackhole":
+				s.proxy.Blackhole(true)
+				f.Detail = fmt.Sprintf("%v, holding %d", long, c.heldBy(ctx, s.cfg.Name))
+				c.record(f)
+				sleepCtx(ctx, long)
+				c.logf("blackhole off worker %d, its sessions hold %d", s.cfg.ID, c.heldBy(ctx, s.cfg.Name))
+				s.proxy.Blackhole(false)
+			case "latency":
+				d := time.Duration(10+rng.IntN(70)) * time.Millisecond
+				s.proxy.Latency(d)
+				f.Detail = d.String()
+				c.record(f)
+				sleepCtx(ctx, time.Duration(1000+rng.IntN(1000))*time.Millisecond)
+				s.proxy.Latency(0)
+			}
+		case "sigstop":
+			f.Detail = fmt.Sprintf("%v, holding %d", long, c.heldBy(ctx, target.cfg.Name))
+			c.record(f)
+			c.signal(target, syscall.SIGSTOP)
+			sleepCtx(ctx, long)
+			c.logf("sigcont worker %d, its sessions hold %d", target.cfg.ID, c.heldBy(ctx, target.cfg.Name))
+			c.signal(target, syscall.SIGCONT)
+			c.mu.Lock()
+			c.pauses = append(c.pauses, Pause{Worker: target.cfg.ID, From: f.At, To: time.Now()})
+			c.mu.Unlock()
+		case "sigkill":
+			c.record(f)
+			c.signal(target, syscall.SIGKILL)
+		case "close_locker":
+			if c.opt.Broken {
+				continue
+			}
+			c.record(f)
+			c.signal(target, syscall.SIGUSR1)
+		case "restart_fast", "restart_immediate":
+			f.Worker = -1
+			c.record(f)
+			if err := c.cluster.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
+				c.logf("restart: %v", err)
+				_ = c.cluster.Start()
+			}
+		}
+	}
+}
+
+// pickBackend picks a worker session that holds (or waits for) an advisory lock.
+func (c *campaign) pickBackend(ctx context.Context, holder bool, rng *rand.Rand) (pid int32, worker int, ok bool) {
+	qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(qctx, c.cluster.URL)
+	if err != nil {
+		return 0, 0, false
+	}
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(qctx, `SELECT DISTINCT l.pid, a.application_name FROM pg_locks l
+		JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE l.locktype = 'advisory' AND l.granted = $1 AND a.application_name LIKE 'chaos-w%' ORDER BY 1`, holder)
+	if err != nil {
+		return 0, 0, false
+	}
+	type row struct {
+		pid int32
+		app string
+	}
+	var list []row
+	for rows.Next() {
+		var r row
+		if rows.Scan(&r.pid, &r.app) == nil {
+			list = append(list, r)
+		}
+	}
+	if len(list) == 0 {
+		return 0, 0, false
+	}
+	r := list[rng.IntN(len(list))]
+	var w int
+	_, _ = fmt.Sscanf(r.app, "chaos-w%d", &w)
+	return r.pid, w, true
+}
+
+// heldBy counts the advisory locks granted to the sessions named app (for the log).
+func (c *campaign) heldBy(ctx context.Context, app string) int {
+	if c.opt.Log == nil {
+		return -1
+	}
+	qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(qctx, c.cluster.URL)
+	if err != nil {
+		return -1
+	}
+	defer conn.Close(context.Background())
+	var n int
+	if conn.QueryRow(qctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = $1`, app).Scan(&n) != nil {
+		return -1
+	}
+	return n
+}
+
+func (c *campaign) exec(ctx context.Context, sql string, args ...any) error {
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(qctx, c.cluster.URL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(qctx, sql, args...)
+	return err
+}
+
+// leftovers lists the advisory locks still in pg_locks after every worker stopped. A session whose client died
+// behind a blackhole ends at the server's idle timeout, so it waits for a while first.
+func (c *campaign) leftovers(ctx context.Context) []string {
+	for _, s := range c.slots {
+		if s.proxy != nil {
+			s.proxy.Cut()
+		}
+	}
+	var out []string
+	deadline := time.Now().Add(3*c.opt.Keepalive + 10*time.Second)
+	for {
+		out = out[:0]
+		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		conn, err := pgx.Connect(qctx, c.cluster.URL)
+		if err == nil {
+			var s Sample
+			s, err = readLocks(qctx, conn)
+			conn.Close(context.Background())
+			for k, rows := range s.Held {
+				for _, r := range rows {
+					out = append(out, fmt.Sprintf("%s held by %q (granted %v) after the workers stopped", k, r.App, r.Granted))
+				}
+			}
+		}
+		cancel()
+		if err != nil {
+			out = append(out, "could not read pg_locks: "+err.Error())
+		}
+		if len(out) == 0 || time.Now().After(deadline) {
+			sort.Strings(out)
+			return out
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// history reads the workers' files.
+func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Violation, int64, error) {
+	c.errors = map[string]int{}
+	css := map[string]*CS{}
+	ops := map[string]map[string]int{}
+	var probs []Violation
+	var cancels int64
+	for _, s := range c.slots {
+		f, err := os.Open(s.cfg.History)
+		if err != nil {
+			if os.IsNotExist(err) {
+				continue
+			}
+			return nil, nil, nil, 0, err
+		}
+		sc := bufio.NewScanner(f)
+		sc.Buffer(make([]byte, 1<<20), 1<<24)
+		for sc.Scan() {
+			var e event
+			if json.Unmarshal(sc.Bytes(), &e) != nil {
+				continue // a line cut short by SIGKILL
+			}
+			switch e.T {
+			case "op":
+				if ops[e.Op] == nil {
+					ops[e.Op] = map[string]int{}
+				}
+				ops[e.Op][e.Result]++
+				if e.Result == "error" {
+					c.errors[errClass(e.Err)]++
+				}
+			case "begin":
+				css[e.CS] = &CS{ID: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Token: e.Token}
+			case "end":
+				if cs := css[e.CS]; cs != nil {
+					cs.Ended, cs.Cause, cs.Unlock, cs.Clean = true, e.Cause, e.Unlock, e.Clean
+					if e.Told != 0 {
+						cs.Told = time.Unix(0, e.Told)
+					}
+				}
+			case "hang":
+				probs = append(probs, Violation{VHang, fmt.Sprintf("worker %d: %s did not return within its bound", e.W, e.Op)})
+			case "exit":
+				if e.Counts != nil {
+					cancels += e.Counts.Cancels
+				}
+				for _, l := range e.Leaks {
+					probs = append(probs, Violation{VLeak, fmt.Sprintf("worker %d after its operations ended: %s", e.W, l)})
+				}
+				if e.Goroutines != "" {
+					probs = append(probs, Violation{VGoroutines, fmt.Sprintf("worker %d: %s", e.W, firstLines(e.Goroutines, 60))})
+				}
+			}
+		}
+		f.Close()
+		if err := sc.Err(); err != nil {
+			return nil, nil, nil, 0, err
+		}
+		s.mu.Lock()
+		probs = append(probs, s.probs...)
+		s.mu.Unlock()
+		out, _ := os.ReadFile(s.stderr.Name())
+		if i := strings.Index(string(out), "panic:"); i >= 0 {
+			probs = append(probs, Violation{VPanic, fmt.Sprintf("worker %d: %s", s.cfg.ID, firstLines(string(out[i:]), 12))})
+		}
+		if i := strings.Index(string(out), "WARNING: DATA RACE"); i >= 0 {
+			probs = append(probs, Violation{VPanic, fmt.Sprintf("worker %d: %s", s.cfg.ID, firstLines(string(out[i:]), 20))})
+		}
+	}
+	return css, ops, probs, cancels, nil
+}
+
+func firstLines(s string, n int) string {
+	lines := strings.SplitN(s, "\n", n+1)
+	if len(lines) > n {
+		lines = lines[:n]
+	}
+	return strings.Join(lines, "\n")
+}
+
+func (c *campaign) ledger(ctx context.Context) ([]Write, error) {
+	var conn *pgx.Conn
+	var err error
+	for range 20 { // the last restart may still be finishing
+		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		conn, err = pgx.Connect(qctx, c.cluster.URL)
+		cancel()
+		if err == nil {
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(context.Background())
+	rows, err := conn.Query(ctx, `SELECT id, key, token, cs, worker, mode, accepted, at FROM chaos_writes ORDER BY id`)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (Write, error) {
+		var w Write
+		err := r.Scan(&w.ID, &w.Key, &w.Token, &w.CS, &w.Worker, &w.Mode, &w.Accepted, &w.At)
+		return w, err
+	})
+}
+
+// errClass shortens an error message to a class: digits (pids, ports, keys, durations) are dropped.
+func errClass(msg string) string {
+	var b strings.Builder
+	for _, r := range msg {
+		if r >= '0' && r <= '9' {
+			continue
+		}
+		b.WriteRune(r)
+	}
+	out := b.String()
+	if len(out) > 160 {
+		out = out[:160]
+	}
+	return out
+}

@@ -1,0 +1,708 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"runtime"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
+)
+
+// envWorker carries a worker's configuration (JSON) to the re-executed binary.
+const envWorker = "ADVLOCK_CHAOS_WORKER"
+
+// workerConfig is what the campaign tells one worker process.
+type workerConfig struct {
+	ID         int           `json:"id"`
+	Inc        int           `json:"inc"` // incarnation: 0, then one more per restart after SIGKILL
+	Name       string        `json:"name"`
+	DSN        string        `json:"dsn"`    // where its Locker connects: the server, a proxy or PgBouncer
+	Ledger     string        `json:"ledger"` // the protected resource: always the server, directly
+	Shared     bool          `json:"shared"`
+	Broken     bool          `json:"broken"` // a deliberately wrong locker (the checker's own test)
+	Seed       uint64        `json:"seed"`
+	Keepalive  time.Duration `json:"keepalive"`
+	History    string        `json:"history"`
+	Goroutines int           `json:"goroutines"`
+}
+
+// Keys the workers contend for.
+var (
+	lockKeys = []advlock.Key{advlock.Int64Key(71001), advlock.Int64Key(71002), advlock.Int64Key(71003)}
+	leadKey  = advlock.Int64Key(71100)
+)
+
+const (
+	semName = "chaos"
+	semN    = 2
+)
+
+// event is one line of a worker's history file.
+type event struct {
+	T     string `json:"t"` // op, begin, end, exit, hang
+	W     int    `json:"w"`
+	Inc   int    `json:"inc"`
+	Op    string `json:"op,omitempty"`
+	Key   string `json:"key,omitempty"`
+	Mode  string `json:"mode,omitempty"` // x or s
+	CS    string `json:"cs,omitempty"`
+	Token int64  `json:"token,omitempty"`
+	// op
+	Result string `json:"result,omitempty"`
+	Err    string `json:"err,omitempty"`
+	Start  int64  `json:"start,omitempty"` // unix ns, this machine's clock (the server's too: same host)
+	End    int64  `json:"end,omitempty"`
+	// end of a critical section
+	Told   int64  `json:"told,omitempty"`   // when the library told of the lock's end (Done, fn's ctx), 0 if never
+	Cause  string `json:"cause,omitempty"`  // lost, closed, ...
+	Unlock string `json:"unlock,omitempty"` // what Unlock (or Do, Lead, DoTx) returned: ok, lost, closed, error: ...
+	Clean  bool   `json:"clean,omitempty"`  // held from grant to a confirmed release, never told of an end
+	// exit
+	Leaks      []string `json:"leaks,omitempty"`
+	Goroutines string   `json:"goroutines,omitempty"`
+	Counts     *counts  `json:"counts,omitempty"`
+}
+
+type counts struct {
+	Cancels int64 `json:"cancels"` // ctx cancellations fired at a random moment of a wait
+}
+
+type worker struct {
+	cfg    workerConfig
+	hist   *os.File
+	histMu sync.Mutex
+	ledger *pgxpool.Pool
+	locker atomic.Pointer[advlock.Locker]
+	broken *pgxpool.Pool
+	seq    atomic.Int64
+	counts struct{ cancels atomic.Int64 }
+
+	opsMu sync.Mutex
+	ops   map[int64]opTrack
+	opSeq int64
+}
+
+type opTrack struct {
+	name     string
+	deadline time.Time
+	reported bool
+}
+
+// hangBound is how long past its own planned end an operation may take before it counts as hung.
+const hangBound = 30 * time.Second
+
+func (w *worker) emit(e event) {
+	e.W, e.Inc = w.cfg.ID, w.cfg.Inc
+	b, _ := json.Marshal(e)
+	w.histMu.Lock()
+	defer w.histMu.Unlock()
+	_, _ = w.hist.Write(append(b, '\n')) // one write per line: a SIGKILL loses at most the line being written
+}
+
+// runWorker is the worker process: it loops over the operations until SIGTERM, then unlocks, closes, checks for
+// leaks and exits 0.
+func runWorker(raw string) int {
+	var cfg workerConfig
+	if err := json.Unmarshal([]byte(raw), &cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "chaos worker: bad config:", err)
+		return 2
+	}
+	stopCtx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM)
+	defer stop()
+	usr1 := make(chan os.Signal, 1)
+	signal.Notify(usr1, syscall.SIGUSR1)
+	defer signal.Stop(usr1)
+
+	h, err := os.OpenFile(cfg.History, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "chaos worker:", err)
+		return 2
+	}
+	defer h.Close()
+	w := &worker{cfg: cfg, hist: h, ops: map[int64]opTrack{}}
+	pcfg, err := pgxpool.ParseConfig(cfg.Ledger)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "chaos worker:", err)
+		return 2
+	}
+	pcfg.ConnConfig.RuntimeParams["application_name"] = cfg.Name + "-ledger"
+	pcfg.MaxConns = int32(cfg.Goroutines + 2)
+	if w.ledger, err = pgxpool.NewWithConfig(context.Background(), pcfg); err != nil {
+		fmt.Fprintln(os.Stderr, "chaos worker:", err)
+		return 2
+	}
+	if cfg.Broken {
+		bcfg, _ := pgxpool.ParseConfig(cfg.DSN)
+		bcfg.ConnConfig.RuntimeParams["application_name"] = cfg.Name
+		bcfg.MaxConns = 3
+		if w.broken, err = pgxpool.NewWithConfig(context.Background(), bcfg); err != nil {
+			fmt.Fprintln(os.Stderr, "chaos worker:", err)
+			return 2
+		}
+	} else {
+		// A service keeps trying: the server may be restarting, or PgBouncer refusing logins for a while.
+		for {
+			l, err := w.open(stopCtx)
+			if err == nil {
+				w.locker.Store(l)
+				break
+			}
+			if stopCtx.Err() != nil {
+				w.ledger.Close()
+				w.emit(event{T: "exit"})
+				return 0
+			}
+			fmt.Fprintln(os.Stderr, "chaos worker: open (will retry):", err)
+			time.Sleep(200 * time.Millisecond)
+		}
+	}
+
+	watchdogDone := make(chan struct{})
+	go w.watchdog(watchdogDone)
+	var wg sync.WaitGroup
+	for g := range cfg.Goroutines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(cfg.Seed, uint64(cfg.Inc)<<16|uint64(g)))
+			for stopCtx.Err() == nil {
+				w.step(stopCtx, rng)
+			}
+		}()
+	}
+	// SIGUSR1: close the Locker while operations are in flight, then open a new one.
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stopCtx.Done():
+				return
+			case <-usr1:
+				if cfg.Broken {
+					continue
+				}
+				old := w.locker.Load()
+				old.Close()
+				for stopCtx.Err() == nil {
+					l, err := w.open(stopCtx)
+					if err == nil {
+						w.locker.Store(l)
+						break
+					}
+					time.Sleep(100 * time.Millisecond)
+				}
+			}
+		}
+	}()
+	wg.Wait()
+
+	exit := event{T: "exit", Counts: &counts{Cancels: w.counts.cancels.Load()}}
+	exit.Leaks = w.heldByMe()
+	if l := w.locker.Load(); l != nil {
+		l.Close()
+	}
+	if w.broken != nil {
+		w.broken.Close()
+	}
+	w.ledger.Close()
+	close(watchdogDone)
+	stop()
+	// pgx closes a connection it gave up on in the background: a cancel request, then the socket, within 15 s
+	// (through a blackhole it takes all of them). A goroutine still there after 20 s is a leak.
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		err := goleak.Find(goleak.IgnoreTopFunction("os/signal.signal_recv"), goleak.IgnoreTopFunction("os/signal.loop"))
+		if err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			exit.Goroutines = err.Error()
+			break
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	w.emit(exit)
+	return 0
+}
+
+func (w *worker) open(ctx context.Context) (*advlock.Locker, error) {
+	n := 0
+	if w.cfg.Shared {
+		n = 4
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	return advlock.Open(ctx, w.cfg.DSN+"&application_name="+w.cfg.Name, advlock.WithFencing(),
+		advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n))
+}
+
+// heldByMe lists the advisory locks that backends named after this worker hold once every operation has ended:
+// each one is a lock left behind (on an idle pooled connection, or a session nobody watches). A session that the
+// client gave up on behind a blackhole may linger until the server's idle_session_timeout, so it asks for a while.
+func (w *worker) heldByMe() []string {
+	var rows []string
+	for deadline := time.Now().Add(3*w.cfg.Keepalive + 5*time.Second); ; time.Sleep(200 * time.Millisecond) {
+		rows = rows[:0]
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		r, err := w.ledger.Query(ctx, `SELECT l.classid, l.objid, l.objsubid, l.pid, l.granted
+			FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE l.locktype = 'advisory' AND a.application_name = $1`, w.cfg.Name)
+		if err == nil {
+			for r.Next() {
+				var classid, objid uint32
+				var sub int16
+				var pid int32
+				var granted bool
+				if r.Scan(&classid, &objid, &sub, &pid, &granted) == nil {
+					k, _ := advlock.KeyFromPgLocks(classid, objid, sub)
+					rows = append(rows, fmt.Sprintf("%s pid %d granted %v", canon(k), pid, granted))
+				}
+			}
+			err = r.Err()
+		}
+		cancel()
+		if (err == nil && len(rows) == 0) || time.Now().After(deadline) {
+			if err != nil {
+				rows = append(rows, "could not read pg_locks: "+err.Error())
+			}
+			return rows
+		}
+	}
+}
+
+func (w *worker) track(name string, planned time.Duration) func() {
+	w.opsMu.Lock()
+	w.opSeq++
+	id := w.opSeq
+	w.ops[id] = opTrack{name: name, deadline: time.Now().Add(planned + hangBound)}
+	w.opsMu.Unlock()
+	return func() {
+		w.opsMu.Lock()
+		delete(w.ops, id)
+		w.opsMu.Unlock()
+	}
+}
+
+// watchdog reports an operation that has not returned within its bound, once, with every goroutine's stack.
+func (w *worker) watchdog(done <-chan struct{}) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case now := <-t.C:
+			w.opsMu.Lock()
+			var hung []string
+			for id, o := range w.ops {
+				if !o.reported && now.After(o.deadline) {
+					o.reported = true
+					w.ops[id] = o
+					hung = append(hung, o.name)
+				}
+			}
+			w.opsMu.Unlock()
+			for _, name := range hung {
+				buf := make([]byte, 1<<20)
+				buf = buf[:runtime.Stack(buf, true)]
+				fmt.Fprintf(os.Stderr, "chaos worker %d: %s did not return within its bound\n%s\n", w.cfg.ID, name, buf)
+				w.emit(event{T: "hang", Op: name})
+			}
+		}
+	}
+}
+
+func (w *worker) csID() string {
+	return fmt.Sprintf("%d.%d.%d", w.cfg.ID, w.cfg.Inc, w.seq.Add(1))
+}
+
+func classify(err error) string {
+	switch {
+	case err == nil:
+		return "ok"
+	case errors.Is(err, advlock.ErrNotAcquired):
+		return "not_acquired"
+	case errors.Is(err, advlock.ErrLockLost):
+		return "lost"
+	case errors.Is(err, advlock.ErrClosed):
+		return "closed"
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	}
+	return "error"
+}
+
+func sleepRand(rng *rand.Rand, lo, hi time.Duration) {
+	time.Sleep(lo + time.Duration(rng.Int64N(int64(hi-lo)+1)))
+}
+
+// step runs one operation picked at random.
+func (w *worker) step(stop context.Context, rng *rand.Rand) {
+	if w.cfg.Broken {
+		w.brokenStep(rng)
+		return
+	}
+	l := w.locker.Load()
+	key := lockKeys[rng.IntN(len(lockKeys))]
+	var op string
+	var err error
+	start := time.Now()
+	switch p := rng.IntN(100); {
+	case p < 18:
+		op = "trylock"
+		err = w.sessionLock(op, key, "x", 2*time.Second, func(ctx context.Context) (*advlock.Lock, error) {
+			return l.TryLock(ctx, key)
+		})
+	case p < 36:
+		op = "lock_deadline"
+		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
+		err = w.sessionLock(op, key, "x", d, func(ctx context.Context) (*advlock.Lock, error) {
+			ctx, cancel := context.WithTimeout(ctx, d)
+			defer cancel()
+			return l.Lock(ctx, key)
+		})
+	case p < 48:
+		op = "lock_cancel"
+		d := time.Duration(rng.IntN(30_000)) * time.Microsecond
+		err = w.sessionLock(op, key, "x", d, func(ctx context.Context) (*advlock.Lock, error) {
+			ctx, cancel := context.WithCancel(ctx)
+			t := time.AfterFunc(d, func() { w.counts.cancels.Add(1); cancel() })
+			defer t.Stop()
+			defer cancel()
+			return l.Lock(ctx, key)
+		})
+	case p < 60:
+		op = "rlock"
+		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
+		err = w.sessionLock(op, key, "s", d, func(ctx context.Context) (*advlock.Lock, error) {
+			ctx, cancel := context.WithTimeout(ctx, d)
+			defer cancel()
+			return l.RLock(ctx, key)
+		})
+	case p < 72:
+		op = "do"
+		err = w.do(l, key, rng)
+	case p < 82:
+		op = "dotx"
+		err = w.doTx(l, key, rng)
+	case p < 90:
+		op = "semaphore"
+		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
+		sem := l.Semaphore(semName, semN)
+		err = w.sessionLock(op, advlock.Key{}, "x", d, func(ctx context.Context) (*advlock.Lock, error) {
+			ctx, cancel := context.WithTimeout(ctx, d)
+			defer cancel()
+			return sem.Acquire(ctx)
+		})
+	default:
+		op = "lead"
+		err = w.lead(stop, l, rng)
+	}
+	w.emit(event{T: "op", Op: op, Result: classify(err), Err: errString(err), Start: start.UnixNano(), End: time.Now().UnixNano()})
+	if err != nil && !errors.Is(err, advlock.ErrNotAcquired) {
+		sleepRand(rng, 5*time.Millisecond, 50*time.Millisecond)
+	}
+}
+
+func errString(err error) string {
+	if err == nil || errors.Is(err, advlock.ErrNotAcquired) {
+		return ""
+	}
+	return err.Error()
+}
+
+// sessionLock takes a session lock with acquire, runs a critical section on it, and unlocks.
+func (w *worker) sessionLock(op string, key advlock.Key, mode string, planned time.Duration,
+	acquire func(context.Context) (*advlock.Lock, error)) error {
+	done := w.track(op, planned+time.Second)
+	defer done()
+	lk, err := acquire(context.Background())
+	if err != nil {
+		return err
+	}
+	cs := w.csID()
+	w.emit(event{T: "begin", Op: op, Key: canon(lk.Key()), Mode: mode, CS: cs, Token: lk.Token()})
+	told := watchTold(lk.Done())
+	w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), rngFor(cs))
+	t := told() // before Unlock, which ends Done too
+	uctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	uerr := lk.Unlock(uctx)
+	cancel()
+	if t == 0 && errors.Is(uerr, advlock.ErrLockLost) {
+		t = time.Now().UnixNano() // told by Unlock
+	}
+	cause := ""
+	if t != 0 || uerr != nil {
+		cause = classify(lk.Err())
+		if lk.Err() == nil {
+			cause = classify(uerr)
+		}
+	}
+	w.emit(event{T: "end", CS: cs, Key: canon(lk.Key()), Told: t, Cause: cause, Unlock: classify(uerr),
+		Clean: uerr == nil && t == 0})
+	if uerr != nil {
+		return uerr
+	}
+	return nil
+}
+
+func rngFor(cs string) *rand.Rand {
+	var h uint64 = 14695981039346656037
+	for i := 0; i < len(cs); i++ {
+		h = (h ^ uint64(cs[i])) * 1099511628211
+	}
+	return rand.New(rand.NewPCG(h, 7))
+}
+
+// watchTold records when ch closes; the returned func reports that time (0: not closed).
+func watchTold(ch <-chan struct{}) func() int64 {
+	var at atomic.Int64
+	select {
+	case <-ch:
+		at.Store(time.Now().UnixNano())
+		return at.Load
+	default:
+	}
+	stop := make(chan struct{})
+	exited := make(chan struct{})
+	go func() {
+		defer close(exited)
+		select {
+		case <-ch:
+			at.Store(time.Now().UnixNano())
+		case <-stop:
+		}
+	}()
+	return func() int64 {
+		select {
+		case <-ch: // closed by now: wait for the goroutine's stamp
+			<-exited
+		default:
+			close(stop)
+			<-exited
+		}
+		return at.Load()
+	}
+}
+
+// critical writes to the ledger two to four times, guarded by the token, checking before each write that the
+// lock has not been reported ended.
+func (w *worker) critical(key, mode string, token int64, cs string, done <-chan struct{}, rng *rand.Rand) {
+	n := 2 + rng.IntN(3)
+	for i := range n {
+		select {
+		case <-done:
+			return
+		default:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		_ = w.write(ctx, w.ledger, key, mode, token, cs)
+		cancel()
+		if i < n-1 {
+			select {
+			case <-done:
+				return
+			case <-time.After(time.Duration(5+rng.IntN(40)) * time.Millisecond):
+			}
+		}
+	}
+}
+
+type execer interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// write is the protected resource's fenced write: it sets the key's fence to token when the fence is not greater
+// (the same holder writes several times with one token) and records the attempt, accepted or refused, with the
+// server's clock. A shared holder only reads.
+func (w *worker) write(ctx context.Context, q execer, key, mode string, token int64, cs string) error {
+	var accepted *bool
+	if mode == "s" {
+		return q.QueryRow(ctx, `INSERT INTO chaos_writes(key, token, cs, worker, mode, accepted, at)
+			VALUES ($1, $2, $3, $4, 's', NULL, clock_timestamp()) RETURNING accepted`, key, token, cs, w.cfg.ID).Scan(&accepted)
+	}
+	return q.QueryRow(ctx, `WITH f AS (
+			INSERT INTO chaos_fence(key, fence) VALUES ($1, $2)
+			ON CONFLICT (key) DO UPDATE SET fence = EXCLUDED.fence WHERE chaos_fence.fence <= EXCLUDED.fence
+			RETURNING 1)
+		INSERT INTO chaos_writes(key, token, cs, worker, mode, accepted, at)
+		SELECT $1, $2, $3, $4, 'x', EXISTS (SELECT 1 FROM f), clock_timestamp() RETURNING accepted`,
+		key, token, cs, w.cfg.ID).Scan(&accepted)
+}
+
+func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
+	done := w.track("do", 2*time.Second)
+	defer done()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(20+rng.IntN(500))*time.Millisecond)
+	defer cancel()
+	var cs string
+	var t int64
+	err := l.Do(ctx, key, func(fctx context.Context) error {
+		cs = w.csID()
+		w.emit(event{T: "begin", Op: "do", Key: canon(key), Mode: "x", CS: cs, Token: advlock.FenceToken(fctx)})
+		told := watchTold(fctx.Done())
+		w.critical(canon(key), "x", advlock.FenceToken(fctx), cs, fctx.Done(), rngFor(cs))
+		t = lockEnded(told(), ctx, fctx)
+		return nil
+	})
+	if cs != "" {
+		if t == 0 && errors.Is(err, advlock.ErrLockLost) {
+			t = time.Now().UnixNano() // told by Do's release
+		}
+		w.emit(event{T: "end", CS: cs, Key: canon(key), Told: t, Cause: causeOf(t, err), Unlock: classify(err),
+			Clean: err == nil && t == 0})
+	}
+	return err
+}
+
+// lockEnded is told unless fn's ctx ended because the caller's own ctx did (a deadline, not the lock's end).
+func lockEnded(told int64, ctx, fctx context.Context) int64 {
+	if told != 0 && ctx.Err() != nil && !errors.Is(context.Cause(fctx), advlock.ErrLockLost) &&
+		!errors.Is(context.Cause(fctx), advlock.ErrClosed) {
+		return 0
+	}
+	return told
+}
+
+func causeOf(told int64, err error) string {
+	if told == 0 && err == nil {
+		return ""
+	}
+	return classify(err)
+}
+
+// doTx takes a transaction lock; its token is the fencing sequence's next value, read inside the transaction after
+// the grant, and its writes commit with the release.
+func (w *worker) doTx(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
+	done := w.track("dotx", 2*time.Second)
+	defer done()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(20+rng.IntN(500))*time.Millisecond)
+	defer cancel()
+	var cs string
+	err := l.DoTx(ctx, key, func(ctx context.Context, tx pgx.Tx) error {
+		cs = w.csID()
+		var token int64
+		if err := tx.QueryRow(ctx, `SELECT nextval('public.advlock_fence')`).Scan(&token); err != nil {
+			return err
+		}
+		w.emit(event{T: "begin", Op: "dotx", Key: canon(key), Mode: "x", CS: cs, Token: token})
+		r := rngFor(cs)
+		for range 2 + r.IntN(2) {
+			if err := w.write(ctx, tx, canon(key), "x", token, cs); err != nil {
+				return err
+			}
+			time.Sleep(time.Duration(5+r.IntN(30)) * time.Millisecond)
+		}
+		return nil
+	})
+	if cs != "" {
+		// A transaction lock cannot be lost without the transaction failing: its writes count only if it
+		// committed (the checker reads committed rows only).
+		w.emit(event{T: "end", CS: cs, Key: canon(key), Unlock: classify(err), Clean: err == nil, Cause: causeOf(0, err)})
+	}
+	return err
+}
+
+func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) error {
+	d := time.Duration(300+rng.IntN(1500)) * time.Millisecond
+	done := w.track("lead", d+2*time.Second)
+	defer done()
+	ctx, cancel := context.WithTimeout(stop, d)
+	defer cancel()
+	err := l.Lead(ctx, leadKey, func(fctx context.Context) error {
+		cs := w.csID()
+		token := advlock.FenceToken(fctx)
+		w.emit(event{T: "begin", Op: "lead", Key: canon(leadKey), Mode: "x", CS: cs, Token: token})
+		told := watchTold(fctx.Done())
+		r := rngFor(cs)
+		term := time.After(time.Duration(50+r.IntN(300)) * time.Millisecond)
+	loop:
+		for {
+			select {
+			case <-fctx.Done():
+				break loop
+			default:
+			}
+			wctx, wcancel := context.WithTimeout(context.Background(), 3*time.Second)
+			_ = w.write(wctx, w.ledger, canon(leadKey), "x", token, cs)
+			wcancel()
+			select {
+			case <-fctx.Done():
+				break loop
+			case <-term:
+				break loop
+			case <-time.After(time.Duration(5+r.IntN(40)) * time.Millisecond):
+			}
+		}
+		t := lockEnded(told(), ctx, fctx)
+		cause := ""
+		if t != 0 {
+			cause = classify(context.Cause(fctx))
+		}
+		// Lead releases after fn returns; whether that release was confirmed is not visible here, so a
+		// term counts as clean only through its writes, never as a proof of exclusion on its own.
+		w.emit(event{T: "end", CS: cs, Key: canon(leadKey), Told: t, Cause: cause, Unlock: "ok", Clean: false})
+		return nil
+	})
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		return nil
+	}
+	return err
+}
+
+// brokenStep is the classic wrong pattern: lock and unlock on whatever pooled connection comes, ignore what
+// pg_advisory_unlock returns. Locks stay on pooled connections; the next caller on that connection "acquires" a
+// held lock again through re-entrancy.
+func (w *worker) brokenStep(rng *rand.Rand) {
+	key := lockKeys[rng.IntN(len(lockKeys))]
+	n, _ := key.Int64()
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	var ok bool
+	err := w.broken.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, n).Scan(&ok)
+	res := "not_acquired"
+	if err != nil {
+		res = "error"
+	}
+	if ok {
+		res = "ok"
+		cs := w.csID()
+		w.emit(event{T: "begin", Op: "broken", Key: canon(key), Mode: "x", CS: cs})
+		w.critical(canon(key), "x", 0, cs, nil, rngFor(cs))
+		_, _ = w.broken.Exec(ctx, `SELECT pg_advisory_unlock($1)`, n)
+		w.emit(event{T: "end", CS: cs, Key: canon(key), Unlock: "ok", Clean: true})
+	}
+	w.emit(event{T: "op", Op: "broken", Result: res, Start: start.UnixNano(), End: time.Now().UnixNano()})
+	sleepRand(rng, time.Millisecond, 10*time.Millisecond)
+}
+
+func semSlotKey(i int) string {
+	return canon(advlock.NameKey(fmt.Sprintf("advlock.semaphore/%s/%d", semName, i)))
+}
+
+// canon is how the history names a key: the number (or pair) that pg_locks shows, whatever its kind.
+func canon(k advlock.Key) string {
+	if n, ok := k.Int64(); ok {
+		return strconv.FormatInt(n, 10)
+	}
+	if a, b, ok := k.Pair(); ok {
+		return fmt.Sprintf("%d,%d", a, b)
+	}
+	return k.String()
+}
