@@ -798,6 +798,42 @@ func (s *suite) lostOnNetworkFault(t *testing.T) {
 		p.Close() // the server (or pooler) learns now; until then it still holds the session
 		waitFree(t, obs, lk.Key())
 	})
+	// A try is one round trip: under a context without a deadline it still fails within about the keepalive
+	// interval when the network drops everything, instead of hanging (found by the chaos campaign).
+	t.Run("try into a blackhole", func(t *testing.T) {
+		const keepalive = 200 * time.Millisecond
+		h, p := s.proxied(t, advlock.WithKeepalive(keepalive))
+		lk, err := h.L.TryLock(ctxT(t, 10*time.Second), Key(t)) // a verified connection (or shared session) exists
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Unlock(ctxT(t, 10*time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		p.Blackhole(true)
+		done := make(chan error, 1)
+		start := time.Now()
+		go func() {
+			lk, err := h.L.TryLock(context.Background(), Key(t))
+			if err == nil {
+				lk.Unlock(ctxT(t, time.Second))
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err == nil {
+				t.Fatal("TryLock through a blackhole succeeded")
+			}
+			t.Logf("TryLock failed after %v: %v", time.Since(start).Round(time.Millisecond), err)
+		case <-time.After(20*keepalive + 5*time.Second):
+			p.Blackhole(false)
+			p.Cut()
+			<-done
+			t.Fatal("TryLock under a context without a deadline hung in a blackhole")
+		}
+		p.Close()
+	})
 }
 
 func (s *suite) databaseDown(t *testing.T) {

@@ -165,11 +165,20 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	if cfg.Wrap != nil {
 		conn = cfg.Wrap(conn)
 	}
-	if err := verify(ctx, pool, conn, cfg.Settings); err != nil {
+	// The round trips before the lock statement, and a try's lock statement, are answered at once by a live
+	// server: each is bounded (a context without a deadline must not hang a call in a network that drops
+	// packets). Only a wait in the server is as long as ctx says.
+	vctx, vcancel := context.WithTimeout(ctx, VerifyBound)
+	err = verify(vctx, pool, conn, cfg.Settings)
+	vcancel()
+	if err != nil {
 		if errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified) {
 			conn.Release() // no lock was taken
 		} else {
 			conn.Destroy()
+		}
+		if ctx.Err() == nil && vctx.Err() != nil {
+			err = fmt.Errorf("check session: no answer within %v; session closed", VerifyBound)
 		}
 		return nil, WithContext(ctx, err)
 	}
@@ -189,9 +198,20 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	timed = timed && wait
 	if timed {
 		r, err = timedWait(ctx, conn, t, deadline, cfg.Fencing)
+	} else if !wait {
+		bound := cfg.Keepalive
+		if bound <= 0 {
+			bound = DefaultKeepalive
+		}
+		tctx, tcancel := context.WithTimeout(ctx, bound)
+		r, err = conn.QueryInt(tctx, sql, args...)
+		if err != nil && ctx.Err() == nil && tctx.Err() != nil {
+			err = fmt.Errorf("try: no answer within %v (the keepalive interval); session closed", bound)
+		}
+		tcancel()
 	} else {
 		r, err = conn.QueryInt(ctx, sql, args...)
-		if wait && err == nil && r == resultTimeouts {
+		if err == nil && r == resultTimeouts {
 			r, err = conn.QueryInt(ctx, WaitSQL(t, cfg.Fencing))
 		}
 	}
@@ -357,6 +377,10 @@ func frozenSQL(keepalive time.Duration) string {
 		"length(set_config('idle_session_timeout', '" + strconv.FormatInt(FrozenAfter(keepalive).Milliseconds(), 10) +
 		"', false)) ELSE 0 END"
 }
+
+// VerifyBound bounds the round trips that check a new connection before its first lock (its server pid, a second
+// connection to rule out transaction pooling, the settings).
+const VerifyBound = 10 * time.Second
 
 // DefaultKeepalive is used when Config.Keepalive is zero.
 const DefaultKeepalive = 5 * time.Second
