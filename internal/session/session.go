@@ -170,15 +170,16 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	// packets). Only a wait in the server is as long as ctx says.
 	vctx, vcancel := context.WithTimeout(ctx, VerifyBound)
 	err = verify(vctx, pool, conn, cfg.Settings)
+	boundPassed := ctx.Err() == nil && vctx.Err() != nil
 	vcancel()
 	if err != nil {
 		if errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified) {
 			conn.Release() // no lock was taken
 		} else {
 			conn.Destroy()
-		}
-		if ctx.Err() == nil && vctx.Err() != nil {
-			err = fmt.Errorf("check session: no answer within %v; session closed", VerifyBound)
+			if boundPassed {
+				err = fmt.Errorf("check session: no answer within %v; session closed", VerifyBound)
+			}
 		}
 		return nil, WithContext(ctx, err)
 	}
