@@ -798,8 +798,10 @@ func (s *suite) lostOnNetworkFault(t *testing.T) {
 		p.Close() // the server (or pooler) learns now; until then it still holds the session
 		waitFree(t, obs, lk.Key())
 	})
-	// A try is one round trip: under a context without a deadline it still fails within about the keepalive
-	// interval when the network drops everything, instead of hanging (found by the chaos campaign).
+	// A try is one round trip: under a context without a deadline it still fails when the network drops
+	// everything, within about the keepalive interval, or session.VerifyBound when taking a connection needs a
+	// round trip too (database/sql pings a connection idle for a second), instead of hanging (found by the chaos
+	// campaign).
 	t.Run("try into a blackhole", func(t *testing.T) {
 		const keepalive = 200 * time.Millisecond
 		h, p := s.proxied(t, advlock.WithKeepalive(keepalive))
@@ -826,7 +828,7 @@ func (s *suite) lostOnNetworkFault(t *testing.T) {
 				t.Fatal("TryLock through a blackhole succeeded")
 			}
 			t.Logf("TryLock failed after %v: %v", time.Since(start).Round(time.Millisecond), err)
-		case <-time.After(20*keepalive + 5*time.Second):
+		case <-time.After(20*keepalive + session.VerifyBound + 5*time.Second):
 			p.Blackhole(false)
 			p.Cut()
 			<-done

@@ -155,10 +155,21 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	if !wait && pool.Stats().Exhausted() {
 		return nil, ErrPoolExhausted // a try does not wait for a connection
 	}
-	conn, err := cfg.Waits.acquire(ctx, pool)
+	// A try does not wait for the key, nor without end for a connection: taking one may dial, or (database/sql)
+	// ping an idle one first; both are bounded like the checks of a new connection.
+	actx, acancel := ctx, context.CancelFunc(func() {})
+	if !wait {
+		actx, acancel = context.WithTimeout(ctx, VerifyBound)
+	}
+	conn, err := cfg.Waits.acquire(actx, pool)
+	acquireBound := ctx.Err() == nil && actx.Err() != nil
+	acancel()
 	if err != nil {
 		if errors.Is(err, ErrClosed) {
 			return nil, err
+		}
+		if acquireBound {
+			return nil, fmt.Errorf("acquire connection: none within %v (%v)", VerifyBound, err)
 		}
 		return nil, WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
 	}
@@ -380,7 +391,7 @@ func frozenSQL(keepalive time.Duration) string {
 }
 
 // VerifyBound bounds the round trips that check a new connection before its first lock (its server pid, a second
-// connection to rule out transaction pooling, the settings).
+// connection to rule out transaction pooling, the settings), and a try's wait for a connection.
 const VerifyBound = 10 * time.Second
 
 // DefaultKeepalive is used when Config.Keepalive is zero.
