@@ -3,6 +3,7 @@ package advlock
 import (
 	"context"
 	"sync/atomic"
+	"time"
 )
 
 // Lock is a held advisory lock: a key held by a shared session (with other locks) or by a session of its own. It
@@ -14,6 +15,8 @@ type Lock struct {
 	h         handle
 	ended     atomic.Int32 // lockHeld, then unlockedByCaller or releasedByClose, whichever comes first
 	forgotten bool         // guarded by l.mu: released or lost, and dropped by the Locker
+	observed  atomic.Bool  // its grant was reported to the Locker's observers and its end not yet
+	grantedAt time.Time    // set before observed
 }
 
 // handle is where a lock is held: a *session.Session of its own, or a *session.Held on a shared session.

@@ -26,6 +26,7 @@ type Locker struct {
 	ownsPool *pgxpool.Pool
 	opts     config.Options
 	cfg      session.Config
+	obs      []Observer
 
 	closeCtx    context.Context
 	closeCancel context.CancelCauseFunc
@@ -66,7 +67,9 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 			Waits: new(session.Waits), Settings: o.Settings, UnlockKey: o.UnlockKey, Fencing: o.Fencing},
 		gates: make(map[session.ID]*gate),
 		held:  make(map[*Lock]struct{}),
+		obs:   observers(o),
 	}
+	l.cfg.Events = sessionEvents(l.obs)
 	l.pool, l.pgxPool = pool, pgxp
 	if pool != nil && o.SharedSessions > 0 && pool.Wires() {
 		cfg := l.cfg
@@ -102,10 +105,10 @@ func (l *Locker) RLock(ctx context.Context, key Key, opts ...CallOption) (*Lock,
 	return l.lock(ctx, key, true, true, opts)
 }
 
-func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool, opts []CallOption) (*Lock, error) {
+func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool, opts []CallOption) (lk *Lock, err error) {
 	co := callOptions(opts)
-	var lk *Lock
-	var err error
+	ctx, observed := l.startCall(ctx, key, shared, wait && !(co.waitSet && co.wait <= 0))
+	defer func() { observed(lk, err) }()
 	switch {
 	case wait && co.waitSet && co.wait <= 0:
 		wait = false
@@ -172,7 +175,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	// The in-process slot is given back when the lock ends, however it ends: a lost lock's session is gone, so
 	// nothing can be shared, and a holder that re-acquires without calling Unlock on the lost handle must not wait
 	// on itself.
-	h, err := l.take(ctx, t, wait, func() { l.forget(lk) })
+	h, err := l.take(ctx, t, wait, func() { l.lockEnded(lk); l.forget(lk) })
 	if err != nil {
 		// forget, not leave: a handle that existed for a moment (granted, then handed back because ctx ended)
 		// may have ended already and freed the slot; freeing it twice would free another holder's. Errors from a
@@ -193,6 +196,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 		l.heldWG.Add(1) // under mu and before closed: happens before Close's Wait
 	}
 	l.mu.Unlock()
+	l.granted(lk)
 	return lk, nil
 }
 

@@ -257,7 +257,9 @@ func (w *worker) heldByMe() []string {
 	for deadline := time.Now().Add(3*w.cfg.Keepalive + 5*time.Second); ; time.Sleep(200 * time.Millisecond) {
 		rows = rows[:0]
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		r, err := w.ledger.Query(ctx, `SELECT l.classid, l.objid, l.objsubid, l.pid, l.granted
+		r, err := w.ledger.Query(ctx, `SELECT l.classid, l.objid, l.objsubid, l.pid, l.granted,
+				l.mode || coalesce(' in ' || a.state, '') || CASE WHEN l.virtualtransaction IS NOT NULL AND a.xact_start IS NOT NULL
+					THEN ' (transaction since ' || a.xact_start::text || ')' ELSE '' END
 			FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
 			WHERE l.locktype = 'advisory' AND a.application_name = $1`, w.cfg.Name)
 		if err == nil {
@@ -266,9 +268,10 @@ func (w *worker) heldByMe() []string {
 				var sub int16
 				var pid int32
 				var granted bool
-				if r.Scan(&classid, &objid, &sub, &pid, &granted) == nil {
+				var what string
+				if r.Scan(&classid, &objid, &sub, &pid, &granted, &what) == nil {
 					k, _ := advlock.KeyFromPgLocks(classid, objid, sub)
-					rows = append(rows, fmt.Sprintf("%s pid %d granted %v", canon(k), pid, granted))
+					rows = append(rows, fmt.Sprintf("%s pid %d granted %v, %s", canon(k), pid, granted, what))
 				}
 			}
 			err = r.Err()

@@ -29,6 +29,9 @@ type Options struct {
 	SharedSessions int
 	// Fencing: every session-lock grant carries a token from the sequence session.FenceSeq.
 	Fencing bool
+	// Observers are advlock.Observer values (WithObserver, WithLogger); typed there, since this package cannot
+	// import advlock.
+	Observers []any
 }
 
 // Defaults returns the options before any Option is applied.

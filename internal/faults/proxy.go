@@ -18,10 +18,11 @@ type Proxy struct {
 	blackhole atomic.Bool
 	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
 
-	mu     sync.Mutex
-	closed bool
-	links  map[net.Conn]net.Conn // client side -> server side
-	wg     sync.WaitGroup
+	mu      sync.Mutex
+	closed  bool
+	links   map[net.Conn]net.Conn // client side -> server side
+	swallow []net.Conn            // sockets whose peer closed while the blackhole was on
+	wg      sync.WaitGroup
 }
 
 // Start listens on a free 127.0.0.1 port, forwards to target (host:port), and closes when the test ends.
@@ -98,7 +99,11 @@ func (p *Proxy) pipe(from, to net.Conn) {
 		}
 		if err != nil {
 			from.Close()
-			if !p.blackhole.Load() { // a blackhole swallows the close too
+			if p.blackhole.Load() { // a blackhole swallows the close too, until it ends (see Blackhole)
+				p.mu.Lock()
+				p.swallow = append(p.swallow, to)
+				p.mu.Unlock()
+			} else {
 				to.Close()
 			}
 			return
@@ -118,8 +123,23 @@ func (p *Proxy) Cut() {
 }
 
 // Blackhole makes every byte in both directions, on current and new connections, vanish while on; sockets stay
-// open, so neither side learns anything until its own timeouts fire.
-func (p *Proxy) Blackhole(on bool) { p.blackhole.Store(on) }
+// open, so neither side learns anything until its own timeouts fire. When it goes off, a side whose peer closed
+// meanwhile is closed too, as a real network would tell it at once when packets flow again (the peer's host
+// answers with a reset): without that, the proxy would keep a server session whose client is long gone alive for
+// ever, where a real blackhole ends it at the server's TCP keepalive.
+func (p *Proxy) Blackhole(on bool) {
+	p.blackhole.Store(on)
+	if on {
+		return
+	}
+	p.mu.Lock()
+	swallowed := p.swallow
+	p.swallow = nil
+	p.mu.Unlock()
+	for _, c := range swallowed {
+		c.Close()
+	}
+}
 
 // Latency delays every forwarded chunk by d.
 func (p *Proxy) Latency(d time.Duration) { p.latency.Store(int64(d)) }
@@ -131,5 +151,6 @@ func (p *Proxy) Close() {
 	p.mu.Unlock()
 	p.ln.Close()
 	p.Cut()
+	p.Blackhole(false)
 	p.wg.Wait()
 }

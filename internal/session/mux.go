@@ -144,6 +144,7 @@ var ErrMuxGone = fmt.Errorf("advlock: shared session ended before the request wa
 func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux), unlockKey func(ID) ID, fenced bool) (*Mux, error) {
 	// The connection is the caller's until the Mux takes it: on any error here it is ours to end.
 	if r, err := conn.QueryInt(ctx, "SELECT pg_is_in_recovery()::int"); err != nil {
+		becauseErr(conn, "checking a new connection failed", err)
 		conn.Destroy()
 		return nil, fmt.Errorf("check server: %w", err)
 	} else if r == 1 {
@@ -154,7 +155,7 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 		exit: make(chan struct{}), gone: gone, held: map[*Held]struct{}{}, unlockKey: unlockKey, fenced: fenced}
 	go func() {
 		// The connection stays pinned (inside Wire) for the Mux's life; readers use it from their goroutines.
-		_ = conn.Wire(func(pc *pgconn.PgConn) error {
+		werr := conn.Wire(func(pc *pgconn.PgConn) error {
 			if err := m.setup(ctx, pc); err != nil {
 				m.ready <- err
 				return err
@@ -163,6 +164,17 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 			<-m.stop
 			return nil
 		})
+		m.mu.Lock()
+		dead := m.dead
+		m.mu.Unlock()
+		if dead == nil {
+			dead = werr
+		}
+		if dead == nil || errors.Is(dead, ErrClosed) {
+			because(m.conn, "") // an ordinary close
+		} else {
+			becauseErr(m.conn, "shared session ended", dead)
+		}
 		m.conn.Destroy() // never pooled: it held many locks, and its prepared statements are ours
 		m.bg.Wait()
 		close(m.exit)

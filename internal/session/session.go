@@ -99,6 +99,8 @@ type Config struct {
 	Fencing bool
 	// UnlockKey, in tests only, changes the key an unlock is sent for, so that the server really answers false.
 	UnlockKey func(ID) ID
+	// Events, when set, is told when sessions open, close and are destroyed.
+	Events Events
 	// Settings are applied (SET, session level) once per physical connection, once it is proved to be a server
 	// session of its own (direct, or pinned by a pooler in session mode), never through a transaction-mode
 	// pooler, where they would stay on a server session that other clients then use. Names and values are SQL
@@ -176,6 +178,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	if cfg.Wrap != nil {
 		conn = cfg.Wrap(conn)
 	}
+	conn = observe(conn, cfg.Events, "dedicated")
 	// The round trips before the lock statement, and a try's lock statement, are answered at once by a live
 	// server: each is bounded (a context without a deadline must not hang a call in a network that drops
 	// packets). Only a wait in the server is as long as ctx says.
@@ -187,10 +190,11 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		if errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified) {
 			conn.Release() // no lock was taken
 		} else {
-			conn.Destroy()
 			if boundPassed {
 				err = fmt.Errorf("check session: no answer within %v; session closed", VerifyBound)
 			}
+			becauseErr(conn, "checking a new connection failed", err)
+			conn.Destroy()
 		}
 		return nil, WithContext(ctx, err)
 	}
@@ -236,6 +240,11 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	// A grant that raced the deadline of a timed wait stands (the server answered within its bound); any other
 	// statement that finished after ctx ended is in doubt.
 	if err != nil || ctx.Err() != nil && !(timed && errors.Is(context.Cause(ctx), context.DeadlineExceeded)) {
+		if err != nil {
+			becauseErr(conn, "lock statement failed", err)
+		} else {
+			because(conn, "lock statement finished after its context ended")
+		}
 		conn.Destroy()
 		if wait && SQLState(err) == "" {
 			abandoned(conn)
@@ -254,6 +263,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		conn.Release() // the CASE took no lock
 		return nil, ErrStandby
 	default:
+		because(conn, fmt.Sprintf("unexpected lock result %d", r))
 		conn.Destroy()
 		return nil, fmt.Errorf("advlock: unexpected lock result %d; session closed", r)
 	}
@@ -443,6 +453,7 @@ func (s *Session) watch() {
 			}
 			err = fmt.Errorf("keepalive: %w", err)
 		}
+		becauseErr(s.conn, "lock lost", err)
 		s.conn.Destroy()
 		s.finish(fmt.Errorf("%w: %w", ErrLockLost, err))
 		return
@@ -521,6 +532,7 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		}
 		err = WithContext(ctx, fmt.Errorf("%w: %w", ErrUnlockFailed, err))
 	}
+	becauseErr(s.conn, "unlock not confirmed", err)
 	s.conn.Destroy()
 	s.finish(err)
 	return err

@@ -126,10 +126,12 @@ func (s *Shared) open(ctx context.Context) (m *Mux, err error) {
 	if s.cfg.Wrap != nil {
 		conn = s.cfg.Wrap(conn)
 	}
+	conn = observe(conn, s.cfg.Events, "shared")
 	if err := verify(ctx, s.pool, conn, s.cfg.Settings); err != nil {
 		if errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified) {
 			conn.Release()
 		} else {
+			becauseErr(conn, "checking a new connection failed", err)
 			conn.Destroy()
 		}
 		return nil, WithContext(ctx, err)
@@ -137,6 +139,7 @@ func (s *Shared) open(ctx context.Context) (m *Mux, err error) {
 	// A shared session is advlock's for its whole life (destroyed, never pooled, at the end): a frozen holder's is
 	// ended by the server (see FrozenAfter), whatever the pool's settings.
 	if _, err := conn.QueryInt(ctx, frozenSQL(s.frozenKeepalive)); err != nil {
+		becauseErr(conn, "setting up a shared session failed", err)
 		conn.Destroy()
 		return nil, WithContext(ctx, fmt.Errorf("set up shared session: %w", err))
 	}

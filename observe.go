@@ -1,0 +1,233 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/advlock/advlock/internal/config"
+)
+
+// Observer is told what a Locker's locks and sessions do, for logs, metrics and traces (WithLogger is one;
+// contrib/otel provides OpenTelemetry metrics and traces over it). The Locker calls it synchronously on the
+// goroutine where the event happens: methods must be quick, safe for concurrent use, and must not call the Locker.
+type Observer interface {
+	// LockStart is called when a lock call starts: TryLock, Lock, RLock, TryRLock, and those that Do, TryDo,
+	// Lead and a Semaphore make. It returns the context for the call (it may carry a span) and a func that the
+	// Locker calls once with the call's outcome.
+	LockStart(ctx context.Context, c LockCall) (context.Context, func(LockOutcome))
+	// LockEnd is called once when a lock that a call acquired ends: released by Unlock (or by Do), released by
+	// Close, or lost.
+	LockEnd(e LockEnd)
+	// Session is called when a session opens, closes, or is destroyed on doubt.
+	Session(e SessionEvent)
+}
+
+// LockCall describes a lock call.
+type LockCall struct {
+	Key    Key
+	Shared bool
+	Wait   bool // the call may wait for the key (Lock, RLock); false for tries
+}
+
+// Results of a lock call (LockOutcome.Result).
+const (
+	ResultAcquired    = "acquired"
+	ResultNotAcquired = "not_acquired" // a try found the key held, or a Wait bound elapsed
+	ResultCanceled    = "canceled"     // the call's context ended (canceled or its deadline passed)
+	ResultError       = "error"
+)
+
+// LockOutcome is how a lock call ended.
+type LockOutcome struct {
+	Result string        // one of the Result constants
+	Err    error         // nil when acquired
+	Took   time.Duration // from the call to its outcome: for Lock and RLock, the wait
+	Token  int64         // the fencing token when acquired with fencing
+}
+
+// Causes of a lock's end (LockEnd.Cause).
+const (
+	CauseReleased = "released" // Unlock (or Do, TryDo, Lead) released it
+	CauseClosed   = "closed"   // Locker.Close released it
+	CauseLost     = "lost"     // its session ended: terminated, timed out, network lost, server restarted
+)
+
+// LockEnd says how a held lock ended.
+type LockEnd struct {
+	Key    Key
+	Shared bool
+	Held   time.Duration
+	Cause  string // one of the Cause constants
+	Err    error  // what Lock.Err reports (for a loss, why)
+}
+
+// SessionEvent is a session opening, closing, or being destroyed.
+type SessionEvent struct {
+	Event  string // "open", "close" (returned to the pool, or closed with the Locker), "destroy" (closed on doubt)
+	Mode   string // "shared" (many locks on one session) or "dedicated" (a session of its own for one lock or wait)
+	Reason string // why a session was destroyed
+}
+
+// WithObserver adds an Observer to the Locker; several may be added.
+func WithObserver(o Observer) Option {
+	return func(c *config.Options) {
+		if o != nil {
+			c.Observers = append(c.Observers, o)
+		}
+	}
+}
+
+// WithLogger logs through l: WARN when a held lock is lost (message "advlock: lock lost"; attributes key, as
+// Key.String writes it, cause, and held, how long it had been held), when a session is destroyed on doubt
+// (reason, mode) and when a session lock is refused because a pooler in transaction mode stands in between; DEBUG
+// for every acquisition (result, wait), release (held) and session opened or closed. Errors it logs name no DSN
+// and no password. A nil l logs nothing, as does a Locker without WithLogger.
+func WithLogger(l *slog.Logger) Option {
+	if l == nil {
+		return func(*config.Options) {}
+	}
+	return WithObserver(logObserver{l})
+}
+
+type logObserver struct{ l *slog.Logger }
+
+func (o logObserver) LockStart(ctx context.Context, c LockCall) (context.Context, func(LockOutcome)) {
+	return ctx, func(r LockOutcome) {
+		mode := modeName(c.Shared)
+		switch {
+		case r.Result == ResultError && errors.Is(r.Err, ErrTxPooling):
+			o.l.LogAttrs(ctx, slog.LevelWarn, "advlock: lock refused: a pooler in transaction mode", slog.String("key", c.Key.String()),
+				slog.String("mode", mode), slog.String("error", r.Err.Error()))
+		case !o.l.Enabled(ctx, slog.LevelDebug):
+		case r.Result == ResultAcquired:
+			o.l.LogAttrs(ctx, slog.LevelDebug, "advlock: acquired", slog.String("key", c.Key.String()), slog.String("mode", mode),
+				slog.Bool("wait", c.Wait), slog.Duration("took", r.Took), slog.Int64("token", r.Token))
+		default:
+			attrs := []slog.Attr{slog.String("key", c.Key.String()), slog.String("mode", mode), slog.Bool("wait", c.Wait),
+				slog.String("result", r.Result), slog.Duration("took", r.Took)}
+			if r.Err != nil && r.Result != ResultNotAcquired {
+				attrs = append(attrs, slog.String("error", r.Err.Error()))
+			}
+			o.l.LogAttrs(ctx, slog.LevelDebug, "advlock: not acquired", attrs...)
+		}
+	}
+}
+
+func (o logObserver) LockEnd(e LockEnd) {
+	ctx := context.Background()
+	if e.Cause == CauseLost {
+		cause := "unknown"
+		if e.Err != nil {
+			cause = e.Err.Error()
+		}
+		o.l.LogAttrs(ctx, slog.LevelWarn, "advlock: lock lost", slog.String("key", e.Key.String()),
+			slog.String("mode", modeName(e.Shared)), slog.String("cause", cause), slog.Duration("held", e.Held))
+		return
+	}
+	o.l.LogAttrs(ctx, slog.LevelDebug, "advlock: released", slog.String("key", e.Key.String()),
+		slog.String("mode", modeName(e.Shared)), slog.String("by", e.Cause), slog.Duration("held", e.Held))
+}
+
+func (o logObserver) Session(e SessionEvent) {
+	ctx := context.Background()
+	if e.Event == "destroy" {
+		o.l.LogAttrs(ctx, slog.LevelWarn, "advlock: session destroyed", slog.String("mode", e.Mode), slog.String("reason", e.Reason))
+		return
+	}
+	o.l.LogAttrs(ctx, slog.LevelDebug, "advlock: session "+e.Event, slog.String("mode", e.Mode))
+}
+
+func modeName(shared bool) string {
+	if shared {
+		return "shared"
+	}
+	return "exclusive"
+}
+
+// observers returns the Locker's observers from its options.
+func observers(o config.Options) []Observer {
+	var out []Observer
+	for _, x := range o.Observers {
+		if ob, ok := x.(Observer); ok {
+			out = append(out, ob)
+		}
+	}
+	return out
+}
+
+// sessionEvents fans session events out to the observers.
+func sessionEvents(obs []Observer) func(event, mode, reason string) {
+	if len(obs) == 0 {
+		return nil
+	}
+	return func(event, mode, reason string) {
+		e := SessionEvent{Event: event, Mode: mode, Reason: reason}
+		for _, o := range obs {
+			o.Session(e)
+		}
+	}
+}
+
+// startCall tells the observers that a lock call starts; the returned func reports its outcome.
+func (l *Locker) startCall(ctx context.Context, key Key, shared, wait bool) (context.Context, func(*Lock, error)) {
+	if len(l.obs) == 0 {
+		return ctx, func(*Lock, error) {}
+	}
+	start := time.Now()
+	c := LockCall{Key: key, Shared: shared, Wait: wait}
+	ends := make([]func(LockOutcome), len(l.obs))
+	for i, o := range l.obs {
+		ctx, ends[i] = o.LockStart(ctx, c)
+	}
+	return ctx, func(lk *Lock, err error) {
+		r := LockOutcome{Took: time.Since(start), Err: err}
+		switch {
+		case err == nil:
+			r.Result, r.Token = ResultAcquired, lk.Token()
+		case errors.Is(err, ErrNotAcquired):
+			r.Result = ResultNotAcquired
+		case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+			r.Result = ResultCanceled
+		default:
+			r.Result = ResultError
+		}
+		for i := len(ends) - 1; i >= 0; i-- {
+			ends[i](r)
+		}
+	}
+}
+
+// granted starts watching lk for its end on behalf of the observers (once it is in the caller's hands).
+func (l *Locker) granted(lk *Lock) {
+	if len(l.obs) == 0 {
+		return
+	}
+	lk.grantedAt = time.Now()
+	lk.observed.Store(true)
+	select {
+	case <-lk.h.Done(): // it ended before we started watching: the end hook may have missed it
+		l.lockEnded(lk)
+	default:
+	}
+}
+
+// lockEnded reports lk's end to the observers, once, if its grant was reported.
+func (l *Locker) lockEnded(lk *Lock) {
+	if !lk.observed.CompareAndSwap(true, false) {
+		return
+	}
+	e := LockEnd{Key: lk.key, Shared: lk.shared, Held: time.Since(lk.grantedAt), Err: lk.h.Err()}
+	switch {
+	case errors.Is(e.Err, ErrLockLost):
+		e.Cause = CauseLost
+	case errors.Is(e.Err, ErrClosed):
+		e.Cause = CauseClosed
+	default:
+		e.Cause = CauseReleased
+	}
+	for _, o := range l.obs {
+		o.LockEnd(e)
+	}
+}
