@@ -172,7 +172,7 @@ func sessionEvents(obs []Observer) func(event, mode, reason string) {
 
 // startCall tells the observers that a lock call starts; the returned func reports its outcome.
 func (l *Locker) startCall(ctx context.Context, key Key, shared, wait bool) (context.Context, func(*Lock, error)) {
-	if len(l.obs) == 0 {
+	if l == nil || len(l.obs) == 0 {
 		return ctx, func(*Lock, error) {}
 	}
 	start := time.Now()
