@@ -28,6 +28,7 @@ const (
 	kindInt64
 	kindPair
 	kindName
+	kindScheme // a key another tool locks (keys_other.go); name is its ParseKey text
 )
 
 // Int64Key is the lock PostgreSQL writes as pg_advisory_lock(n::bigint).
@@ -84,17 +85,30 @@ func (k Key) String() string {
 			return "name:" + k.name
 		}
 		return k.name
+	case kindScheme:
+		return k.name
 	}
 	return "<invalid key>"
 }
 
 func hasKeyPrefix(s string) bool {
-	return strings.HasPrefix(s, "int:") || strings.HasPrefix(s, "pair:") || strings.HasPrefix(s, "name:")
+	for _, p := range []string{"int:", "pair:", "name:", "migrate:", "rails:", "dotnet:", "hashtext:", "hashtextextended:"} {
+		if strings.HasPrefix(s, p) {
+			return true
+		}
+	}
+	return false
 }
 
 // ParseKey reads the syntax [Key.String] writes: "int:N" is Int64Key(N), "pair:A,B" is PairKey(A, B), "name:S" or
-// any other non-empty text is NameKey. Errors match [ErrInvalidKey] and name the bad part.
+// any other non-empty text is NameKey; the keys of other tools: "migrate:DB[/SCHEMA[/TABLE]]" is
+// [GolangMigrateKey] (schema public and table schema_migrations unless given), "rails:DB" is [RailsMigrationKey],
+// "dotnet:NAME" is [DistributedLockKey] (hashing allowed); "hashtext:NAME" and "hashtextextended:SEED:NAME" need
+// the server ([ResolveKey]). Errors match [ErrInvalidKey] and name the bad part.
 func ParseKey(s string) (Key, error) {
+	if k, ok, err := parseScheme(s); ok {
+		return k, err
+	}
 	switch {
 	case strings.HasPrefix(s, "int:"):
 		n, err := strconv.ParseInt(s[len("int:"):], 10, 64)

@@ -29,15 +29,19 @@ terminate a holder; 69 database unreachable; 2 usage error.
 	if fs.NArg() != 1 {
 		return usageError(std, "break: need exactly one KEY\nUsage: advlock break %s", breakSynopsis)
 	}
-	key, err := advlock.ParseKey(fs.Arg(0))
-	if err != nil {
+	if _, err := parseKeyArg(fs.Arg(0)); err != nil {
 		return usageError(std, "break: %s", describe(err))
 	}
 	conn, code, bad := connString(std, "break", *flagDSN)
 	if bad {
 		return code
 	}
-	rows, _, err := inspect(ctx, conn, &key)
+	keyText := fs.Arg(0)
+	rows, _, err := inspect(ctx, conn, &keyText)
+	key, _ := advlock.ParseKey(keyText) // for messages; a key the server computes is named as given
+	if advlock.NeedsServer(keyText) {
+		key, _ = resolveKey(ctx, conn, keyText)
+	}
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 		return exitUnavailable

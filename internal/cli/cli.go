@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/jackc/pgx/v5"
 	"io"
 	"os"
 	"runtime/debug"
@@ -51,6 +52,11 @@ KEY:
   NAME        a name, hashed to a 64-bit key (first 8 bytes of SHA-256); also name:NAME
   int:N       a 64-bit key, as pg_advisory_lock(N)
   pair:A,B    two 32-bit keys, as pg_advisory_lock(A, B)
+  migrate:DB[/SCHEMA[/TABLE]]   golang-migrate's migration lock (schema public, table schema_migrations)
+  rails:DB    Rails' migration lock for database DB
+  dotnet:NAME the .NET DistributedLock library's key for NAME
+  hashtext:NAME, hashtextextended:SEED:NAME
+              pg_advisory_lock(hashtext(NAME)) and (hashtextextended(NAME, SEED)), computed by the server
 
 Connection: --dsn, else $DATABASE_URL, else the libpq PG* variables and defaults.
 
@@ -201,4 +207,39 @@ func describe(err error) string {
 		return strings.TrimPrefix(err.Error(), "advlock: ") + " (needs superuser, the pg_signal_backend role, or membership in the holder's role)"
 	}
 	return strings.TrimPrefix(err.Error(), "advlock: ")
+}
+
+// parseKeyArg checks a KEY argument before connecting: the keys the server computes (hashtext) are resolved
+// later, by resolveKey, on the connection.
+func parseKeyArg(s string) (advlock.Key, error) {
+	if advlock.NeedsServer(s) {
+		return advlock.Key{}, nil
+	}
+	return advlock.ParseKey(s)
+}
+
+// resolveKey makes the key text names on a connection of its own to conn (for the keys the server computes).
+func resolveKey(ctx context.Context, conn, text string) (advlock.Key, error) {
+	if !advlock.NeedsServer(text) {
+		return advlock.ParseKey(text)
+	}
+	c, err := connect(ctx, conn, "advlock")
+	if err != nil {
+		return advlock.Key{}, err
+	}
+	defer c.Close(context.WithoutCancel(ctx))
+	return advlock.ResolveKey(ctx, c, text)
+}
+
+// connect opens one connection (connect_timeout 10 s unless conn says otherwise).
+func connect(ctx context.Context, conn, app string) (*pgx.Conn, error) {
+	cfg, err := pgx.ParseConfig(conn)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = 10 * time.Second
+	}
+	cfg.RuntimeParams["application_name"] = app
+	return pgx.ConnectConfig(ctx, cfg)
 }

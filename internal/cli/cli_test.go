@@ -424,3 +424,46 @@ func TestDemo(t *testing.T) {
 		}
 	}
 }
+
+// Keys other tools lock: while SQL holds golang-migrate's migration lock for the test database (as its postgres
+// driver takes it) and a lock on hashtext(name), run with those KEYs is not acquired (75), ls names them, and once
+// released run gets them.
+func TestRunOtherToolsKeys(t *testing.T) {
+	conn := pgtest.Conn(t, pgtest.URL(t))
+	ctx := context.Background()
+	var db string
+	if err := conn.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	name := keyName(t)
+	mig, _ := advlock.GolangMigrateKey(db, "public", "schema_migrations").Int64()
+	if _, err := conn.Exec(ctx, `SELECT pg_advisory_lock($1::bigint), pg_advisory_lock(hashtext($2))`, mig, name); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"migrate:" + db, "hashtext:" + name} {
+		p := start(t, dbEnv(t), "run", "--no-wait", k, "--", "echo", "ran")
+		if code := p.wait(t, 20*time.Second); code != exitNotAcquired {
+			t.Errorf("run %s while SQL holds it: exit %d (stderr %q), want 75", k, code, p.err.String())
+		}
+	}
+	code, out, errOut := run(t, "", "ls", "--dsn", pgtest.URL(t))
+	if code != 0 || !strings.Contains(out, "migrate:"+db+"/public/schema_migrations") {
+		t.Errorf("ls (exit %d, %s) does not name golang-migrate's lock:\n%s", code, errOut, out)
+	}
+	code, out, _ = run(t, "", "ls", "--json", "--dsn", pgtest.URL(t), "hashtext:"+name)
+	if code != 0 || !strings.Contains(out, `"key": "hashtext:`+name+`"`) {
+		t.Errorf("ls hashtext:%s (exit %d):\n%s", name, code, out)
+	}
+	if _, err := conn.Exec(ctx, `SELECT pg_advisory_unlock_all()`); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"migrate:" + db, "hashtext:" + name} {
+		p := start(t, dbEnv(t), "run", "--no-wait", k, "--", "echo", "ran")
+		if code := p.wait(t, 20*time.Second); code != 0 || p.out.String() != "ran\n" {
+			t.Errorf("run %s once free: exit %d stdout %q stderr %q", k, code, p.out.String(), p.err.String())
+		}
+	}
+	if code, _, errOut := run(t, "", "run", "--no-wait", "migrate:a/b/c/d", "--", "true"); code != exitUsage || !strings.Contains(errOut, "migrate:") {
+		t.Errorf("bad migrate: key: exit %d, %q", code, errOut)
+	}
+}

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/jackc/pgx/v5"
 )
 
 const lsSynopsis = "[--json] [--dsn DSN] [KEY]"
@@ -22,15 +21,15 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 	if code, done := parse(fs, args, std); done {
 		return code
 	}
-	var filter *advlock.Key
+	var filter *string // the KEY argument
 	switch fs.NArg() {
 	case 0:
 	case 1:
-		k, err := advlock.ParseKey(fs.Arg(0))
-		if err != nil {
+		if _, err := parseKeyArg(fs.Arg(0)); err != nil {
 			return usageError(std, "ls: %s", describe(err))
 		}
-		filter = &k
+		filter = new(string)
+		*filter = fs.Arg(0)
 	default:
 		return usageError(std, "ls: at most one KEY\nUsage: advlock ls %s", lsSynopsis)
 	}
@@ -69,26 +68,38 @@ func printLockTable(w io.Writer, u advlock.LockTableUse) {
 		u.Used, u.Capacity, pct, u.Advisory)
 }
 
-// inspect connects once and lists the advisory locks, those of key only when key is not nil.
+// inspect connects once and lists the advisory locks, those of the key keyText names only when it is not nil.
 // It also reads the lock table's use (nil if that read failed: the listing matters more).
-func inspect(ctx context.Context, conn string, key *advlock.Key) ([]advlock.LockInfo, *advlock.LockTableUse, error) {
-	cfg, err := pgx.ParseConfig(conn)
-	if err != nil {
-		return nil, nil, err
-	}
-	if cfg.ConnectTimeout == 0 {
-		cfg.ConnectTimeout = 10 * time.Second
-	}
-	cfg.RuntimeParams["application_name"] = "advlock ls"
-	c, err := pgx.ConnectConfig(ctx, cfg)
+func inspect(ctx context.Context, conn string, keyText *string) ([]advlock.LockInfo, *advlock.LockTableUse, error) {
+	c, err := connect(ctx, conn, "advlock ls")
 	if err != nil {
 		return nil, nil, err
 	}
 	defer c.Close(context.WithoutCancel(ctx))
+	var key *advlock.Key
+	if keyText != nil {
+		k, err := advlock.ResolveKey(ctx, c, *keyText)
+		if err != nil {
+			return nil, nil, err
+		}
+		key = &k
+	}
 	rows, err := advlock.Inspect(ctx, c)
-	for i, r := range rows { // a key taken by advlock run NAME shows as NAME, which its session is named after
+	var db string
+	if err == nil {
+		_ = c.QueryRow(ctx, "SELECT current_database()").Scan(&db)
+	}
+	for i, r := range rows {
+		// A key taken by advlock run NAME shows as NAME, which its session is named after; a key another tool
+		// locks (golang-migrate's or Rails' migration lock of this database, a DistributedLock name) as that.
 		if text, ok := strings.CutPrefix(r.ApplicationName, "advlock run "); ok {
-			if k, err := advlock.ParseKey(text); err == nil && k.Equal(r.Key) {
+			if k, err := advlock.ResolveKey(ctx, c, text); err == nil && k.Equal(r.Key) {
+				rows[i].Key = k
+				continue
+			}
+		}
+		if scheme := advlock.KnownSchemes(r.Key, db); scheme != "" {
+			if k, err := advlock.ParseKey(scheme); err == nil && k.Equal(r.Key) {
 				rows[i].Key = k
 			}
 		}

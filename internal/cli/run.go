@@ -104,7 +104,7 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		fs.Usage()
 		return exitUsage
 	}
-	key, err := advlock.ParseKey(keyArg)
+	key, err := parseKeyArg(keyArg)
 	if err != nil {
 		return usageError(std, "run: %s", describe(err))
 	}
@@ -154,6 +154,17 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		}
 	}()
 
+	if advlock.NeedsServer(keyArg) { // hashtext: the server computes the key
+		if key, err = resolveKey(sctx, conn, keyArg); err != nil {
+			close(stopSigWatch)
+			<-sigWatchDone
+			if gotSig != nil {
+				return 128 + int(gotSig.(syscall.Signal))
+			}
+			fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))
+			return exitUnavailable
+		}
+	}
 	opts := []advlock.Option{advlock.WithKeepalive(*keepalive)}
 	if *fence {
 		opts = append(opts, advlock.WithFencing())
