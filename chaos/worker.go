@@ -374,11 +374,7 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 	case p < 36:
 		op = "lock_deadline"
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
-		err = w.sessionLock(op, key, "x", d, func(ctx context.Context) (*advlock.Lock, error) {
-			ctx, cancel := context.WithTimeout(ctx, d)
-			defer cancel()
-			return l.Lock(ctx, key)
-		})
+		err = w.sessionLock(op, key, "x", d, within(d, func(ctx context.Context) (*advlock.Lock, error) { return l.Lock(ctx, key) }))
 	case p < 48:
 		op = "lock_cancel"
 		d := time.Duration(rng.IntN(30_000)) * time.Microsecond
@@ -392,11 +388,7 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 	case p < 60:
 		op = "rlock"
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
-		err = w.sessionLock(op, key, "s", d, func(ctx context.Context) (*advlock.Lock, error) {
-			ctx, cancel := context.WithTimeout(ctx, d)
-			defer cancel()
-			return l.RLock(ctx, key)
-		})
+		err = w.sessionLock(op, key, "s", d, within(d, func(ctx context.Context) (*advlock.Lock, error) { return l.RLock(ctx, key) }))
 	case p < 72:
 		op = "do"
 		err = w.do(l, key, rng)
@@ -407,11 +399,9 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 		op = "semaphore"
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
 		sem := l.Semaphore(semName, semN)
-		err = w.sessionLock(op, advlock.Key{}, "x", d, func(ctx context.Context) (*advlock.Lock, error) {
-			ctx, cancel := context.WithTimeout(ctx, d)
-			defer cancel()
+		err = w.sessionLock(op, advlock.Key{}, "x", d, within(d, func(ctx context.Context) (*advlock.Lock, error) {
 			return sem.Acquire(ctx)
-		})
+		}))
 	default:
 		op = "lead"
 		err = w.lead(stop, l, rng)
@@ -419,6 +409,15 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 	w.emit(event{T: "op", Op: op, Result: classify(err), Err: errString(err), Start: start.UnixNano(), End: time.Now().UnixNano()})
 	if err != nil && !errors.Is(err, advlock.ErrNotAcquired) {
 		sleepRand(rng, 5*time.Millisecond, 50*time.Millisecond)
+	}
+}
+
+// within bounds acquire by a deadline d away.
+func within(d time.Duration, acquire func(context.Context) (*advlock.Lock, error)) func(context.Context) (*advlock.Lock, error) {
+	return func(ctx context.Context) (*advlock.Lock, error) {
+		ctx, cancel := context.WithTimeout(ctx, d)
+		defer cancel()
+		return acquire(ctx)
 	}
 }
 
