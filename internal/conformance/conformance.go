@@ -799,9 +799,9 @@ func (s *suite) lostOnNetworkFault(t *testing.T) {
 		waitFree(t, obs, lk.Key())
 	})
 	// A try is one round trip: under a context without a deadline it still fails when the network drops
-	// everything, within about the keepalive interval, or session.VerifyBound when taking a connection needs a
-	// round trip too (database/sql pings a connection idle for a second), instead of hanging (found by the chaos
-	// campaign).
+	// everything, within the keepalive interval (at least a second on a session of its own), or
+	// session.VerifyBound when taking a connection needs a round trip too (database/sql pings a connection idle
+	// for a second), instead of hanging (found by the chaos campaign).
 	t.Run("try into a blackhole", func(t *testing.T) {
 		const keepalive = 200 * time.Millisecond
 		h, p := s.proxied(t, advlock.WithKeepalive(keepalive))

@@ -160,6 +160,12 @@ func (s *suite) unlockDuringKeepalive(t *testing.T) {
 	defer p.Latency(0)
 	for i := range 60 {
 		lk, err := h.L.TryLock(ctx, Key(t))
+		for try := 0; err != nil && strings.Contains(err.Error(), "no answer within") && try < 3; try++ {
+			// A shared session's round trip is bounded by the keepalive too: on a loaded machine a try may
+			// miss 50 ms. The unlock is what this test is about.
+			t.Logf("iteration %d: %v; trying again", i, err)
+			lk, err = h.L.TryLock(ctx, Key(t))
+		}
 		if err != nil {
 			t.Fatal(err)
 		}

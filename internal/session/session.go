@@ -219,6 +219,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		if bound <= 0 {
 			bound = DefaultKeepalive
 		}
+		bound = max(bound, time.Second) // only against a hang: a short keepalive must not fail tries on a busy machine
 		tctx, tcancel := context.WithTimeout(ctx, bound)
 		r, err = conn.QueryInt(tctx, sql, args...)
 		if err != nil && ctx.Err() == nil && tctx.Err() != nil {
