@@ -43,7 +43,7 @@ const usage = `advlock: PostgreSQL advisory locks from the shell
 Usage:
   advlock run [--wait DURATION | --no-wait] [--shared] [--fence] [--grace DURATION] [--keepalive DURATION]
               [--dsn DSN] KEY [--] COMMAND [ARGS...]
-  advlock ls [--json] [--dsn DSN] [KEY]
+  advlock ls [--json | --tree] [--watch [--interval D]] [--dsn DSN] [KEY]
   advlock break [--yes] [--dsn DSN] KEY
   advlock demo
   advlock help | --version
@@ -58,7 +58,7 @@ KEY:
   hashtext:NAME, hashtextextended:SEED:NAME
               pg_advisory_lock(hashtext(NAME)) and (hashtextextended(NAME, SEED)), computed by the server
 
-Connection: --dsn, else $DATABASE_URL, else the libpq PG* variables and defaults.
+Connection: --dsn (before or after the command), else $DATABASE_URL, else the libpq PG* variables and defaults.
 
 Exit status:
   run     COMMAND's status (128+N if it died of signal N); 75 not acquired (--no-wait, or --wait elapsed);
@@ -73,9 +73,33 @@ Exit status:
 
 // Main runs the advlock command and returns its exit status.
 func Main(ctx context.Context, args []string, std Stdio) int {
+	// --dsn before the command (advlock --dsn X ls) is the command's --dsn.
+	var global []string
+	for len(args) > 0 {
+		name, _, hasValue := strings.Cut(strings.TrimLeft(args[0], "-"), "=")
+		if !strings.HasPrefix(args[0], "-") || name != "dsn" {
+			break
+		}
+		if hasValue {
+			global, args = append(global, args[0]), args[1:]
+			continue
+		}
+		if len(args) < 2 {
+			return usageError(std, "--dsn needs a value")
+		}
+		global, args = append(global, args[0], args[1]), args[2:]
+	}
 	if len(args) == 0 {
 		fmt.Fprint(std.Err, usage)
 		return exitUsage
+	}
+	if len(global) > 0 {
+		switch args[0] {
+		case "run", "ls", "break", "demo":
+			args = append([]string{args[0]}, append(global, args[1:]...)...)
+		default:
+			return usageError(std, "--dsn goes with run, ls, break or demo")
+		}
 	}
 	switch args[0] {
 	case "help", "-h", "-help", "--help":

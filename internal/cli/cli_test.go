@@ -467,3 +467,45 @@ func TestRunOtherToolsKeys(t *testing.T) {
 		t.Errorf("bad migrate: key: exit %d, %q", code, errOut)
 	}
 }
+
+// ls --tree: each key, its holders, then its waiters longest first, with wait times and whom they queue behind.
+func TestLsTreeGolden(t *testing.T) {
+	now := time.Date(2026, 11, 30, 12, 0, 10, 0, time.UTC)
+	at := func(s int) *time.Time { x := now.Add(-time.Duration(s) * time.Second); return &x }
+	rows := []advlock.LockInfo{
+		{Key: advlock.NameKey("nightly-report"), Granted: true, PID: 101, ApplicationName: "advlock run nightly-report", ClientAddr: "10.0.0.5"},
+		{Key: advlock.NameKey("nightly-report"), WaitStart: at(2), BlockedBy: []int32{101}, PID: 202, ApplicationName: "worker"},
+		{Key: advlock.NameKey("nightly-report"), WaitStart: at(7), BlockedBy: []int32{101}, PID: 203, ApplicationName: "worker"},
+		{Key: advlock.NameKey("nightly-report"), Shared: true, WaitStart: at(1), BlockedBy: []int32{101, 202}, PID: 204},
+		{Key: advlock.PairKey(3, 17), Shared: true, Granted: true, PID: 301, ApplicationName: "api"},
+		{Key: advlock.PairKey(3, 17), Shared: true, Granted: true, PID: 302, ApplicationName: "api"},
+		{Key: advlock.Int64Key(42), WaitStart: at(60), BlockedBy: []int32{999}, PID: 401},
+	}
+	var b strings.Builder
+	printTree(&b, rows, now)
+	golden(t, "tree.golden", b.String())
+}
+
+// ls --watch on a pipe prints one snapshot after another, with no escape codes, and ends cleanly when its context
+// does; --dsn also works before the command.
+func TestLsWatchSnapshots(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	defer cancel()
+	var out, errb bytes.Buffer
+	code := Main(ctx, []string{"--dsn", pgtest.URL(t), "ls", "--watch", "--interval", "100ms"}, Stdio{In: strings.NewReader(""), Out: &out, Err: &errb})
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, errb.String())
+	}
+	if n := strings.Count(out.String(), "advlock ls, every 100ms"); n < 3 || strings.Contains(out.String(), "\x1b") {
+		t.Errorf("%d frames (want several), escape codes: %v\n%s", n, strings.Contains(out.String(), "\x1b"), out.String())
+	}
+	if code, _, errOut := run(t, "", "--dsn"); code != exitUsage || !strings.Contains(errOut, "--dsn") {
+		t.Errorf("--dsn without a value: exit %d %q", code, errOut)
+	}
+	if code, _, _ := run(t, "", "--dsn="+pgtest.URL(t), "ls", "--json"); code != 0 {
+		t.Errorf("--dsn=URL ls: exit %d", code)
+	}
+	if code, _, errOut := run(t, "", "ls", "--json", "--tree"); code != exitUsage {
+		t.Errorf("--json --tree: exit %d %q", code, errOut)
+	}
+}

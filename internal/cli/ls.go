@@ -1,25 +1,40 @@
 package cli
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
+	"os"
+	"os/signal"
+	"sort"
+	"strconv"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
 	"github.com/advlock/advlock"
 )
 
-const lsSynopsis = "[--json] [--dsn DSN] [KEY]"
+const lsSynopsis = "[--json | --tree] [--watch [--interval D]] [--dsn DSN] [KEY]"
 
 func lsCmd(ctx context.Context, args []string, std Stdio) int {
 	fs := newFlags("ls", lsSynopsis, std)
 	asJSON := fs.Bool("json", false, "print a JSON array (stable field names) instead of a table")
+	tree := fs.Bool("tree", false, "show who waits for whom: each key with its holders, then the sessions waiting for it, indented, with how long they have waited")
+	watch := fs.Bool("watch", false, "redraw every --interval until interrupted (in place on a terminal, like top; one snapshot after another on a pipe or a dumb terminal)")
+	interval := fs.Duration("interval", time.Second, "how often --watch redraws")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	if code, done := parse(fs, args, std); done {
 		return code
+	}
+	if *asJSON && *tree {
+		return usageError(std, "ls: --json and --tree exclude each other")
+	}
+	if *interval <= 0 {
+		return usageError(std, "ls: --interval must be positive")
 	}
 	var filter *string // the KEY argument
 	switch fs.NArg() {
@@ -37,25 +52,167 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 	if bad {
 		return code
 	}
+	show := func(w io.Writer, rows []advlock.LockInfo, use *advlock.LockTableUse, now time.Time) {
+		switch {
+		case *asJSON:
+			if rows == nil {
+				rows = []advlock.LockInfo{}
+			}
+			enc := json.NewEncoder(w)
+			enc.SetIndent("", "  ")
+			_ = enc.Encode(rows)
+			return
+		case *tree:
+			printTree(w, rows, now)
+		default:
+			printTable(w, rows, now)
+		}
+		if use != nil {
+			printLockTable(w, *use)
+		}
+	}
+	if *watch {
+		return watchLs(ctx, std, *interval, *asJSON, func() ([]advlock.LockInfo, *advlock.LockTableUse, error) {
+			return inspect(ctx, conn, filter)
+		}, show)
+	}
 	rows, use, err := inspect(ctx, conn, filter)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: ls: %s\n", describe(err))
 		return exitUnavailable
 	}
-	if *asJSON {
-		if rows == nil {
-			rows = []advlock.LockInfo{}
-		}
-		enc := json.NewEncoder(std.Out)
-		enc.SetIndent("", "  ")
-		_ = enc.Encode(rows)
-		return exitOK
-	}
-	printTable(std.Out, rows, time.Now())
-	if use != nil {
-		printLockTable(std.Out, *use)
-	}
+	show(std.Out, rows, use, time.Now())
 	return exitOK
+}
+
+// watchLs redraws the listing every interval until ctx ends or SIGINT/SIGTERM comes (exit 0). On a terminal each
+// frame replaces the last (cursor home, clear screen); elsewhere (a pipe, a file, TERM=dumb) frames follow one
+// another with no escape codes. A failed read shows in the frame and the next one tries again.
+func watchLs(ctx context.Context, std Stdio, interval time.Duration, asJSON bool,
+	read func() ([]advlock.LockInfo, *advlock.LockTableUse, error), show func(io.Writer, []advlock.LockInfo, *advlock.LockTableUse, time.Time)) int {
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	redraw := isTerminal(std.Out)
+	for {
+		rows, use, err := read()
+		if ctx.Err() != nil {
+			return exitOK
+		}
+		now := time.Now()
+		var b bytes.Buffer
+		if redraw {
+			b.WriteString("\x1b[H\x1b[2J")
+		}
+		if !asJSON {
+			fmt.Fprintf(&b, "advlock ls, every %v, at %s (Ctrl-C to stop)\n\n", interval, now.Format("15:04:05"))
+		}
+		if err != nil {
+			fmt.Fprintf(&b, "advlock: ls: %s\n", describe(err))
+		} else {
+			show(&b, rows, use, now)
+		}
+		if !redraw && !asJSON {
+			b.WriteString("\n")
+		}
+		_, _ = std.Out.Write(b.Bytes())
+		select {
+		case <-ctx.Done():
+			return exitOK
+		case <-time.After(interval):
+		}
+	}
+}
+
+// isTerminal reports whether w is a terminal that understands cursor movement: a character device, with TERM set
+// and not "dumb".
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	fi, err := f.Stat()
+	if err != nil || fi.Mode()&os.ModeCharDevice == 0 || fi.Mode()&os.ModeDevice == 0 {
+		return false
+	}
+	term := os.Getenv("TERM")
+	return term != "" && term != "dumb"
+}
+
+// printTree writes, for each key, its holders and then the sessions waiting for it, longest waiting first, each
+// with what it waits for when that is not simply the holders above it.
+func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
+	if len(rows) == 0 {
+		fmt.Fprintln(w, "no advisory locks held or awaited")
+		return
+	}
+	type group struct {
+		key     string
+		holders []advlock.LockInfo
+		waiters []advlock.LockInfo
+	}
+	var order []string
+	groups := map[string]*group{}
+	for _, r := range rows {
+		k := r.Key.String()
+		g := groups[k]
+		if g == nil {
+			g = &group{key: k}
+			groups[k] = g
+			order = append(order, k)
+		}
+		if r.Granted {
+			g.holders = append(g.holders, r)
+		} else {
+			g.waiters = append(g.waiters, r)
+		}
+	}
+	who := func(r advlock.LockInfo) string {
+		s := fmt.Sprintf("pid %d %s", r.PID, r.Mode())
+		if r.ApplicationName != "" {
+			s += fmt.Sprintf(" %q", r.ApplicationName)
+		}
+		if r.ClientAddr != "" {
+			s += " from " + r.ClientAddr
+		}
+		return s
+	}
+	for _, k := range order {
+		g := groups[k]
+		fmt.Fprintln(w, g.key)
+		holders := map[int32]bool{}
+		for _, h := range g.holders {
+			holders[h.PID] = true
+			fmt.Fprintf(w, "  held by %s\n", who(h))
+		}
+		if len(g.holders) == 0 {
+			fmt.Fprintln(w, "  held by nobody this listing shows")
+		}
+		sort.SliceStable(g.waiters, func(i, j int) bool {
+			a, b := g.waiters[i].WaitStart, g.waiters[j].WaitStart
+			return a != nil && (b == nil || a.Before(*b))
+		})
+		for i, r := range g.waiters {
+			branch := "├─"
+			if i == len(g.waiters)-1 {
+				branch = "└─"
+			}
+			waited := "-"
+			if r.WaitStart != nil {
+				waited = now.Sub(*r.WaitStart).Round(100 * time.Millisecond).String()
+			}
+			var behind []string
+			for _, p := range r.BlockedBy {
+				if !holders[p] {
+					behind = append(behind, strconv.Itoa(int(p)))
+				}
+			}
+			extra := ""
+			if len(behind) > 0 {
+				extra = ", queued behind pid " + strings.Join(behind, ", ")
+			}
+			fmt.Fprintf(w, "    %s waiting %s: %s%s\n", branch, waited, who(r), extra)
+		}
+	}
 }
 
 // printLockTable writes the server's lock-table use in one line.

@@ -2,9 +2,11 @@ package cli
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -12,6 +14,9 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // tty is a pseudo-terminal whose slave side is the controlling terminal of a process started on it, as a login
@@ -170,3 +175,72 @@ func waitState(t *testing.T, pid int, within time.Duration, states ...string) {
 
 // gone reports whether pid has exited (it may linger as a zombie until something reaps it).
 func gone(pid int) bool { st := procState(pid); return st == "" || st == "Z" }
+
+// ls --watch in a real terminal (tmux): the table is redrawn in place (one frame on the screen at a time), a lock
+// taken meanwhile appears in it, and Ctrl-C ends it with status 0. ls --tree shows the waiter under the holder.
+func TestLsWatchInTmux(t *testing.T) {
+	if _, err := exec.LookPath("tmux"); err != nil {
+		t.Fatal("tmux is needed for this test (apt-get install tmux; .ci/run installs it)")
+	}
+	sock := filepath.Join(t.TempDir(), "tmux.sock")
+	tmux := func(args ...string) string {
+		out, err := exec.Command("tmux", append([]string{"-S", sock}, args...)...).CombinedOutput()
+		if err != nil && args[0] != "kill-server" {
+			t.Fatalf("tmux %v: %v: %s", args, err, out)
+		}
+		return string(out)
+	}
+	url := pgtest.URL(t)
+	script := fmt.Sprintf("trap : INT; %s --dsn '%s' ls --watch --interval 200ms; echo exited=$?; sleep 60", bin, url) // the shell outlives Ctrl-C
+	tmux("new-session", "-d", "-s", "w", "-x", "200", "-y", "50", "sh", "-c", script)
+	defer tmux("kill-server")
+	screen := func() string { // "" while the tmux server is still starting
+		out, _ := exec.Command("tmux", "-S", sock, "capture-pane", "-p", "-t", "w").Output()
+		return string(out)
+	}
+	waitFor := func(what string, ok func(string) bool) string {
+		t.Helper()
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			s := screen()
+			if ok(s) {
+				return s
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s; the screen:\n%s", what, s)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	waitFor("no frame", func(s string) bool { return strings.Contains(s, "advlock ls, every 200ms") })
+
+	conn := pgtest.Conn(t, url)
+	k := time.Now().UnixNano()
+	if _, err := conn.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, k); err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Exec(context.Background(), `SELECT pg_advisory_unlock_all()`)
+	s := waitFor("the new lock never appeared", func(s string) bool { return strings.Contains(s, fmt.Sprintf("int:%d", k)) })
+	if n := strings.Count(s, "advlock ls, every 200ms"); n != 1 {
+		t.Errorf("%d frames on the screen, want 1 (redrawn in place):\n%s", n, s)
+	}
+	tmux("send-keys", "-t", "w", "C-c")
+	waitFor("Ctrl-C did not end it with 0", func(s string) bool { return strings.Contains(s, "exited=0") })
+
+	// --tree, in the terminal too: the waiter under the holder.
+	wctx, stopWaiter := context.WithCancel(context.Background())
+	waiterDone := make(chan struct{})
+	go func() { // waits behind conn until the test ends
+		defer close(waiterDone)
+		if c, err := pgx.Connect(wctx, url); err == nil {
+			_, _ = c.Exec(wctx, `SELECT pg_advisory_lock($1)`, k)
+			c.Close(context.Background())
+		}
+	}()
+	defer func() { stopWaiter(); <-waiterDone }()
+	tmux("new-window", "-t", "w", "sh", "-c", fmt.Sprintf("sleep 0.5; %s --dsn '%s' ls --tree int:%d; sleep 60", bin, url, k))
+	s = waitFor("no tree", func(s string) bool { return strings.Contains(s, "waiting") })
+	if !strings.Contains(s, fmt.Sprintf("int:%d\n  held by pid", k)) || !strings.Contains(s, "└─ waiting") {
+		t.Errorf("tree:\n%s", s)
+	}
+}
