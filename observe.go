@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
@@ -120,7 +121,7 @@ func (o logObserver) LockEnd(e LockEnd) {
 	if e.Cause == CauseLost {
 		cause := "unknown"
 		if e.Err != nil {
-			cause = e.Err.Error()
+			cause = strings.TrimPrefix(e.Err.Error(), ErrLockLost.Error()+": ") // the message says lost already
 		}
 		o.l.LogAttrs(ctx, slog.LevelWarn, "advlock: lock lost", slog.String("key", e.Key.String()),
 			slog.String("mode", modeName(e.Shared)), slog.String("cause", cause), slog.Duration("held", e.Held))

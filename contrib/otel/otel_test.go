@@ -154,7 +154,7 @@ func TestMetricsAndSpans(t *testing.T) {
 	if s := sums(t, rm, "advlock.locks.held"); s[""] != 0 {
 		t.Errorf("advlock.locks.held %v, want 0 once both locks ended", s)
 	}
-	if s := sums(t, rm, "advlock.sessions.destroyed"); s["mode=shared,reason=shared session ended"] != 1 {
+	if s := sums(t, rm, "advlock.sessions.destroyed"); s["mode=shared,reason=shared session lost"] != 1 {
 		t.Errorf("advlock.sessions.destroyed %v, want the terminated shared session", s)
 	}
 	if s := sums(t, rm, "advlock.sessions.open"); s["mode=shared"] < 0 || s["mode=dedicated"] != 0 {

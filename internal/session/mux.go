@@ -173,7 +173,7 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 		if dead == nil || errors.Is(dead, ErrClosed) {
 			because(m.conn, "") // an ordinary close
 		} else {
-			becauseErr(m.conn, "shared session ended", dead)
+			becauseErr(m.conn, "shared session lost", dead)
 		}
 		m.conn.Destroy() // never pooled: it held many locks, and its prepared statements are ours
 		m.bg.Wait()
