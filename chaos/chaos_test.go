@@ -247,8 +247,8 @@ func TestChecker(t *testing.T) {
 	t.Run("leaks and worker problems", func(t *testing.T) {
 		h := build()
 		h.Leaked = []string{"k held by w0"}
-		h.Problems = []Violation{{VPanic, "panic: x"}, {VHang, "lock"}}
-		if got := kinds(Check(h)); got[VLeak] != 1 || got[VPanic] != 1 || got[VHang] != 1 {
+		h.Problems = []Violation{{VPanic, "panic: x"}, {VHang, "lock"}, {VGoroutines, "goroutine 7"}, {VDied, "exit status 2"}}
+		if got := kinds(Check(h)); got[VLeak] != 1 || got[VPanic] != 1 || got[VHang] != 1 || got[VGoroutines] != 1 || got[VDied] != 1 {
 			t.Fatalf("got %v", got)
 		}
 	})
