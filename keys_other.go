@@ -19,18 +19,14 @@ import (
 // migrations table's schema (current_schema() unless the URL's x-migrations-table names one) and the table name
 // (schema_migrations by default), so a default setup is GolangMigrateKey("app", "public", "schema_migrations")
 // (ParseKey: "migrate:app", or "migrate:app/SCHEMA/TABLE"). Versions of golang-migrate before the schema and table
-// were added lock GolangMigrateKey("app").
+// were added lock GolangMigrateKey("app"), which has no syntax of its own (String writes it as int:N).
 func GolangMigrateKey(databaseName string, additionalNames ...string) Key {
-	s := databaseName
-	if len(additionalNames) > 0 {
-		s = strings.Join(append(append([]string(nil), additionalNames...), databaseName), "\x00")
+	if len(additionalNames) == 0 {
+		return Int64Key(int64(crc32.ChecksumIEEE([]byte(databaseName)) * 1486364155))
 	}
-	sum := crc32.ChecksumIEEE([]byte(s)) * 1486364155
-	k := Int64Key(int64(sum))
-	k.kind, k.name = kindScheme, "migrate:"+databaseName
-	if len(additionalNames) > 0 {
-		k.name += "/" + strings.Join(additionalNames, "/")
-	}
+	s := strings.Join(append(append([]string(nil), additionalNames...), databaseName), "\x00")
+	k := Int64Key(int64(crc32.ChecksumIEEE([]byte(s)) * 1486364155))
+	k.kind, k.name = kindScheme, "migrate:"+databaseName+"/"+strings.Join(additionalNames, "/")
 	return k
 }
 
@@ -228,17 +224,19 @@ func parseScheme(s string) (k Key, ok bool, err error) {
 	return Key{}, false, nil
 }
 
-// KnownSchemes says which known scheme k matches, for a database named database, when it can tell: the
-// golang-migrate and Rails migration locks of that database (golang-migrate with its default schema and table),
-// and DistributedLock's ASCII names. "" when none.
-func KnownSchemes(k Key, database string) string {
+// KnownKey returns the key of another tool that k is, for a database named database, when it can tell: the
+// golang-migrate (with its default schema and table) and Rails migration locks of that database, and
+// DistributedLock's ASCII names. Its String names the scheme.
+func KnownKey(k Key, database string) (Key, bool) {
 	if name, ok := decodeDotnetASCII(k); ok {
-		return "dotnet:" + name
-	}
-	for _, c := range []Key{GolangMigrateKey(database, "public", "schema_migrations"), GolangMigrateKey(database), RailsMigrationKey(database)} {
-		if c.Equal(k) {
-			return c.String()
+		if dk, err := DistributedLockKey(name, false); err == nil {
+			return dk, true
 		}
 	}
-	return ""
+	for _, c := range []Key{GolangMigrateKey(database, "public", "schema_migrations"), RailsMigrationKey(database)} {
+		if c.Equal(k) {
+			return c, true
+		}
+	}
+	return Key{}, false
 }

@@ -24,6 +24,9 @@ func TestGolangMigrateKey(t *testing.T) {
 			t.Errorf("GolangMigrateKey(%q, %q) = %d, want %d", tc.db, tc.additional, v, tc.want)
 		}
 	}
+	if s := GolangMigrateKey("app").String(); strings.HasPrefix(s, "migrate:") {
+		t.Errorf("the pre-schema key writes %q, which ParseKey reads as another key", s)
+	}
 	k, err := ParseKey("migrate:app")
 	if err != nil || !k.Equal(GolangMigrateKey("app", "public", "schema_migrations")) || k.String() != "migrate:app/public/schema_migrations" {
 		t.Errorf("ParseKey(migrate:app) = %v (%s), %v", k, k, err)
@@ -99,17 +102,19 @@ func TestDistributedLockKey(t *testing.T) {
 			}
 		}
 	}
-	if k, err := ParseKey("dotnet:billing"); err != nil || k.String() != "dotnet:billing" || KnownSchemes(plainPair(k), "x") != "dotnet:billing" {
-		t.Errorf("ParseKey(dotnet:billing) = %s, %v; KnownSchemes says %q", k, err, KnownSchemes(plainPair(k), "x"))
+	k, err = ParseKey("dotnet:billing")
+	if known, ok := KnownKey(plainPair(k), "x"); err != nil || k.String() != "dotnet:billing" || !ok || known.String() != "dotnet:billing" {
+		t.Errorf("ParseKey(dotnet:billing) = %s, %v; KnownKey says %s, %v", k, err, known, ok)
 	}
 }
 
-func TestKnownSchemes(t *testing.T) {
+func TestKnownKey(t *testing.T) {
 	m, _ := GolangMigrateKey("app", "public", "schema_migrations").Int64()
 	r, _ := RailsMigrationKey("app").Int64()
 	for k, want := range map[Key]string{Int64Key(m): "migrate:app/public/schema_migrations", Int64Key(r): "rails:app", Int64Key(42): "", PairKey(1, 2): ""} {
-		if got := KnownSchemes(k, "app"); got != want {
-			t.Errorf("KnownSchemes(%s) = %q, want %q", k, got, want)
+		got, ok := KnownKey(k, "app")
+		if ok != (want != "") || ok && (got.String() != want || !got.Equal(k)) {
+			t.Errorf("KnownKey(%s) = %s, %v, want %q", k, got, ok, want)
 		}
 	}
 	// A name key whose name starts with a scheme reads back as that name.

@@ -367,7 +367,7 @@ func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 		}
 		s.At = at
 		k, _ := advlock.KeyFromPgLocks(classid, objid, sub)
-		s.Held[canon(k)] = append(s.Held[canon(k)], Holder{App: app, Granted: granted})
+		s.Held[canon(k)] = append(s.Held[canon(k)], Holder{App: app, PID: pid, Granted: granted})
 	}
 	if err := rows.Err(); err != nil {
 		return Sample{}, err
@@ -486,33 +486,24 @@ func (c *campaign) inject(ctx context.Context) {
 
 // pickBackend picks a worker session that holds (or waits for) an advisory lock.
 func (c *campaign) pickBackend(ctx context.Context, holder bool, rng *rand.Rand) (pid int32, worker int, ok bool) {
-	qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(qctx, c.cluster.URL)
-	if err != nil {
-		return 0, 0, false
-	}
-	defer conn.Close(context.Background())
-	rows, err := conn.Query(qctx, `SELECT DISTINCT l.pid, a.application_name FROM pg_locks l
-		JOIN pg_stat_activity a ON a.pid = l.pid
-		WHERE l.locktype = 'advisory' AND l.granted = $1 AND a.application_name LIKE 'chaos-w%' ORDER BY 1`, holder)
-	if err != nil {
-		return 0, 0, false
-	}
 	type row struct {
 		pid int32
 		app string
 	}
 	var list []row
-	for rows.Next() {
-		var r row
-		if rows.Scan(&r.pid, &r.app) == nil {
-			list = append(list, r)
+	seen := map[int32]bool{}
+	for _, rows := range c.locksNow(ctx).Held {
+		for _, h := range rows {
+			if h.Granted == holder && strings.HasPrefix(h.App, "chaos-w") && !seen[h.PID] {
+				seen[h.PID] = true
+				list = append(list, row{h.PID, h.App})
+			}
 		}
 	}
 	if len(list) == 0 {
 		return 0, 0, false
 	}
+	sort.Slice(list, func(i, j int) bool { return list[i].pid < list[j].pid }) // the seed picks in one order
 	r := list[rng.IntN(len(list))]
 	var w int
 	_, _ = fmt.Sscanf(r.app, "chaos-w%d", &w)
@@ -524,19 +515,28 @@ func (c *campaign) heldBy(ctx context.Context, app string) int {
 	if c.opt.Log == nil {
 		return -1
 	}
+	n := 0
+	for _, rows := range c.locksNow(ctx).Held {
+		for _, h := range rows {
+			if h.Granted && h.App == app {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// locksNow reads pg_locks on a connection of its own (empty when the server does not answer).
+func (c *campaign) locksNow(ctx context.Context) Sample {
 	qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	conn, err := pgx.Connect(qctx, c.cluster.URL)
 	if err != nil {
-		return -1
+		return Sample{}
 	}
 	defer conn.Close(context.Background())
-	var n int
-	if conn.QueryRow(qctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-		WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = $1`, app).Scan(&n) != nil {
-		return -1
-	}
-	return n
+	s, _ := readLocks(qctx, conn)
+	return s
 }
 
 func (c *campaign) exec(ctx context.Context, sql string, args ...any) error {

@@ -38,6 +38,7 @@ type CS struct {
 // Holder is one row of a pg_locks sample.
 type Holder struct {
 	App     string
+	PID     int32
 	Granted bool
 }
 

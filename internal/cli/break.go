@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -37,15 +36,14 @@ terminate a holder; 69 database unreachable; 2 usage error.
 		return code
 	}
 	keyText := fs.Arg(0)
-	rows, _, err := inspect(ctx, conn, &keyText)
-	key, _ := advlock.ParseKey(keyText) // for messages; a key the server computes is named as given
-	if advlock.NeedsServer(keyText) {
-		key, _ = resolveKey(ctx, conn, keyText)
-	}
+	l := &lister{conn: conn}
+	rows, _, k, err := l.inspect(ctx, &keyText)
+	l.close()
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 		return exitUnavailable
 	}
+	key := *k
 	var holders []advlock.LockInfo
 	for _, r := range rows {
 		if r.Granted {
@@ -66,7 +64,7 @@ terminate a holder; 69 database unreachable; 2 usage error.
 			return exitFailure
 		}
 	}
-	c, err := pgx.Connect(ctx, conn)
+	c, err := connect(ctx, conn, "advlock break") // a fresh one: the prompt may have taken a while
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 		return exitUnavailable

@@ -12,7 +12,6 @@ import (
 	"os"
 	"runtime/debug"
 	"strings"
-	"time"
 
 	"github.com/advlock/advlock"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -217,10 +216,7 @@ func open(ctx context.Context, conn, app string, opts ...advlock.Option) (*advlo
 		if c.ConnConfig.RuntimeParams["application_name"] == "advlock" {
 			c.ConnConfig.RuntimeParams["application_name"] = app
 		}
-		if c.ConnConfig.ConnectTimeout == 0 {
-			c.ConnConfig.ConnectTimeout = 10 * time.Second
-		}
-	}))
+	})) // Open bounds connecting by DefaultConnectTimeout unless conn sets connect_timeout
 	return advlock.Open(ctx, conn, opts...)
 }
 
@@ -255,14 +251,14 @@ func resolveKey(ctx context.Context, conn, text string) (advlock.Key, error) {
 	return advlock.ResolveKey(ctx, c, text)
 }
 
-// connect opens one connection (connect_timeout 10 s unless conn says otherwise).
+// connect opens one connection, bounded like Open's (advlock.DefaultConnectTimeout unless conn says otherwise).
 func connect(ctx context.Context, conn, app string) (*pgx.Conn, error) {
 	cfg, err := pgx.ParseConfig(conn)
 	if err != nil {
 		return nil, err
 	}
 	if cfg.ConnectTimeout == 0 {
-		cfg.ConnectTimeout = 10 * time.Second
+		cfg.ConnectTimeout = advlock.DefaultConnectTimeout
 	}
 	cfg.RuntimeParams["application_name"] = app
 	return pgx.ConnectConfig(ctx, cfg)

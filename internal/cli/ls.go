@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
+	"github.com/jackc/pgx/v5"
 )
 
 const lsSynopsis = "[--json | --tree] [--watch [--interval D]] [--dsn DSN] [KEY]"
@@ -71,12 +72,15 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 			printLockTable(w, *use)
 		}
 	}
+	l := &lister{conn: conn}
+	defer l.close()
 	if *watch {
 		return watchLs(ctx, std, *interval, *asJSON, func() ([]advlock.LockInfo, *advlock.LockTableUse, error) {
-			return inspect(ctx, conn, filter)
+			rows, use, _, err := l.inspect(ctx, filter)
+			return rows, use, err
 		}, show)
 	}
-	rows, use, err := inspect(ctx, conn, filter)
+	rows, use, _, err := l.inspect(ctx, filter)
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: ls: %s\n", describe(err))
 		return exitUnavailable
@@ -225,48 +229,74 @@ func printLockTable(w io.Writer, u advlock.LockTableUse) {
 		u.Used, u.Capacity, pct, u.Advisory)
 }
 
-// inspect connects once and lists the advisory locks, those of the key keyText names only when it is not nil.
-// It also reads the lock table's use (nil if that read failed: the listing matters more).
-func inspect(ctx context.Context, conn string, keyText *string) ([]advlock.LockInfo, *advlock.LockTableUse, error) {
-	c, err := connect(ctx, conn, "advlock ls")
-	if err != nil {
-		return nil, nil, err
+// lister reads the advisory locks on one connection, kept across reads (ls --watch) and made again after a
+// failure.
+type lister struct {
+	conn string // connection string
+	c    *pgx.Conn
+	db   string // current_database(), for naming other tools' keys
+}
+
+func (l *lister) close() {
+	if l.c != nil {
+		l.c.Close(context.Background())
+		l.c = nil
 	}
-	defer c.Close(context.WithoutCancel(ctx))
+}
+
+// inspect lists the advisory locks, those of the key keyText names only when it is not nil (also returned,
+// resolved), and reads the lock table's use (nil if that read failed: the listing matters more).
+func (l *lister) inspect(ctx context.Context, keyText *string) ([]advlock.LockInfo, *advlock.LockTableUse, *advlock.Key, error) {
+	if l.c == nil || l.c.IsClosed() {
+		c, err := connect(ctx, l.conn, "advlock ls")
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		if err := c.QueryRow(ctx, "SELECT current_database()").Scan(&l.db); err != nil {
+			c.Close(context.WithoutCancel(ctx))
+			return nil, nil, nil, err
+		}
+		l.c = c
+	}
+	rows, use, key, err := l.read(ctx, keyText)
+	if err != nil {
+		l.close() // the next read connects again
+	}
+	return rows, use, key, err
+}
+
+func (l *lister) read(ctx context.Context, keyText *string) ([]advlock.LockInfo, *advlock.LockTableUse, *advlock.Key, error) {
 	var key *advlock.Key
 	if keyText != nil {
-		k, err := advlock.ResolveKey(ctx, c, *keyText)
+		k, err := advlock.ResolveKey(ctx, l.c, *keyText)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		key = &k
 	}
-	rows, err := advlock.Inspect(ctx, c)
-	var db string
-	if err == nil {
-		_ = c.QueryRow(ctx, "SELECT current_database()").Scan(&db)
+	rows, err := advlock.Inspect(ctx, l.c)
+	if err != nil {
+		return nil, nil, key, err
 	}
 	for i, r := range rows {
 		// A key taken by advlock run NAME shows as NAME, which its session is named after; a key another tool
 		// locks (golang-migrate's or Rails' migration lock of this database, a DistributedLock name) as that.
 		if text, ok := strings.CutPrefix(r.ApplicationName, "advlock run "); ok {
-			if k, err := advlock.ResolveKey(ctx, c, text); err == nil && k.Equal(r.Key) {
+			if k, err := advlock.ResolveKey(ctx, l.c, text); err == nil && k.Equal(r.Key) {
 				rows[i].Key = k
 				continue
 			}
 		}
-		if scheme := advlock.KnownSchemes(r.Key, db); scheme != "" {
-			if k, err := advlock.ParseKey(scheme); err == nil && k.Equal(r.Key) {
-				rows[i].Key = k
-			}
+		if k, ok := advlock.KnownKey(r.Key, l.db); ok {
+			rows[i].Key = k
 		}
 	}
 	var use *advlock.LockTableUse
-	if u, uerr := advlock.LockTable(ctx, c); uerr == nil {
+	if u, uerr := advlock.LockTable(ctx, l.c); uerr == nil {
 		use = &u
 	}
-	if err != nil || key == nil {
-		return rows, use, err
+	if key == nil {
+		return rows, use, nil, nil
 	}
 	var out []advlock.LockInfo
 	for _, r := range rows {
@@ -275,7 +305,7 @@ func inspect(ctx context.Context, conn string, keyText *string) ([]advlock.LockI
 			out = append(out, r)
 		}
 	}
-	return out, use, nil
+	return out, use, key, nil
 }
 
 // printTable writes rows as an aligned table for people; now dates the WAITING column.

@@ -815,8 +815,9 @@ func (s *suite) lostOnNetworkFault(t *testing.T) {
 		p.Blackhole(true)
 		done := make(chan error, 1)
 		start := time.Now()
+		k := Key(t)
 		go func() {
-			lk, err := h.L.TryLock(context.Background(), Key(t))
+			lk, err := h.L.TryLock(context.Background(), k)
 			if err == nil {
 				lk.Unlock(ctxT(t, time.Second))
 			}
@@ -835,6 +836,7 @@ func (s *suite) lostOnNetworkFault(t *testing.T) {
 			t.Fatal("TryLock under a context without a deadline hung in a blackhole")
 		}
 		p.Close()
+		waitFree(t, s.observer(t), k) // the session given up on holds nothing once the network lets the close through
 	})
 }
 

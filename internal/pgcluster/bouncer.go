@@ -165,9 +165,6 @@ pidfile = %s
 	return b, nil
 }
 
-// Exited is closed when PgBouncer's process has ended.
-func (b *Bouncer) Exited() <-chan struct{} { return b.exited }
-
 // Stop stops PgBouncer (SIGINT, then SIGKILL after 10 s). It keeps Dir; remove it when done with the log.
 func (b *Bouncer) Stop() {
 	_ = b.cmd.Process.Signal(syscall.SIGINT)

@@ -264,7 +264,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		conn.Release() // the CASE took no lock
 		return nil, ErrStandby
 	default:
-		because(conn, fmt.Sprintf("unexpected lock result %d", r))
+		because(conn, fmt.Sprintf("unexpected lock result: %d", r))
 		conn.Destroy()
 		return nil, fmt.Errorf("advlock: unexpected lock result %d; session closed", r)
 	}
