@@ -124,80 +124,115 @@ func TestPrivateCluster(t *testing.T) {
 
 	// Shared sessions filled by the Locker itself: batches of tries from many goroutines run into a full table;
 	// only the try that found no space fails (ErrLockTableFull), every lock already held stays held, the rows after
-	// it go out again, and everything unlocks cleanly afterwards.
-	t.Run("lock table full, shared sessions", func(t *testing.T) {
-		ctx := ctxT(t, 60*time.Second)
-		l := New(pgtest.Pool(t, c.URL, nil), WithSharedSessions(2))
-		defer l.Close()
-		var mu sync.Mutex
-		var held []*Lock
-		var full int
-		var wg sync.WaitGroup
-		for range 16 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for {
-					lk, err := l.TryLock(ctx, key(t))
-					mu.Lock()
-					if err == nil {
-						held = append(held, lk)
+	// it go out again, and everything unlocks cleanly afterwards. A refused try took nothing: with fencing too (the
+	// token's transaction id and sequence lock need lock-table space, and are taken before the lock), its key is
+	// not held, and another Locker takes it once there is space again.
+	for _, fenced := range []bool{false, true} {
+		name := "lock table full, shared sessions"
+		opts := []Option{WithSharedSessions(2)}
+		if fenced {
+			name += ", fenced"
+			opts = append(opts, WithFencing())
+		}
+		t.Run(name, func(t *testing.T) {
+			ctx := ctxT(t, 60*time.Second)
+			l := New(pgtest.Pool(t, c.URL, nil), opts...)
+			defer l.Close()
+			other := New(pgtest.Pool(t, c.URL, nil), opts...)
+			defer other.Close()
+			warm, err := other.TryLock(ctx, key(t)) // its shared session opens while there is space
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := warm.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			var mu sync.Mutex
+			var held []*Lock
+			var refused []Key
+			var wg sync.WaitGroup
+			for range 16 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for {
+						k := key(t)
+						lk, err := l.TryLock(ctx, k)
+						mu.Lock()
+						if err == nil {
+							held = append(held, lk)
+							mu.Unlock()
+							continue
+						}
 						mu.Unlock()
-						continue
+						if !errors.Is(err, ErrLockTableFull) {
+							t.Errorf("TryLock filling the table: %v, want ErrLockTableFull", err)
+						}
+						mu.Lock()
+						refused = append(refused, k)
+						mu.Unlock()
+						return
 					}
-					mu.Unlock()
-					if !errors.Is(err, ErrLockTableFull) {
-						t.Errorf("TryLock filling the table: %v, want ErrLockTableFull", err)
-					}
-					mu.Lock()
-					full++
-					mu.Unlock()
-					return
+				}()
+			}
+			wg.Wait()
+			t.Logf("%d locks held when the table filled; %d calls refused", len(held), len(refused))
+			if len(held) < 100 {
+				t.Fatalf("only %d locks before the table filled", len(held))
+			}
+			for _, lk := range held[:20] { // reading pg_locks needs lock-table space too
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
 				}
-			}()
-		}
-		wg.Wait()
-		t.Logf("%d locks held when the table filled; %d calls refused", len(held), full)
-		if len(held) < 100 {
-			t.Fatalf("only %d locks before the table filled", len(held))
-		}
-		for _, lk := range held[:20] { // reading pg_locks needs lock-table space too
+			}
+			held = held[20:]
+			rows, err := pgtest.Locks(ctx, obs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			granted := 0
+			for _, r := range rows {
+				if r.Granted {
+					granted++
+				}
+				for _, k := range refused {
+					if v, _ := k.Int64(); r.Int64Key(v) {
+						t.Errorf("pg_locks shows %s, whose TryLock failed with ErrLockTableFull: %v", k, r)
+					}
+				}
+			}
+			if granted != len(held) {
+				t.Errorf("pg_locks shows %d granted advisory locks, the Locker holds %d", granted, len(held))
+			}
+			for _, lk := range held {
+				if lk.Err() != nil {
+					t.Fatalf("a held lock ended when the table filled: %v", lk.Err())
+				}
+			}
+			for _, k := range refused { // another Locker (another process) takes a refused key
+				lk, err := other.TryLock(ctx, k)
+				if err != nil {
+					t.Errorf("TryLock by another Locker of %s, refused earlier for lack of space: %v", k, err)
+					continue
+				}
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, lk := range held {
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			lk, err := l.TryLock(ctx, key(t))
+			if err != nil {
+				t.Fatalf("TryLock after the table emptied: %v", err)
+			}
 			if err := lk.Unlock(ctx); err != nil {
 				t.Fatal(err)
 			}
-		}
-		held = held[20:]
-		rows, err := pgtest.Locks(ctx, obs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		granted := 0
-		for _, r := range rows {
-			if r.Granted {
-				granted++
-			}
-		}
-		if granted != len(held) {
-			t.Errorf("pg_locks shows %d granted advisory locks, the Locker holds %d", granted, len(held))
-		}
-		for _, lk := range held {
-			if lk.Err() != nil {
-				t.Fatalf("a held lock ended when the table filled: %v", lk.Err())
-			}
-		}
-		for _, lk := range held {
-			if err := lk.Unlock(ctx); err != nil {
-				t.Fatal(err)
-			}
-		}
-		lk, err := l.TryLock(ctx, key(t))
-		if err != nil {
-			t.Fatalf("TryLock after the table emptied: %v", err)
-		}
-		if err := lk.Unlock(ctx); err != nil {
-			t.Fatal(err)
-		}
-	})
+		})
+	}
 
 	t.Run("idle_session_timeout", func(t *testing.T) {
 		ctx := ctxT(t, 30*time.Second)
@@ -408,4 +443,53 @@ func TestFencingCluster(t *testing.T) {
 			}
 		}
 	}
+
+	// A synchronous standby that is down (synchronous_standby_names names one that is not connected) makes every
+	// commit that wrote WAL with synchronous_commit = on wait for it. A fenced grant commits (its token must survive
+	// a crash; nextval writes WAL once every 32 values) but only locally: it does not wait, the grant goes through, and the locks already held on a shared session are
+	// not lost to a round trip stalled past its bound.
+	t.Run("synchronous standby down", func(t *testing.T) {
+		ctx := ctxT(t, 60*time.Second)
+		obs := pgtest.Conn(t, c.URL) // the server restarted since the other one connected
+		for _, shared := range []int{4, 0} {
+			l := New(pgtest.Pool(t, c.URL, nil), WithFencing(), WithKeepalive(500*time.Millisecond), WithSharedSessions(shared))
+			defer l.Close()
+			held, err := l.TryLock(ctx, key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := obs.Exec(ctx, "ALTER SYSTEM SET synchronous_standby_names = 'nobody'"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := obs.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(200 * time.Millisecond) // the backends read the new configuration
+			for i := range 40 {                // nextval writes WAL (and so waits for a commit) once every 32 values
+				lk, err := l.TryLock(ctx, key(t))
+				if err != nil {
+					t.Fatalf("shared sessions %d: fenced TryLock %d with the synchronous standby down: %v", shared, i, err)
+				}
+				if lk.Token() <= held.Token() {
+					t.Errorf("token %d after %d", lk.Token(), held.Token())
+				}
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if held.Err() != nil {
+				t.Errorf("shared sessions %d: a lock held before lost: %v", shared, held.Err())
+			}
+			if _, err := obs.Exec(ctx, "ALTER SYSTEM RESET synchronous_standby_names"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := obs.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+				t.Fatal(err)
+			}
+			if err := held.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			l.Close()
+		}
+	})
 }

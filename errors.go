@@ -30,7 +30,7 @@ var (
 	// ErrInvalidKey: the zero Key, or text that ParseKey cannot read.
 	ErrInvalidKey = session.ErrInvalidKey
 	// ErrFencing: WithFencing is on and the sequence public.advlock_fence can neither be used nor created by this
-	// role; the message says what to run. Nothing was locked.
+	// role; the message says what to run. Nothing was locked. It is only ever this, which an operator must fix.
 	ErrFencing = session.ErrFencing
 	// ErrPoolExhausted: a try (TryLock, TryRLock, TryDo, Wait(0)) found no free connection in the pool when it
 	// needed one (a session of its own, or the first shared session) and did not wait. Nothing was locked; the

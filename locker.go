@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
@@ -33,8 +34,8 @@ type Locker struct {
 	inflight    sync.WaitGroup // Lock calls under way
 	heldWG      sync.WaitGroup // locks in held
 
-	fenceMu sync.Mutex
-	fenceOK bool // the fencing sequence exists and may be used
+	fenceSem chan struct{} // one fence check at a time (a buffered channel of 1: waiting for it honours ctx)
+	fenceOK  atomic.Bool   // the fencing sequence exists and may be used
 
 	mu     sync.Mutex
 	closed bool
@@ -64,10 +65,12 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 	l := &Locker{
 		opts: o,
 		cfg: session.Config{Keepalive: o.Keepalive, Wrap: o.Wrap, Starter: new(session.Starter),
-			Waits: new(session.Waits), Settings: o.Settings, UnlockKey: o.UnlockKey, Fencing: o.Fencing},
-		gates: make(map[session.ID]*gate),
-		held:  make(map[*Lock]struct{}),
-		obs:   observers(o),
+			Waits: new(session.Waits), Settings: o.Settings, UnlockKey: o.UnlockKey, Fencing: o.Fencing,
+			OpenBound: o.OpenBound},
+		gates:    make(map[session.ID]*gate),
+		held:     make(map[*Lock]struct{}),
+		obs:      observers(o),
+		fenceSem: make(chan struct{}, 1),
 	}
 	l.cfg.Events = sessionEvents(l.obs)
 	l.pool, l.pgxPool = pool, pgxp
@@ -163,7 +166,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	}
 	defer done()
 	if l.opts.Fencing {
-		if err := l.ensureFence(ctx); err != nil {
+		if err := l.ensureFence(ctx, !wait); err != nil {
 			return nil, err
 		}
 	}
@@ -200,17 +203,33 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 	return lk, nil
 }
 
-// ensureFence checks (once per Locker, until it succeeds) that the fencing sequence exists and may be used.
-func (l *Locker) ensureFence(ctx context.Context) error {
-	l.fenceMu.Lock()
-	defer l.fenceMu.Unlock()
-	if l.fenceOK {
+// ensureFence checks (once per Locker, until it succeeds) that the fencing sequence exists and may be used. One
+// check runs at a time; the others wait for it (or for their ctx) and then look again. A try does not wait for a
+// connection for it.
+func (l *Locker) ensureFence(ctx context.Context, try bool) error {
+	if l.fenceOK.Load() {
 		return nil
 	}
-	if err := session.EnsureFence(ctx, l.pool); err != nil {
+	select {
+	case l.fenceSem <- struct{}{}:
+	case <-ctx.Done():
+		return session.WithContext(ctx, errors.New("waiting for the check of the fencing sequence"))
+	}
+	defer func() { <-l.fenceSem }()
+	if l.fenceOK.Load() {
+		return nil
+	}
+	cctx, cancel := context.WithCancelCause(ctx) // Close ends the check
+	defer cancel(nil)
+	stop := context.AfterFunc(l.closeCtx, func() { cancel(ErrClosed) })
+	defer stop()
+	if err := session.EnsureFence(cctx, l.pool, try); err != nil {
+		if ctx.Err() == nil && errors.Is(context.Cause(cctx), ErrClosed) {
+			return ErrClosed
+		}
 		return err
 	}
-	l.fenceOK = true
+	l.fenceOK.Store(true)
 	return nil
 }
 
@@ -220,6 +239,9 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait bool, onEnd fu
 	if l.shared != nil {
 		for attempt := 0; ; attempt++ {
 			m, err := l.shared.Get(ctx, wait)
+			if errors.Is(err, ErrPoolExhausted) && wait {
+				break // no connection for a shared session now: wait for one for a session of its own
+			}
 			if err != nil {
 				return nil, err
 			}
@@ -310,6 +332,9 @@ func (l *Locker) Close() {
 	l.mu.Unlock()
 	l.closeCancel(ErrClosed)
 	l.cfg.Waits.Close()
+	if l.shared != nil {
+		l.shared.Stop() // ends shared sessions being opened, and wakes the calls waiting for them
+	}
 	l.mu.Lock()
 	for _, g := range l.gates { // in-process waiters see closed and give up
 		g.changed()

@@ -62,7 +62,8 @@ func WithSharedSessions(n int) Option {
 // trip) from the sequence public.advlock_fence, which the Locker creates on first use if it is missing (that needs
 // CREATE on schema public; for a role without it, create it once as one that has it: CREATE SEQUENCE
 // public.advlock_fence; GRANT USAGE ON SEQUENCE public.advlock_fence TO <role>). Without it a lock call fails with
-// ErrFencing saying so. Default off: Token is 0.
+// ErrFencing saying so; any other failure of that check (a connection lost, no answer within 10 s) is returned as
+// it is, and the next call checks again. Many processes may create the sequence at once. Default off: Token is 0.
 //
 // A protected resource checks the token and refuses a stale holder, for example UPDATE ... SET fence = $token
 // WHERE id = $1 AND fence < $token: a holder that was paused past the loss of its lock (a GC pause, SIGSTOP) and

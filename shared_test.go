@@ -3,12 +3,14 @@ package advlock
 import (
 	"context"
 	"errors"
-	"github.com/advlock/advlock/internal/session"
+	neturl "net/url"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/faults"
 	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -245,4 +247,50 @@ func TestSharedNoStallAfterQuiet(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the background reader never started, or the call never returned")
 	}
+}
+
+// The first shared session of a Locker over an application's pool (one idle connection, pinged before it is
+// handed out since it has been idle a while) opened into a network that drops every packet: TryLock under a
+// context without a deadline fails within the default bound (session.VerifyBound), and Close does not wait behind
+// it. It hung for as long as the network did.
+func TestSharedOpenDefaultBound(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := faults.Start(t, u.Host)
+	u.Host = p.Addr()
+	pool := pgtest.Pool(t, u.String(), func(c *pgxpool.Config) { c.MaxConns = 2 })
+	if err := pool.Ping(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	l := New(pool)
+	time.Sleep(1200 * time.Millisecond)
+	p.Blackhole(true)
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() {
+		_, err := l.TryLock(context.Background(), key(t))
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		took := time.Since(start)
+		t.Logf("TryLock failed after %v: %v", took.Round(time.Millisecond), err)
+		if err == nil || took < session.VerifyBound-time.Second {
+			t.Errorf("TryLock into a blackhole: %v after %v, want a failure at the bound (%v)", err, took, session.VerifyBound)
+		}
+	case <-time.After(session.VerifyBound + 10*time.Second):
+		p.Cut()
+		p.Blackhole(false)
+		<-done
+		t.Fatal("TryLock hung opening a shared session in a blackhole")
+	}
+	closed := make(chan struct{})
+	go func() { l.Close(); close(closed) }()
+	pgtest.WaitClosed(t, closed, 3*time.Second, "Close after the failed open returned")
+	p.Cut()
+	p.Blackhole(false)
 }

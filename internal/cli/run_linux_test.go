@@ -394,3 +394,25 @@ func TestRunPassesKeyAndToken(t *testing.T) {
 		last = tok
 	}
 }
+
+// A fleet's first deploy: 8 processes run --fence at the same moment on a database that has never seen advlock.
+// Every one runs its command with a token of its own (the fencing sequence created once, by whichever came first).
+func TestRunFenceFirstUse(t *testing.T) {
+	env := []string{"DATABASE_URL=" + pgtest.FreshDB(t, pgtest.URL(t))}
+	var ps []*proc
+	for i := range 8 {
+		ps = append(ps, start(t, env, "run", "--fence", fmt.Sprintf("%s-%d", keyName(t), i), "--", "sh", "-c", `echo "$ADVLOCK_TOKEN"`))
+	}
+	seen := map[int64]bool{}
+	for i, p := range ps {
+		if code := p.wait(t, 30*time.Second); code != 0 {
+			t.Errorf("process %d: exit %d, stderr %q", i, code, p.err.String())
+			continue
+		}
+		var tok int64
+		if _, err := fmt.Sscan(p.out.String(), &tok); err != nil || tok <= 0 || seen[tok] {
+			t.Errorf("process %d: ADVLOCK_TOKEN %q (seen %v)", i, p.out.String(), seen)
+		}
+		seen[tok] = true
+	}
+}

@@ -23,6 +23,8 @@ type Options struct {
 	Wrap func(session.Conn) session.Conn
 	// UnlockKey changes the key each unlock is sent for (tests only: the server then answers false).
 	UnlockKey func(session.ID) session.ID
+	// OpenBound bounds the opening of a shared session (tests only; 0: session.VerifyBound).
+	OpenBound time.Duration
 	// Settings are applied once per proved physical connection (Open sets them).
 	Settings []session.Setting
 	// SharedSessions is how many shared sessions a Locker may open (0: a session per lock).

@@ -108,6 +108,8 @@ func (s *suite) run(t *testing.T) {
 		{"WaitBound", s.waitBound},
 		{"NoPoolSurprises", s.noPoolSurprises},
 		{"Fencing", s.fencing},
+		{"SharedOpenBounded", s.sharedOpenBounded},
+		{"UnlockBound", s.unlockBound},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

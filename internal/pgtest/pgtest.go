@@ -9,6 +9,7 @@ package pgtest
 import (
 	"context"
 	"fmt"
+	neturl "net/url"
 	"os"
 	"sync"
 	"testing"
@@ -271,4 +272,28 @@ func WaitClosed(tb testing.TB, ch <-chan struct{}, within time.Duration, what st
 		tb.Fatalf("%s: not within %v", what, within)
 		return 0
 	}
+}
+
+// FreshDB creates a database that has never seen advlock (no fencing sequence, nothing else), on the server url
+// points at, and drops it when the test ends. It returns the new database's URL.
+func FreshDB(tb testing.TB, url string) string {
+	tb.Helper()
+	u, err := neturl.Parse(url)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	name := fmt.Sprintf("advlock_fresh_%d", time.Now().UnixNano())
+	admin := Conn(tb, url)
+	if _, err := admin.Exec(context.Background(), "CREATE DATABASE "+name); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
+			tb.Errorf("drop %s: %v", name, err)
+		}
+	})
+	u.Path = "/" + name
+	return u.String()
 }

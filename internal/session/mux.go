@@ -105,7 +105,7 @@ func init() {
 				if !try {
 					return unlockFn(shared, args) + "::int"
 				}
-				return "CASE WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE 0 END"
+				return "CASE" + fenceFirst(fenced) + " WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE 0 END"
 			}
 			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair]))
 			singleSQL[f][op-1] = "SELECT " + call(single[pair])
@@ -155,7 +155,9 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 		exit: make(chan struct{}), gone: gone, held: map[*Held]struct{}{}, unlockKey: unlockKey, fenced: fenced}
 	go func() {
 		// The connection stays pinned (inside Wire) for the Mux's life; readers use it from their goroutines.
+		called := false
 		werr := conn.Wire(func(pc *pgconn.PgConn) error {
+			called = true
 			if err := m.setup(ctx, pc); err != nil {
 				m.ready <- err
 				return err
@@ -164,6 +166,13 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 			<-m.stop
 			return nil
 		})
+		if !called { // the adapter could not give the connection (database/sql's Raw on a closed *sql.Conn)
+			if werr == nil {
+				werr = errors.New("the driver gave no access to the connection")
+			}
+			werr = fmt.Errorf("open shared session: %w", werr)
+			m.ready <- werr
+		}
 		m.mu.Lock()
 		dead := m.dead
 		m.mu.Unlock()
@@ -333,7 +342,17 @@ func (m *Mux) read(me *req) {
 // onTimeout handles a read deadline: a caller wants the quiet socket (the background reader yields), a silent
 // idle session gets a keepalive round trip, a round trip unanswered past the bound ends the session.
 func (m *Mux) onTimeout(me *req) (yield bool, err error) {
+	if h := testHookSettle.Load(); h != nil {
+		(*h)(m, "timeout")
+	}
 	m.mu.Lock()
+	if m.dead != nil {
+		// kill closed the socket while this reader held it (its deadline may have fired first): the reader is the one
+		// to settle the Mux, never to hand a dead socket over.
+		cause := m.dead
+		m.mu.Unlock()
+		return false, cause
+	}
 	if m.busy {
 		left := m.bound - time.Since(m.sentAt)
 		m.mu.Unlock()
@@ -364,6 +383,9 @@ func (m *Mux) onTimeout(me *req) (yield bool, err error) {
 // reports done when the reader me may stop reading: its own request is answered (and the role has passed on or
 // the socket is free), or the background reader must yield.
 func (m *Mux) complete(me *req) (done bool, err error) {
+	if h := testHookSettle.Load(); h != nil {
+		(*h)(m, "complete")
+	}
 	m.mu.Lock()
 	wire, results, batchErr := m.wire, m.results, m.batchErr
 	m.wire, m.batchErr = nil, nil
@@ -402,6 +424,12 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 		m.mu.Unlock()
 		m.settle(answered)
 		return false, ErrClosed
+	case next == nil && me != nil && m.dead != nil:
+		// kill closed the socket while this caller read (it counted on the reader to settle the Mux): settle it.
+		cause := m.dead
+		m.mu.Unlock()
+		m.settle(answered)
+		return false, cause
 	case next == nil && me != nil: // a caller's reading ends; the background reader takes over after a quiet moment
 		m.token = tokenFree
 		m.armLocked()
@@ -477,6 +505,11 @@ func (m *Mux) startBG() {
 }
 
 var testHookReaderStarting atomic.Pointer[func(asked func() bool)]
+
+// testHookSettle, in tests only, is called by a reader as it handles a read deadline ("timeout") and as it
+// settles an answered round trip ("complete"), before it takes the Mux's lock: the moments where a kill from
+// another goroutine must still be settled by someone.
+var testHookSettle atomic.Pointer[func(m *Mux, at string)]
 
 // SetTestHookReaderStarting makes every background reader that starts on a quiet socket call f first, outside the
 // Mux's lock; asked reports whether a caller has asked for the socket back. nil removes it. Tests only.

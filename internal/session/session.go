@@ -101,6 +101,8 @@ type Config struct {
 	UnlockKey func(ID) ID
 	// Events, when set, is told when sessions open, close and are destroyed.
 	Events Events
+	// OpenBound bounds the opening of a shared session (0: VerifyBound). Tests shorten it.
+	OpenBound time.Duration
 	// Settings are applied (SET, session level) once per physical connection, once it is proved to be a server
 	// session of its own (direct, or pinned by a pooler in session mode), never through a transaction-mode
 	// pooler, where they would stay on a server session that other clients then use. Names and values are SQL

@@ -12,6 +12,10 @@ import (
 // session with no round trip on the wire if there is one; when every open one is busy and fewer than Max are
 // open, another is opened in the background while the request queues on the least loaded one (so nobody waits
 // for a connection to be made, except for the first session).
+//
+// Every open runs in the background under a bound of its own (VerifyBound for all of it: the connection, its
+// checks and settings, the prepared statements), whatever the context of the call that needed it, and Stop ends
+// it at once. Callers that need a session while none is open wait for the open (or their context, or Stop).
 type Shared struct {
 	max             int
 	pool            Pool
@@ -21,11 +25,12 @@ type Shared struct {
 	mu      sync.Mutex
 	muxes   []*Mux
 	opening int
+	openErr error // why the last open failed (nil once one succeeds)
 	closed  bool
 	bg      sync.WaitGroup
 	bgCtx   context.Context
 	bgStop  context.CancelFunc
-	changed chan struct{} // closed (and replaced) whenever an open ends
+	changed chan struct{} // closed (and replaced) whenever an open ends, and by Stop
 }
 
 // NewShared returns a set of at most max shared sessions over pool. keepalive is the Locker's: shared sessions
@@ -37,11 +42,13 @@ func NewShared(max int, pool Pool, cfg Config, keepalive time.Duration) *Shared 
 }
 
 // Get returns the shared session a request should go to: one with no round trip on the wire if there is one; else
-// the least loaded (and, below the maximum, another opens in the background); with none open, a new one (a try,
-// wait false, does not wait for a connection for it: ErrPoolExhausted); with every slot being opened, the first
-// to open.
+// the least loaded (and, below the maximum, another opens in the background). With none open it waits for one to
+// open, until ctx ends; a try (wait false) does not wait for a connection for it (ErrPoolExhausted), and neither
+// does a wait, which takes a session of its own instead (so it waits for a connection as long as ctx allows).
+// When the open it waited for failed, Get returns why.
 func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 	s.mu.Lock()
+	waited := false
 	for {
 		if s.closed {
 			s.mu.Unlock()
@@ -64,64 +71,78 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 			}
 		}
 		grow := live+s.opening < s.max
-		switch {
-		case best != nil:
+		if best != nil {
 			if grow {
-				s.opening++
-				s.bg.Add(1)
-				go func() {
-					defer s.bg.Done()
-					ctx, cancel := context.WithTimeout(s.bgCtx, 30*time.Second)
-					defer cancel()
-					_, _ = s.open(ctx)
-				}()
+				s.openLocked()
 			}
 			s.mu.Unlock()
 			return best, nil
-		case grow:
-			if !wait && s.pool.Stats().Exhausted() {
+		}
+		if waited && s.opening == 0 && s.openErr != nil {
+			err := s.openErr
+			s.mu.Unlock()
+			return nil, WithContext(ctx, err)
+		}
+		if grow {
+			if s.pool.Stats().Exhausted() {
 				s.mu.Unlock()
 				return nil, ErrPoolExhausted
 			}
-			s.opening++
-			s.mu.Unlock()
-			return s.open(ctx)
+			s.openLocked()
 		}
-		ch := s.changed // every slot is being opened: wait for one
+		ch := s.changed // wait for an open to end
 		s.mu.Unlock()
 		select {
 		case <-ch:
 		case <-ctx.Done():
 			return nil, WithContext(ctx, errors.New("waiting for a shared session to open"))
 		}
+		waited = true
 		s.mu.Lock()
 	}
 }
 
-// open makes one shared session and adds it to the set.
-func (s *Shared) open(ctx context.Context) (m *Mux, err error) {
-	defer func() {
+// openLocked starts opening one more shared session in the background.
+func (s *Shared) openLocked() {
+	s.opening++
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		bound := s.cfg.OpenBound
+		if bound <= 0 {
+			bound = VerifyBound
+		}
+		ctx, cancel := context.WithTimeout(s.bgCtx, bound)
+		defer cancel()
+		m, err := s.open(ctx)
+		if err != nil && s.bgCtx.Err() == nil && ctx.Err() != nil {
+			err = fmt.Errorf("open a shared session: not done within %v (%v)", bound, err)
+		}
 		s.mu.Lock()
 		s.opening--
-		close(s.changed)
-		s.changed = make(chan struct{})
+		s.openErr = err
 		if err == nil {
 			if s.closed {
 				s.mu.Unlock()
 				m.Close()
-				m, err = nil, ErrClosed
 				return
 			}
 			s.muxes = append(s.muxes, m)
 		}
+		close(s.changed)
+		s.changed = make(chan struct{})
 		s.mu.Unlock()
 	}()
+}
+
+// open makes one shared session.
+func (s *Shared) open(ctx context.Context) (*Mux, error) {
 	conn, err := s.cfg.Waits.acquire(ctx, s.pool) // Close ends the wait for a connection
 	if err != nil {
 		if errors.Is(err, ErrClosed) {
 			return nil, err
 		}
-		return nil, WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
+		return nil, fmt.Errorf("acquire connection: %w", err)
 	}
 	if s.cfg.Wrap != nil {
 		conn = s.cfg.Wrap(conn)
@@ -134,20 +155,16 @@ func (s *Shared) open(ctx context.Context) (m *Mux, err error) {
 			becauseErr(conn, "checking a new connection failed", err)
 			conn.Destroy()
 		}
-		return nil, WithContext(ctx, err)
+		return nil, err
 	}
 	// A shared session is advlock's for its whole life (destroyed, never pooled, at the end): a frozen holder's is
 	// ended by the server (see FrozenAfter), whatever the pool's settings.
 	if _, err := conn.QueryInt(ctx, frozenSQL(s.frozenKeepalive)); err != nil {
 		becauseErr(conn, "setting up a shared session failed", err)
 		conn.Destroy()
-		return nil, WithContext(ctx, fmt.Errorf("set up shared session: %w", err))
+		return nil, fmt.Errorf("set up shared session: %w", err)
 	}
-	m, err = OpenMux(ctx, conn, s.cfg.Keepalive, s.remove, s.cfg.UnlockKey, s.cfg.Fencing)
-	if err != nil {
-		return nil, WithContext(ctx, err)
-	}
-	return m, nil
+	return OpenMux(ctx, conn, s.cfg.Keepalive, s.remove, s.cfg.UnlockKey, s.cfg.Fencing)
 }
 
 // remove drops a dead session from the set; later requests go to the others, or to a new one.
@@ -169,14 +186,27 @@ func (s *Shared) Sessions() int {
 	return len(s.muxes)
 }
 
-// Close closes every shared session (locks still on them are reported ErrClosed) and waits for background work.
-func (s *Shared) Close() {
+// Stop refuses later requests (ErrClosed), ends the opens under way and wakes the callers waiting for them. The
+// sessions already open stay, for the unlocks that Close still makes.
+func (s *Shared) Stop() {
 	s.mu.Lock()
-	s.closed = true
-	muxes := append([]*Mux(nil), s.muxes...)
+	if !s.closed {
+		s.closed = true
+		close(s.changed)
+		s.changed = make(chan struct{})
+	}
 	s.mu.Unlock()
 	s.bgStop()
+}
+
+// Close stops (see Stop), waits for the opens under way to end, and closes every shared session (locks still on
+// them are reported ErrClosed).
+func (s *Shared) Close() {
+	s.Stop()
 	s.bg.Wait()
+	s.mu.Lock()
+	muxes := append([]*Mux(nil), s.muxes...)
+	s.mu.Unlock()
 	for _, m := range muxes {
 		m.Close()
 	}

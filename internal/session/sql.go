@@ -38,7 +38,8 @@ func (id ID) literal() string {
 
 // Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
-	resultTimeouts = -2 // LockSQL: held elsewhere, and a statement_timeout or lock_timeout is set: use WaitSQL
+	resultPrelude  = "-3" // never: fenceFirst's branch
+	resultTimeouts = -2   // LockSQL: held elsewhere, and a statement_timeout or lock_timeout is set: use WaitSQL
 	resultStandby  = -1
 	resultNotHeld  = 0
 	resultAcquired = 1
@@ -52,14 +53,28 @@ const FenceSeq = "public.advlock_fence"
 // grant is what a statement yields for a grant: 1, or a fresh token. A token is used outside the database, so it
 // must survive a crash: a nextval in a transaction that writes nothing else may be lost with the server (its WAL
 // need not be flushed before the value reaches the client, and after a crash the sequence can hand it out again).
-// So the grant also takes a transaction id and sets synchronous_commit on for its own transaction: the statement's
-// commit then flushes the sequence's WAL (and waits for synchronous standbys, if any) before the answer is sent.
+// So the grant also takes a transaction id and sets synchronous_commit to local for its own transaction: the
+// statement's commit then flushes the sequence's WAL before the answer is sent. Local, not on: a grant never waits
+// for a synchronous standby (were one down, every fenced grant would stall, and a shared session stalled past its
+// round-trip bound is closed with every lock on it).
 func grant(fenced bool) string {
 	if fenced {
 		return "(nextval('" + FenceSeq + "') + 0 * txid_current() + " +
-			"0 * length(set_config('synchronous_commit', 'on', true)))"
+			"0 * length(set_config('synchronous_commit', 'local', true)))"
 	}
 	return "1"
+}
+
+// fenceFirst is a CASE branch, never chosen, that a fenced try puts before its lock function: it takes the
+// transaction id (txid_current) and the sequence's lock for the transaction (pg_sequence_last_value opens and
+// locks it; nextval then takes no lock of its own) before the advisory lock. Both take lock-table space; taken
+// after a grant, either could fail for lack of it (53200) with the session lock already granted, which survives
+// the error. Taken first, a try that fails for lack of space has taken nothing.
+func fenceFirst(fenced bool) string {
+	if fenced {
+		return " WHEN txid_current() < 0 OR pg_sequence_last_value('" + FenceSeq + "') < 0 THEN " + resultPrelude
+	}
+	return ""
 }
 
 // lockFn names the advisory-lock function of a target's kind: lock(try, shared) with the key arguments args.
@@ -91,7 +106,7 @@ func init() {
 		for p := range 2 {
 			for sh := range 2 {
 				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
-				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
+				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1" + fenceFirst(fenced) + " WHEN " + lockFn(true, shared, args) +
 					" THEN " + grant(fenced) + " ELSE 0 END"
 				lockSQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 " +
 					"WHEN current_setting('statement_timeout') = '0' AND current_setting('lock_timeout') = '0' " +
@@ -196,31 +211,62 @@ func XactResult(r int64) error {
 }
 
 // EnsureFence makes sure FenceSeq exists and can be used, creating it if it is missing, through one connection of
-// pool. A role that can neither create it nor use it gets ErrFencing saying what to run.
-func EnsureFence(ctx context.Context, pool Pool) error {
-	conn, err := pool.Acquire(ctx)
-	if err != nil {
-		return WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
+// pool. Only what an operator must fix is ErrFencing: a role that may neither create the sequence nor use it gets
+// ErrFencing saying what to run. Anything else (a connection that failed, a server that did not answer within
+// VerifyBound) is returned as it is, for the caller to try again. Many clients may create the sequence at the same
+// moment on a database that never had it (a fleet's first deploy): CREATE SEQUENCE IF NOT EXISTS is not safe
+// against a concurrent create (it fails with a duplicate key on pg_class), so such an error means "it exists now".
+// With try, it does not wait for a connection (ErrPoolExhausted).
+func EnsureFence(ctx context.Context, pool Pool, try bool) error {
+	if try && pool.Stats().Exhausted() {
+		return ErrPoolExhausted
 	}
-	exists, err := conn.QueryInt(ctx, "SELECT (to_regclass('"+FenceSeq+"') IS NOT NULL)::int")
-	if err == nil && exists == 0 {
-		// IF NOT EXISTS: another client may create it at the same moment. It needs CREATE on schema public.
-		if _, err = conn.QueryInt(ctx, "CREATE SEQUENCE IF NOT EXISTS "+FenceSeq+"; SELECT 1"); SQLState(err) == "42501" {
-			conn.Release()
+	bctx, cancel := context.WithTimeout(ctx, VerifyBound)
+	defer cancel()
+	conn, err := pool.Acquire(bctx)
+	if err != nil {
+		return WithContext(ctx, fmt.Errorf("check the fencing sequence: acquire connection: %w", err))
+	}
+	err = ensureFence(bctx, conn)
+	switch {
+	case err == nil || errors.Is(err, ErrFencing):
+		conn.Release() // it answered; nothing was locked on it
+		return err
+	case ctx.Err() == nil && bctx.Err() != nil:
+		err = fmt.Errorf("check the fencing sequence: no answer within %v", VerifyBound)
+	}
+	conn.Destroy()
+	return WithContext(ctx, err)
+}
+
+func ensureFence(ctx context.Context, conn Conn) error {
+	for attempt := 0; ; attempt++ {
+		exists, err := conn.QueryInt(ctx, "SELECT (to_regclass('"+FenceSeq+"') IS NOT NULL)::int")
+		if err != nil {
+			return fmt.Errorf("check the fencing sequence: %w", err)
+		}
+		if exists == 1 {
+			break
+		}
+		// It needs CREATE on schema public.
+		_, err = conn.QueryInt(ctx, "CREATE SEQUENCE IF NOT EXISTS "+FenceSeq+"; SELECT 1")
+		switch code := SQLState(err); {
+		case err == nil:
+		case code == "42501":
 			return fmt.Errorf("%w: the sequence %s does not exist and this role may not create it (it needs CREATE on "+
 				"schema public); as a role that may, run: CREATE SEQUENCE %s; GRANT USAGE ON SEQUENCE %s TO <role>: %v",
 				ErrFencing, FenceSeq, FenceSeq, FenceSeq, err)
+		case (code == "23505" || code == "42P07" || code == "42710") && attempt < 3:
+			continue // created by another client at the same moment: look again
+		default:
+			return fmt.Errorf("create the fencing sequence: %w", err)
 		}
+		break
 	}
-	var usable int64
-	if err == nil {
-		usable, err = conn.QueryInt(ctx, "SELECT has_sequence_privilege('"+FenceSeq+"', 'USAGE')::int")
-	}
+	usable, err := conn.QueryInt(ctx, "SELECT has_sequence_privilege('"+FenceSeq+"', 'USAGE')::int")
 	if err != nil {
-		conn.Destroy()
-		return WithContext(ctx, fmt.Errorf("%w: %w", ErrFencing, err))
+		return fmt.Errorf("check the fencing sequence: %w", err)
 	}
-	conn.Release()
 	if usable == 0 {
 		return fmt.Errorf("%w: this role may not use the sequence %s; as its owner run: GRANT USAGE ON SEQUENCE %s TO <role>",
 			ErrFencing, FenceSeq, FenceSeq)
