@@ -36,6 +36,13 @@ func TestPrivateCluster(t *testing.T) {
 				t.Errorf("%s on a standby: %v, want ErrStandby", name, err)
 			}
 		}
+		// Lead on a standby is not ended: a standby may be promoted (a failover); it campaigns again and again.
+		lctx, cancel := context.WithTimeout(ctx, 1500*time.Millisecond)
+		err := l.Lead(lctx, k, func(context.Context) error { t.Error("led on a standby"); return nil })
+		cancel()
+		if !errors.Is(err, context.DeadlineExceeded) || l.Stats().CampaignRetries < 2 {
+			t.Errorf("Lead on a standby for 1.5 s: %v after %d campaigns tried again, want its ctx's error after several", err, l.Stats().CampaignRetries)
+		}
 		rows, err := pgtest.Locks(ctx, pgtest.Conn(t, s.URL))
 		if err != nil {
 			t.Fatal(err)
@@ -414,6 +421,9 @@ func TestFencingCluster(t *testing.T) {
 		_, err = weak.TryLock(ctx, key(t))
 		if !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "GRANT USAGE") {
 			t.Fatalf("fencing for a role that may not use the sequence: %v, want ErrFencing naming GRANT USAGE", err)
+		}
+		if err := weak.Lead(ctx, key(t), func(context.Context) error { return nil }); !errors.Is(err, ErrFencing) {
+			t.Fatalf("Lead for a role that may not use the sequence: %v, want it to end with ErrFencing", err)
 		}
 		if _, err := obs.Exec(ctx, "GRANT USAGE ON SEQUENCE public.advlock_fence TO fenceweak"); err != nil {
 			t.Fatal(err)

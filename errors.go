@@ -40,8 +40,11 @@ var (
 	// where a session lock would stay on a server session other clients use. Nothing was locked. Use session
 	// pooling, or the transaction-scoped XactLock and DoTx.
 	ErrTxPooling = session.ErrTxPooling
-	// ErrUnverified: the connection goes through a pooler, and no second connection could be had within 2s to
-	// prove that the pooler pins server sessions. Nothing was locked.
+	// ErrUnverified: a new connection could not be proved to be a server session of its own: the driver does not
+	// report the session's pid (lib/pq), or the pid it reports is not the session's (a pooler), and no second
+	// connection of the pool was free within 2s to rule out a pooler in transaction mode. Nothing was locked; it
+	// passes once the pool has a connection free (Lead tries again). Give locks a pool of their own ([Open],
+	// advsql.Open) or a bigger one.
 	ErrUnverified = session.ErrUnverified
 )
 

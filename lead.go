@@ -10,17 +10,27 @@ import (
 
 // Lead campaigns for key and runs fn while this process leads: it waits in the server (no polling) until elected,
 // runs fn with a context that is cancelled when leadership is lost (the session ended) or ctx ends, releases
-// leadership when fn returns, and campaigns again, until ctx ends (Lead then returns ctx's error) or fn returns an
-// error that the loss did not cause (Lead returns it). A leader that loses its lock steps down at once and
-// campaigns again after a short backoff (50 to 150 ms); so does a campaign that fails for a passing reason (the
-// database unreachable for a moment), with a backoff that grows to 2 s. Configuration errors (ErrClosed,
-// ErrStandby, ErrTxPooling, ErrUnverified, ErrFencing, ErrNoPool, ErrInvalidKey) end Lead at once.
+// leadership when fn returns (also when fn panics: it steps down, then the panic goes on), and campaigns again,
+// until ctx ends (Lead then returns ctx's error) or fn returns an error while its context was still live (Lead
+// returns it: the loss did not cause it). What ended a term is judged from fn's context at the moment fn returns:
+// if it had been cancelled because the lock was lost (cause ErrLockLost), fn's error is taken as the loss's doing
+// and this process campaigns again after a short backoff (50 to 150 ms).
+//
+// A campaign that fails for any other reason (the database down or restarting, a connection terminated, a
+// standby that is not promoted yet, no connection free to check a new one, a full lock table) is tried again with
+// a backoff that grows to 2 s, logged by [WithLogger] and counted in [Stats] (CampaignRetries). Only what an
+// operator must fix ends Lead: ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, and ErrFencing (which is only
+// ever a missing privilege).
 //
 // fn gets the leader's fencing token through [FenceToken] when the Locker has [WithFencing]: every term's token
 // is greater than the last, so a deposed leader that was paused can be refused by what it writes to. Lead suits
 // "one pod runs the scheduler": the leader's lock is a session lock like any other (advlock ls shows it, and
 // [Leader] reads who leads from any process).
 func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context) error) error {
+	if l != nil {
+		l.campaigning.Add(1)
+		defer l.campaigning.Add(-1)
+	}
 	backoff := 50 * time.Millisecond
 	for {
 		lk, err := l.Lock(ctx, key)
@@ -28,39 +38,69 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			for _, fatal := range []error{ErrClosed, ErrStandby, ErrTxPooling, ErrUnverified, ErrFencing, ErrNoPool, ErrInvalidKey} {
-				if errors.Is(err, fatal) {
-					return fmt.Errorf("advlock: lead %s: %w", key, err)
-				}
+			if leadEnds(err) {
+				err = fmt.Errorf("advlock: lead %s: %w", key, err)
+				l.campaignFailed(key, err, 0)
+				return err
 			}
-			if !sleep(ctx, jitter(backoff)) {
+			wait := jitter(backoff)
+			l.campaignFailed(key, err, wait)
+			if !sleep(ctx, wait) {
 				return ctx.Err()
 			}
 			backoff = min(2*backoff, 2*time.Second)
 			continue
 		}
 		backoff = 50 * time.Millisecond
-		fctx, cancel := context.WithCancelCause(context.WithValue(ctx, lockKey{}, lk))
-		stop := lk.h.AfterEnd(func() { cancel(lk.Err()) })
-		ferr := fn(fctx)
-		stop()
-		cancel(nil)
-		lost := errors.Is(lk.Err(), ErrLockLost)
-		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.ReleaseTimeout)
-		uerr := lk.Unlock(uctx)
-		ucancel()
-		lost = lost || errors.Is(uerr, ErrLockLost)
+		ferr, lost := l.term(ctx, lk, fn)
 		switch {
+		case ferr != nil && !lost:
+			return ferr // fn's own error: its context was live when it returned
 		case ctx.Err() != nil:
 			return ctx.Err()
-		case ferr != nil && !lost:
-			return ferr
 		case lost: // step down, then campaign again
 			if !sleep(ctx, jitter(100*time.Millisecond)) {
 				return ctx.Err()
 			}
 		}
 	}
+}
+
+// term runs fn as the leader holding lk and steps down when fn returns or panics. lost reports whether fn's
+// context had been cancelled by the loss of the lock when fn returned; ferr is fn's error unless the Lead's own ctx
+// had ended by then (then the caller returns ctx's error).
+func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context) error) (ferr error, lost bool) {
+	l.leading.Add(1)
+	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, lockKey{}, lk))
+	stop := lk.h.AfterEnd(func() { cancel(lk.Err()) })
+	defer func() { // also when fn panics: nobody else would ever lead
+		stop()
+		cancel(nil)
+		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.ReleaseTimeout)
+		defer ucancel()
+		if uerr := lk.Unlock(uctx); errors.Is(uerr, ErrLockLost) && ferr == nil {
+			lost = true // lost while fn ran, noticed by the unlock: campaign again after the backoff
+		}
+		l.leading.Add(-1)
+	}()
+	ferr = fn(fctx)
+	if fctx.Err() != nil { // judged now, before anything else moves: who ended fn's context?
+		lost = errors.Is(context.Cause(fctx), ErrLockLost)
+		if !lost {
+			ferr = nil // ctx ended: the caller returns ctx's error
+		}
+	}
+	return ferr, lost
+}
+
+// leadEnds reports whether a campaign's error is one an operator must fix: trying again cannot help.
+func leadEnds(err error) bool {
+	for _, fatal := range []error{ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, ErrFencing} {
+		if errors.Is(err, fatal) {
+			return true
+		}
+	}
+	return false
 }
 
 // jitter spreads d over [d/2, 3d/2).

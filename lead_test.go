@@ -3,6 +3,8 @@ package advlock
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -140,5 +142,160 @@ func TestLead(t *testing.T) {
 	t.Logf("%d terms, %d lost", len(terms), lostTerms)
 	if lostTerms != 1 {
 		t.Errorf("%d terms lost, want the 1 whose backend was terminated", lostTerms)
+	}
+}
+
+// runLead runs l.Lead in a goroutine; the channel gets its result, or the value of a panic that escaped it (as a
+// job runner that recovers would see it).
+func runLead(ctx context.Context, l *Locker, k Key, fn func(context.Context) error) <-chan any {
+	out := make(chan any, 1)
+	go func() {
+		defer func() {
+			if r := recover(); r != nil {
+				out <- r
+			}
+		}()
+		out <- l.Lead(ctx, k, fn)
+	}()
+	return out
+}
+
+// A leader whose fn panics steps down before the panic goes on: the key is free in pg_locks at once, another
+// process leads, and the same Locker leads again later (it waited behind its own orphaned lock before).
+func TestLeadPanicStepsDown(t *testing.T) {
+	for _, shared := range []int{4, 0} {
+		b := setup(t, WithSharedSessions(shared))
+		other := New(pgtest.Pool(t, b.url, nil), WithSharedSessions(shared))
+		t.Cleanup(other.Close)
+		ctx := ctxT(t, 30*time.Second)
+		k := key(t)
+		res := runLead(ctx, b.l, k, func(context.Context) error { panic("boom") })
+		select {
+		case r := <-res:
+			if r != "boom" {
+				t.Fatalf("shared %d: Lead whose fn panics: %v, want the panic to go on", shared, r)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("Lead whose fn panics did not return")
+		}
+		b.waitFree(t, k)
+		if st := b.l.Stats(); st.Leading != 0 || st.Held != 0 {
+			t.Errorf("shared %d: after the panic, Stats %+v, want nothing leading or held", shared, st)
+		}
+		for _, l := range []*Locker{other, b.l} {
+			lctx, cancel := context.WithCancel(ctx)
+			led := make(chan struct{})
+			res := runLead(lctx, l, k, func(ctx context.Context) error {
+				close(led)
+				<-ctx.Done()
+				return nil
+			})
+			select {
+			case <-led:
+			case <-time.After(5 * time.Second):
+				t.Fatalf("shared %d: no leader after the panicking one stepped down", shared)
+			}
+			cancel()
+			if r := <-res; !errors.Is(r.(error), context.Canceled) {
+				t.Errorf("Lead after cancel: %v", r)
+			}
+		}
+	}
+}
+
+// fn's own error ends Lead when its context was live as it returned, even when the session is terminated at that
+// very moment (the unlock then finds it lost): the loss is judged from fn's context, not afterwards. When fn's
+// context had already been cancelled by the loss, Lead takes fn's error as the loss's doing and leads again.
+func TestLeadErrorRacingLoss(t *testing.T) {
+	errOwn, errSecond := errors.New("fn's own error"), errors.New("second term")
+	for _, shared := range []int{4, 0} {
+		b := setup(t, WithSharedSessions(shared))
+		ctx := ctxT(t, 60*time.Second)
+		live, dead := 0, 0
+		for i := range 30 {
+			k := key(t)
+			runs := 0
+			var wasLive bool
+			err := b.l.Lead(ctx, k, func(fctx context.Context) error {
+				runs++
+				if runs > 1 {
+					return errSecond
+				}
+				pgtest.Terminate(t, b.obs, b.holders(t, k)[0])
+				if i%2 == 1 {
+					time.Sleep(time.Duration(i%5) * 100 * time.Microsecond)
+				}
+				wasLive = fctx.Err() == nil
+				return errOwn
+			})
+			switch {
+			case wasLive:
+				live++
+				if !errors.Is(err, errOwn) || runs != 1 {
+					t.Fatalf("shared %d, iteration %d: fn returned its own error with its context live: Lead = %v after %d runs, want fn's error after 1", shared, i, err, runs)
+				}
+			default:
+				dead++
+				if !errors.Is(err, errSecond) || runs != 2 {
+					t.Fatalf("shared %d, iteration %d: fn returned after the loss cancelled its context: Lead = %v after %d runs, want a second term", shared, i, err, runs)
+				}
+			}
+			b.waitFree(t, k)
+		}
+		t.Logf("shared %d: fn's context live at its return %d times, already cancelled by the loss %d times", shared, live, dead)
+		if live == 0 {
+			t.Errorf("shared %d: the race was never met with fn's context live", shared)
+		}
+	}
+}
+
+// Which errors end Lead: those an operator must fix (a zero key, a closed Locker); a passing failure of the first
+// fenced campaign (the pool's idle connection terminated) is retried, counted in Stats and logged, and Lead leads.
+func TestLeadEnds(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	if err := b.l.Lead(ctx, Key{}, func(context.Context) error { return nil }); !errors.Is(err, ErrInvalidKey) {
+		t.Errorf("Lead of the zero key: %v, want ErrInvalidKey", err)
+	}
+	closed := New(pgtest.Pool(t, b.url, nil))
+	closed.Close()
+	if err := closed.Lead(ctx, key(t), func(context.Context) error { return nil }); !errors.Is(err, ErrClosed) {
+		t.Errorf("Lead on a closed Locker: %v, want ErrClosed", err)
+	}
+
+	var logs syncBuffer
+	pool := pgtest.Pool(t, b.url, func(c *pgxpool.Config) { c.MaxConns = 4 })
+	var pid uint32
+	if err := pool.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.Terminate(t, b.obs, pid) // the pool's one idle connection is dead, and the pool does not know yet
+	l := New(pool, WithFencing(), WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	defer l.Close()
+	lctx, cancel := context.WithCancel(ctx)
+	led := make(chan Stats, 1)
+	res := runLead(lctx, l, key(t), func(ctx context.Context) error {
+		led <- l.Stats()
+		<-ctx.Done()
+		return nil
+	})
+	select {
+	case st := <-led:
+		if st.Campaigning != 1 || st.Leading != 1 {
+			t.Errorf("Stats while leading: %+v, want 1 campaigning, 1 leading", st)
+		}
+		t.Logf("led after %d failed campaigns; log: %s", st.CampaignRetries, logs.String())
+		if st.CampaignRetries < 1 || !strings.Contains(logs.String(), "advlock: campaign failed; trying again") {
+			t.Errorf("the failed first campaign is not in Stats (%d) or the log", st.CampaignRetries)
+		}
+	case r := <-res:
+		t.Fatalf("Lead ended on a passing failure: %v", r)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Lead did not lead")
+	}
+	cancel()
+	<-res
+	if st := l.Stats(); st.Campaigning != 0 || st.Leading != 0 {
+		t.Errorf("Stats after Lead returned: %+v", st)
 	}
 }

@@ -34,6 +34,10 @@ type Locker struct {
 	inflight    sync.WaitGroup // Lock calls under way
 	heldWG      sync.WaitGroup // locks in held
 
+	campaigning     atomic.Int64 // Lead calls running
+	leading         atomic.Int64 // of them, those whose fn runs now
+	campaignRetries atomic.Int64 // Lead campaigns that failed and were tried again
+
 	fenceSem chan struct{} // one fence check at a time (a buffered channel of 1: waiting for it honours ctx)
 	fenceOK  atomic.Bool   // the fencing sequence exists and may be used
 
@@ -359,6 +363,9 @@ func (l *Locker) Close() {
 	if !wasClosed && l.ownsPool != nil {
 		l.ownsPool.Close()
 	}
+	if !wasClosed && l.opts.OnClose != nil {
+		l.opts.OnClose()
+	}
 }
 
 // Do takes key exclusively (waiting like Lock; [Wait] bounds that wait apart from ctx), runs fn, and unlocks, also
@@ -417,12 +424,15 @@ func trimPrefix(s string) string {
 
 // Stats is what a Locker is doing now.
 type Stats struct {
-	Held             int // locks held
-	HeldShared       int // of them on shared sessions
-	WaitingInProcess int // Lock calls waiting behind another holder of the same key in this Locker
-	WaitingInServer  int // Lock calls waiting in PostgreSQL, each on a session of its own
-	SharedSessions   int // shared sessions open
-	OwnSessions      int // sessions of their own in use: holding a lock, or waiting in the server
+	Held             int   // locks held
+	HeldShared       int   // of them on shared sessions
+	WaitingInProcess int   // Lock calls waiting behind another holder of the same key in this Locker
+	WaitingInServer  int   // Lock calls waiting in PostgreSQL, each on a session of its own
+	SharedSessions   int   // shared sessions open
+	OwnSessions      int   // sessions of their own in use: holding a lock, or waiting in the server
+	Campaigning      int   // Lead calls running (campaigning or leading)
+	Leading          int   // of them, those leading now (their fn runs)
+	CampaignRetries  int64 // Lead campaigns that failed for a passing reason and were tried again, since New or Open
 	Pool             PoolStats
 }
 
@@ -452,6 +462,8 @@ func (l *Locker) Stats() Stats {
 		st.SharedSessions = l.shared.Sessions()
 	}
 	st.OwnSessions = st.Held - st.HeldShared + st.WaitingInServer
+	st.Campaigning, st.Leading = int(l.campaigning.Load()), int(l.leading.Load())
+	st.CampaignRetries = l.campaignRetries.Load()
 	st.Pool = l.pool.Stats()
 	return st
 }

@@ -25,6 +25,19 @@ type Observer interface {
 	Session(e SessionEvent)
 }
 
+// CampaignObserver is an Observer that is also told when a [Locker.Lead] campaign fails (optional: the Locker
+// asks each Observer whether it implements it). WithLogger's does.
+type CampaignObserver interface {
+	CampaignFailed(e CampaignFailure)
+}
+
+// CampaignFailure is a Lead campaign that failed.
+type CampaignFailure struct {
+	Key   Key
+	Err   error
+	Retry time.Duration // how long until the next campaign; 0 when Lead ended with Err
+}
+
 // LockCall describes a lock call.
 type LockCall struct {
 	Key    Key
@@ -82,7 +95,9 @@ func WithObserver(o Observer) Option {
 
 // WithLogger logs through l: WARN when a held lock is lost (message "advlock: lock lost"; attributes key, as
 // Key.String writes it, cause, and held, how long it had been held), when a session is destroyed on doubt
-// (reason, mode) and when a session lock is refused because a pooler in transaction mode stands in between; DEBUG
+// (reason, mode), when a session lock is refused because a pooler in transaction mode stands in between, and when a
+// Lead campaign fails and is tried again ("advlock: campaign failed; trying again": key, error, retry_in; ERROR
+// "advlock: campaign ended" when Lead ends on an error); DEBUG
 // for every acquisition (result, wait), release (held) and session opened or closed. Errors it logs name no DSN
 // and no password. A nil l logs nothing, as does a Locker without WithLogger.
 func WithLogger(l *slog.Logger) Option {
@@ -138,6 +153,32 @@ func (o logObserver) Session(e SessionEvent) {
 		return
 	}
 	o.l.LogAttrs(ctx, slog.LevelDebug, "advlock: session "+e.Event, slog.String("mode", e.Mode))
+}
+
+func (o logObserver) CampaignFailed(e CampaignFailure) {
+	ctx := context.Background()
+	if e.Retry == 0 {
+		o.l.LogAttrs(ctx, slog.LevelError, "advlock: campaign ended", slog.String("key", e.Key.String()),
+			slog.String("error", e.Err.Error()))
+		return
+	}
+	o.l.LogAttrs(ctx, slog.LevelWarn, "advlock: campaign failed; trying again", slog.String("key", e.Key.String()),
+		slog.String("error", e.Err.Error()), slog.Duration("retry_in", e.Retry))
+}
+
+// campaignFailed counts a failed campaign and tells the observers that care.
+func (l *Locker) campaignFailed(key Key, err error, retry time.Duration) {
+	if l == nil {
+		return
+	}
+	if retry > 0 {
+		l.campaignRetries.Add(1)
+	}
+	for _, o := range l.obs {
+		if c, ok := o.(CampaignObserver); ok {
+			c.CampaignFailed(CampaignFailure{Key: key, Err: err, Retry: retry})
+		}
+	}
 }
 
 func modeName(shared bool) string {

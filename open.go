@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"strconv"
 	"strings"
 	"time"
 
@@ -67,7 +66,7 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	for _, opt := range opts {
 		opt(&o)
 	}
-	o.Settings = openSettings(o.Keepalive)
+	o.Settings = session.OpenSettings(o.Keepalive)
 	if o.PoolConfig != nil {
 		o.PoolConfig(cfg)
 	}
@@ -93,17 +92,3 @@ const DefaultOpenConns = 24
 // has no connect_timeout: a connection made into a network that silently drops packets fails instead of hanging,
 // with it the call that needed the connection, even a TryLock under a context without a deadline.
 const DefaultConnectTimeout = 10 * time.Second
-
-// openSettings are what Open's Locker sets on each lock session (see Open).
-func openSettings(keepalive time.Duration) []session.Setting {
-	return []session.Setting{
-		{Name: "statement_timeout", Value: "0"},
-		{Name: "lock_timeout", Value: "0"},
-		{Name: "idle_session_timeout", Value: strconv.FormatInt(session.FrozenAfter(keepalive).Milliseconds(), 10)},
-		{Name: "idle_in_transaction_session_timeout", Value: "0"},
-		{Name: "tcp_keepalives_idle", Value: "10"},
-		{Name: "tcp_keepalives_interval", Value: "5"},
-		{Name: "tcp_keepalives_count", Value: "3"},
-		{Name: "client_connection_check_interval", Value: "5s"},
-	}
-}

@@ -32,18 +32,28 @@ func (l *Locker) Semaphore(name string, n int) *Semaphore {
 	return s
 }
 
-// TryAcquire takes a free slot, or fails at once with ErrNotAcquired when all n are taken. The returned Lock works
+// TryAcquire takes a free slot, or fails at once with ErrNotAcquired when all n are taken (ErrPoolExhausted when
+// some could not be tried for want of a free connection: it never waits for one). The returned Lock works
 // as any other: Unlock frees the slot; Done, Err and Token work as for a key.
 func (s *Semaphore) TryAcquire(ctx context.Context) (*Lock, error) {
 	if len(s.keys) == 0 {
 		return nil, fmt.Errorf("advlock: semaphore %q: %w: n must be at least 1", s.name, ErrInvalidKey)
 	}
 	start := rand.IntN(len(s.keys)) // spread holders over the slots
+	var exhausted error
 	for i := range s.keys {
 		lk, err := s.l.TryLock(ctx, s.keys[(start+i)%len(s.keys)])
-		if err == nil || !errors.Is(err, ErrNotAcquired) {
-			return lk, err
+		switch {
+		case err == nil:
+			return lk, nil
+		case errors.Is(err, ErrPoolExhausted):
+			exhausted = err // another slot may still be tried on a shared session already open
+		case !errors.Is(err, ErrNotAcquired):
+			return nil, err
 		}
+	}
+	if exhausted != nil {
+		return nil, exhausted // some slots could not be tried: "all taken" would not be true
 	}
 	return nil, &notAcquiredError{why: fmt.Sprintf("all %d slots of semaphore %q are taken", len(s.keys), s.name)}
 }
@@ -51,7 +61,9 @@ func (s *Semaphore) TryAcquire(ctx context.Context) (*Lock, error) {
 // Acquire takes a slot, waiting until one is free or ctx ends (or [Wait]'s bound elapses: ErrNotAcquired). The
 // wait is in the server, on one slot at a time: the release of that slot, or its holder's death, wakes the waiter
 // at once; every 200 ms the waiter also tries every slot once, then waits on the next one, so a slot freed
-// elsewhere is found within that bound.
+// elsewhere is found within that bound. It waits for a connection too: a try of the slots that finds the pool with
+// no connection free (ErrPoolExhausted, which TryAcquire returns) counts as "no slot yet", and the wait on a slot
+// waits for a connection as Lock does.
 func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, error) {
 	co := callOptions(opts)
 	var deadline time.Time
@@ -61,7 +73,7 @@ func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, err
 	slot := rand.IntN(max(len(s.keys), 1))
 	for {
 		lk, err := s.TryAcquire(ctx)
-		if err == nil || !errors.Is(err, ErrNotAcquired) {
+		if err == nil || !errors.Is(err, ErrNotAcquired) && !errors.Is(err, ErrPoolExhausted) {
 			return lk, err
 		}
 		wait := semaphorePoll

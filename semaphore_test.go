@@ -1,6 +1,7 @@
 package advlock
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -131,4 +132,154 @@ func TestSemaphore(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// A waiting Acquire waits for a connection as well as for a slot: with a pool of 2 that has no connection free
+// (a session per lock holding 2 of 3 slots; or a shared session and the application holding the other), another
+// process frees the last slot after 500 ms and a connection is free after 1 s. With a session per lock the waiter
+// takes a slot once it has a connection; on the shared session, as soon as the slot is free. Acquire returned
+// ErrPoolExhausted in microseconds.
+func TestSemaphorePoolPressure(t *testing.T) {
+	for _, mode := range []string{"session per lock", "shared sessions"} {
+		t.Run(mode, func(t *testing.T) {
+			b := setup(t)
+			ctx := ctxT(t, 30*time.Second)
+			name := fmt.Sprintf("pressure-%d", time.Now().UnixNano())
+			pool := pgtest.Pool(t, b.url, func(c *pgxpool.Config) { c.MaxConns = 2 })
+			var l *Locker
+			var free func()
+			if mode == "session per lock" {
+				l = New(pool, WithSharedSessions(0))
+			} else {
+				l = New(pool)
+			}
+			t.Cleanup(l.Close)
+			sem, elsewhere := l.Semaphore(name, 3), b.l.Semaphore(name, 3)
+			var mine []*Lock
+			for range 2 {
+				lk, err := sem.TryAcquire(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				mine = append(mine, lk)
+			}
+			if mode == "shared sessions" { // the application's own query holds the pool's other connection
+				c, err := pool.Acquire(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				free = c.Release
+			} else {
+				free = func() { _ = mine[0].Unlock(ctx) }
+			}
+			other, err := elsewhere.TryAcquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := sem.TryAcquire(ctx); !errors.Is(err, ErrPoolExhausted) && !errors.Is(err, ErrNotAcquired) {
+				t.Errorf("TryAcquire with the pool exhausted: %v, want ErrPoolExhausted or ErrNotAcquired", err)
+			}
+			start := time.Now()
+			time.AfterFunc(500*time.Millisecond, func() { _ = other.Unlock(context.Background()) })
+			time.AfterFunc(time.Second, free)
+			lk, err := sem.Acquire(ctx)
+			took := time.Since(start)
+			if err != nil {
+				t.Fatalf("Acquire under pool pressure after %v: %v, want a slot once a connection is free", took, err)
+			}
+			t.Logf("Acquire took a slot after %v", took.Round(time.Millisecond))
+			// With a session per lock a slot needs a connection of its own (free after 1 s); a shared session
+			// already open takes the slot freed after 500 ms without one, while each wait on a slot in between
+			// waits for a connection in vain.
+			if want := map[string]time.Duration{"session per lock": 900 * time.Millisecond, "shared sessions": 450 * time.Millisecond}[mode]; took < want {
+				t.Errorf("Acquire returned after %v, before a slot it could take was free", took)
+			}
+			if n := slotHolders(t, b, sem); n > 3 {
+				t.Errorf("pg_locks shows %d slots held", n)
+			}
+			_ = lk.Unlock(ctx)
+			for _, lk := range mine {
+				_ = lk.Unlock(ctx)
+			}
+		})
+	}
+}
+
+// Holders terminated under load: 3 Lockers (shared sessions, a session per lock, and shared sessions again), 9
+// goroutines taking and releasing slots of a 2-slot semaphore while slot holders' backends are terminated every
+// 40 ms for 2 s: pg_locks never shows more than 2 slots held, and every goroutine keeps getting slots (a holder
+// leaves as soon as it is told its slot was lost).
+func TestSemaphoreTerminatedUnderLoad(t *testing.T) {
+	b := setup(t)
+	name := fmt.Sprintf("load-%d", time.Now().UnixNano())
+	var sems []*Semaphore
+	for i := range 3 {
+		l := New(pgtest.Pool(t, b.url, func(c *pgxpool.Config) { c.MaxConns = 6 }), WithSharedSessions([]int{4, 0, 4}[i]))
+		t.Cleanup(l.Close)
+		sems = append(sems, l.Semaphore(name, 2))
+	}
+	ctx := ctxT(t, 60*time.Second)
+	stop := make(chan struct{})
+	var inside, worst, sampledWorst atomic.Int32
+	var got [9]atomic.Int32
+	var wg sync.WaitGroup
+	for g := range 9 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				actx, cancel := context.WithTimeout(ctx, 5*time.Second)
+				lk, err := sems[g%3].Acquire(actx)
+				cancel()
+				if err != nil {
+					continue // its waiting session was terminated, or it waited 5 s: try again
+				}
+				got[g].Add(1)
+				n := inside.Add(1)
+				for w := worst.Load(); n > w && !worst.CompareAndSwap(w, n); w = worst.Load() {
+				}
+				select {
+				case <-lk.Done():
+				case <-time.After(time.Duration(1+g%3) * time.Millisecond):
+				}
+				inside.Add(-1)
+				_ = lk.Unlock(ctx)
+			}
+		}()
+	}
+	var kills int
+	end := time.Now().Add(2 * time.Second)
+	for time.Now().Before(end) {
+		time.Sleep(40 * time.Millisecond)
+		held := heldBy(t, b)
+		n := 0
+		for _, k := range sems[0].keys {
+			v, _ := k.Int64()
+			if pid, ok := held[v]; ok {
+				n++
+				if kills%2 == 0 || n == 1 {
+					_, _ = b.obs.Exec(ctx, "SELECT pg_terminate_backend($1)", int32(pid))
+					kills++
+				}
+			}
+		}
+		for w := sampledWorst.Load(); int32(n) > w && !sampledWorst.CompareAndSwap(w, int32(n)); w = sampledWorst.Load() {
+		}
+	}
+	close(stop)
+	wg.Wait()
+	if sampledWorst.Load() > 2 {
+		t.Errorf("pg_locks showed %d slots of 2 held at once", sampledWorst.Load())
+	}
+	for g := range got {
+		if got[g].Load() == 0 {
+			t.Errorf("goroutine %d never got a slot", g)
+		}
+	}
+	t.Logf("%d terminations; most inside at once (a terminated holder counts until it notices): %d", kills, worst.Load())
 }

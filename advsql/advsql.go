@@ -24,6 +24,10 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"math"
+	"reflect"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -42,14 +46,53 @@ func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 	if db == nil {
 		return advlock.New(nil, opts...)
 	}
-	backend := &pool{db: db, verified: map[any]bool{}}
+	backend := &pool{db: db, verified: map[any]*mark{}}
 	return advlock.New(nil, append(opts, func(o *config.Options) { o.Backend = backend })...)
+}
+
+// Open opens a *sql.DB for locking only, with driverName ("pgx" for github.com/jackc/pgx/v5/stdlib, "postgres"
+// for github.com/lib/pq) and dsn as that driver reads it, checks that the server answers (one round trip under
+// ctx), and returns a Locker that owns it: [advlock.Locker.Close] closes it. It is to database/sql what
+// [advlock.Open] is to pgxpool: locks never compete with the application's own queries for connections, since
+// they have a pool of their own, of at most advlock.DefaultOpenConns connections (all kept idle when free), and
+// each lock session gets the settings advlock.Open sets (no statement or lock timeout, idle_session_timeout of 3
+// keepalive intervals, server keepalives, client_connection_check_interval, and application_name=advlock unless
+// dsn names one), once per connection, after it is proved to be a server session of its own. The driver must be
+// registered (import it). Needs PostgreSQL 14 or later.
+func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (*advlock.Locker, error) {
+	db, err := sql.Open(driverName, dsn)
+	if err != nil {
+		return nil, fmt.Errorf("advlock: open: %w", err)
+	}
+	db.SetMaxOpenConns(advlock.DefaultOpenConns)
+	db.SetMaxIdleConns(advlock.DefaultOpenConns)
+	if err := db.PingContext(ctx); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("advlock: connect: %w", err)
+	}
+	backend := &pool{db: db, verified: map[any]*mark{}}
+	named := strings.Contains(dsn, "application_name")
+	return advlock.New(nil, append(opts, func(o *config.Options) {
+		o.Backend = backend
+		o.Settings = session.OpenSettings(o.Keepalive)
+		if !named {
+			o.Settings = append(o.Settings, session.Setting{Name: "application_name", Value: "advlock"})
+		}
+		o.OnClose = func() { _ = db.Close() }
+	})...), nil
 }
 
 type pool struct {
 	db       *sql.DB
 	mu       sync.Mutex
-	verified map[any]bool // driver connections proved to be sessions of their own (drivers without a pid): direct?
+	verified map[any]*mark // driver connections proved to be sessions of their own (drivers without a pid)
+	uses     uint64        // a clock for mark.used
+}
+
+// mark is what is known of one driver connection: it was proved a server session of its own, and whether direct.
+type mark struct {
+	direct bool
+	used   uint64 // when it was last looked at (pool.uses)
 }
 
 func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
@@ -62,6 +105,8 @@ func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
 		a.dc = dc
 		if pc, ok := dc.(interface{ Conn() *pgx.Conn }); ok { // pgx's stdlib driver
 			a.pgx = &pgxwait.Reader{PC: pc.Conn().PgConn()}
+		} else {
+			a.pid = libpqPID(dc)
 		}
 		return nil
 	})
@@ -97,6 +142,7 @@ type conn struct {
 	p   *pool
 	dc  any             // the driver connection
 	pgx *pgxwait.Reader // nil unless the driver is pgx
+	pid uint32          // lib/pq: the startup pid (libpqPID)
 
 	mu    sync.Mutex
 	intr  chan struct{} // closed by Interrupt (drivers other than pgx)
@@ -115,7 +161,7 @@ func (a *conn) QueryInt(ctx context.Context, q string, args ...any) (int64, erro
 		})
 		return v, err
 	}
-	v, err := a.bounded(ctx, func() (int64, error) {
+	v, err := a.bounded(ctx, func(ctx context.Context) (int64, error) {
 		var v int64
 		err := a.c.QueryRowContext(ctx, q, args...).Scan(&v)
 		return v, err
@@ -123,20 +169,24 @@ func (a *conn) QueryInt(ctx context.Context, q string, args ...any) (int64, erro
 	return v, session.TranslateErr(err)
 }
 
-// bounded runs f, a statement on the connection, and returns when it does or when ctx ends, whichever is first.
-// pgx honours ctx itself; lib/pq answers a cancelled ctx only once the server does, which on a dead network is
-// never. A statement left running marks the connection stuck: Destroy then discards it once the statement ends.
-func (a *conn) bounded(ctx context.Context, f func() (int64, error)) (int64, error) {
+// bounded runs f, a statement on the connection under the ctx it is given, and returns when it does or when ctx
+// ends (or Abort is called), whichever is first. pgx honours ctx itself; lib/pq answers a cancelled ctx only once
+// the server does, which on a dead network is never. f's ctx ends with ctx or with Abort, so lib/pq sends its
+// cancel request either way. A statement left running marks the connection stuck: Destroy then discards it once
+// the statement ends, and Cancel waits for that.
+func (a *conn) bounded(ctx context.Context, f func(context.Context) (int64, error)) (int64, error) {
 	if a.pgx != nil {
-		return f()
+		return f(ctx)
 	}
+	fctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	type result struct {
 		v   int64
 		err error
 	}
 	done := make(chan result, 1)
 	go func() {
-		v, err := f()
+		v, err := f(fctx)
 		done <- result{v, err}
 		close(done)
 	}()
@@ -148,6 +198,7 @@ func (a *conn) bounded(ctx context.Context, f func() (int64, error)) (int64, err
 		gaveUp = ctx.Err()
 	case <-a.abort:
 		gaveUp = errAborted
+		cancel() // lib/pq sends its cancel request
 	}
 	select {
 	case r := <-done:
@@ -227,7 +278,7 @@ func (a *conn) ClearDeadline() {
 }
 
 func (a *conn) Ping(ctx context.Context) error {
-	_, err := a.bounded(ctx, func() (int64, error) {
+	_, err := a.bounded(ctx, func(ctx context.Context) (int64, error) {
 		var one int64
 		return one, a.c.QueryRowContext(ctx, "SELECT 1").Scan(&one)
 	})
@@ -266,7 +317,23 @@ func (a *conn) ClientPID() uint32 {
 	if a.pgx != nil {
 		return a.pgx.ClientPID()
 	}
-	return 0
+	return a.pid
+}
+
+// libpqPID is the pid lib/pq's connection got at startup (BackendKeyData), which lib/pq keeps for its cancel
+// requests but does not export: it is read from its unexported field. With it a direct connection is proved to be
+// a session of its own without a second connection, as with pgx. Any other driver, or a lib/pq whose connection
+// no longer has the field, gives 0: a second connection is then asked for, as before.
+func libpqPID(dc any) uint32 {
+	v := reflect.ValueOf(dc)
+	if v.Kind() != reflect.Pointer || v.IsNil() || v.Type().String() != "*pq.conn" || v.Elem().Kind() != reflect.Struct {
+		return 0
+	}
+	f := v.Elem().FieldByName("pid")
+	if !f.IsValid() || !f.CanInt() || f.Int() <= 0 || f.Int() > math.MaxUint32 {
+		return 0
+	}
+	return uint32(f.Int())
 }
 
 func (a *conn) Verified() (ok, direct bool) {
@@ -275,8 +342,13 @@ func (a *conn) Verified() (ok, direct bool) {
 	}
 	a.p.mu.Lock()
 	defer a.p.mu.Unlock()
-	direct, ok = a.p.verified[a.dc]
-	return ok, direct
+	m := a.p.verified[a.dc]
+	if m == nil {
+		return false, false
+	}
+	a.p.uses++
+	m.used = a.p.uses
+	return true, m.direct
 }
 
 func (a *conn) MarkVerified(direct bool) {
@@ -286,16 +358,47 @@ func (a *conn) MarkVerified(direct bool) {
 	}
 	a.p.mu.Lock()
 	defer a.p.mu.Unlock()
-	if len(a.p.verified) > 10000 { // connections closed by database/sql leave entries behind; start over
-		clear(a.p.verified)
-	}
-	a.p.verified[a.dc] = direct
+	a.p.uses++
+	a.p.verified[a.dc] = &mark{direct: direct, used: a.p.uses}
+	a.p.trimLocked()
 }
 
-// Cancel sends a cancel request with pgx's driver; lib/pq sends its own when a statement's ctx ends.
+// trimLocked bounds the marks by the connections that can be alive. database/sql closes connections without
+// telling (idle too long, too old, too many idle), and their marks would keep them referenced for ever: past twice
+// the pool's connections (at least 16), the least recently used half goes. A mark dropped from a live connection
+// costs only a second check of it.
+func (p *pool) trimLocked() {
+	st := p.db.Stats()
+	limit := max(16, 2*max(st.MaxOpenConnections, st.OpenConnections))
+	if len(p.verified) <= limit {
+		return
+	}
+	used := make([]uint64, 0, len(p.verified))
+	for _, m := range p.verified {
+		used = append(used, m.used)
+	}
+	slices.Sort(used)
+	cut := used[len(used)-limit/2] // keep the limit/2 most recently used
+	for dc, m := range p.verified {
+		if m.used < cut {
+			delete(p.verified, dc)
+		}
+	}
+}
+
+// Cancel sends a cancel request with pgx's driver. lib/pq sends its own when a statement's ctx ends, and the
+// statement ends once the server has answered it: Cancel waits for that (see bounded), until ctx ends.
 func (a *conn) Cancel(ctx context.Context) {
 	if a.pgx != nil {
 		a.pgx.Cancel(ctx)
+		return
+	}
+	if a.stuck == nil {
+		return // no statement outlived its ctx
+	}
+	select {
+	case <-a.stuck:
+	case <-ctx.Done():
 	}
 }
 

@@ -260,6 +260,10 @@ func TestPgBouncer(t *testing.T) {
 						t.Fatalf("a refused lock left %s held on the server by %v", k, pids)
 					}
 				}
+				// Lead ends at once: a pooler in transaction mode is for an operator to fix, not a passing failure.
+				if err := l.Lead(ctx, conformance.Key(t), func(context.Context) error { return nil }); !errors.Is(err, advlock.ErrTxPooling) {
+					t.Errorf("Lead through transaction pooling: %v, want ErrTxPooling", err)
+				}
 				k := conformance.Key(t)
 				v, _ := k.Int64()
 				err := advsql.DoTx(ctx, db, k, func(ctx context.Context, tx *sql.Tx) error {

@@ -14,6 +14,7 @@ package advlockgocron
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 
 	"github.com/advlock/advlock"
@@ -30,6 +31,7 @@ var ErrNotLeader = errors.New("advlockgocron: this process does not lead")
 // session and that process noticing (about a millisecond) both it and the next leader may answer nil.
 type Elector struct {
 	leading atomic.Bool
+	closed  atomic.Bool
 	cancel  context.CancelFunc
 	done    chan struct{}
 	err     error
@@ -53,17 +55,27 @@ func NewElector(ctx context.Context, l *advlock.Locker, name string) *Elector {
 	return e
 }
 
-// IsLeader answers nil while this process leads, else ErrNotLeader.
+// IsLeader answers nil while this process leads, else ErrNotLeader; once the campaign has ended for another
+// reason than Close (an error that retrying cannot fix, such as advlock.ErrTxPooling or a missing privilege for
+// fencing), it answers that error, wrapped, for ever, instead of ErrNotLeader: no process may be leading.
 func (e *Elector) IsLeader(context.Context) error {
 	if e.leading.Load() {
 		return nil
+	}
+	select {
+	case <-e.done:
+		if e.err != nil && !e.closed.Load() {
+			return fmt.Errorf("advlockgocron: the campaign ended: %w", e.err)
+		}
+	default:
 	}
 	return ErrNotLeader
 }
 
 // Close stops campaigning (releasing leadership if held) and waits for it. It returns the campaign's error when it
-// ended for another reason than Close (a configuration error, such as advlock.ErrStandby).
+// ended for another reason than Close (an error retrying cannot fix, such as advlock.ErrTxPooling).
 func (e *Elector) Close() error {
+	e.closed.Store(true)
 	e.cancel()
 	<-e.done
 	if errors.Is(e.err, context.Canceled) {

@@ -163,3 +163,34 @@ func TestLockerBusy(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// An Elector whose campaign ended for a reason other than Close (here its Locker was closed under it; a pooler in
+// transaction mode or a missing privilege for fencing do the same) says so from IsLeader, instead of "not leader"
+// for ever: no process may be leading.
+func TestElectorEnded(t *testing.T) {
+	l := advlock.New(pgtest.Pool(t, pgtest.URL(t), nil))
+	l.Close()
+	e := NewElector(context.Background(), l, "ended")
+	var err error
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if err = e.IsLeader(context.Background()); !errors.Is(err, ErrNotLeader) {
+			break
+		}
+	}
+	if !errors.Is(err, advlock.ErrClosed) || errors.Is(err, ErrNotLeader) {
+		t.Errorf("IsLeader after the campaign ended: %v, want the campaign's error (ErrClosed)", err)
+	}
+	if cerr := e.Close(); !errors.Is(cerr, advlock.ErrClosed) {
+		t.Errorf("Close: %v, want the campaign's error", cerr)
+	}
+	// Closed by Close: IsLeader says not leader, Close nil.
+	live := advlock.New(pgtest.Pool(t, pgtest.URL(t), nil))
+	defer live.Close()
+	e = NewElector(context.Background(), live, "closed")
+	if err := e.Close(); err != nil {
+		t.Errorf("Close: %v", err)
+	}
+	if err := e.IsLeader(context.Background()); !errors.Is(err, ErrNotLeader) {
+		t.Errorf("IsLeader after Close: %v, want ErrNotLeader", err)
+	}
+}

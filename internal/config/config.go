@@ -31,6 +31,9 @@ type Options struct {
 	SharedSessions int
 	// Fencing: every session-lock grant carries a token from the sequence session.FenceSeq.
 	Fencing bool
+	// OnClose, when set, runs once when the Locker is closed, after everything else (advsql.Open closes its
+	// *sql.DB).
+	OnClose func()
 	// Observers are advlock.Observer values (WithObserver, WithLogger); typed there, since this package cannot
 	// import advlock.
 	Observers []any

@@ -80,7 +80,7 @@ func Run(t *testing.T, be Backend) {
 }
 
 // endsContexts are the subtests that end contexts while statements run (see Backend.NoCancel).
-var endsContexts = map[string]bool{"CancelRace": true, "DatabaseDown": true, "Stress": true,
+var endsContexts = map[string]bool{"CancelRace": true, "CancelLeavesQueue": true, "DatabaseDown": true, "Stress": true,
 	"TimedWaitsKeepSessions": true, "WaitBound": true}
 
 func (s *suite) run(t *testing.T) {
@@ -110,6 +110,7 @@ func (s *suite) run(t *testing.T) {
 		{"Fencing", s.fencing},
 		{"SharedOpenBounded", s.sharedOpenBounded},
 		{"UnlockBound", s.unlockBound},
+		{"CancelLeavesQueue", s.cancelLeavesQueue},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

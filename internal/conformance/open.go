@@ -171,3 +171,60 @@ func (s *suite) unlockBound(t *testing.T) {
 		p.Latency(0)
 	}
 }
+
+// cancelLeavesQueue: when a Lock whose ctx was cancelled while it waited in the server returns, its waiter has
+// left the server's queue, on every driver: pg_locks, read at once, shows no waiter for the key, and none comes
+// back later to be granted the key (a process that exits right after leaves nothing behind). With lib/pq the call
+// returned before the driver's own cancel reached the server.
+func (s *suite) cancelLeavesQueue(t *testing.T) {
+	if s.be.Pooled && s.be.EventDriven {
+		// pgx through PgBouncer: a cancel request would have to go through the pooler (which 1.18 to 1.20 can crash
+		// on), and a pg_cancel_backend from another client can reach a later client's statement once PgBouncer has
+		// handed the server session on. PgBouncer lets the abandoned statement run until it is granted, then its
+		// server_reset_query (DISCARD ALL) releases the key. lib/pq sends its cancel through the pooler itself.
+		t.Skip("through a pooler with pgx, the waiter stays queued until granted, and the pooler's reset releases it")
+	}
+	holder, h, obs := s.open(t), s.open(t), s.observer(t)
+	ctx := ctxT(t, 60*time.Second)
+	k := Key(t)
+	v, _ := k.Int64()
+	hl, err := holder.L.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waiting := func() []pgtest.Row {
+		t.Helper()
+		rows, err := pgtest.Locks(context.Background(), obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out []pgtest.Row
+		for _, r := range rows {
+			if r.Int64Key(v) && !r.Granted {
+				out = append(out, r)
+			}
+		}
+		return out
+	}
+	for i := range 10 {
+		cctx, cancel := context.WithCancel(context.Background())
+		res := make(chan error, 1)
+		go func() { _, err := h.L.Lock(cctx, k); res <- err }()
+		waitQueued(t, obs, k)
+		cancel()
+		if err := <-res; !errors.Is(err, context.Canceled) {
+			t.Fatalf("iteration %d: Lock whose ctx was cancelled: %v", i, err)
+		}
+		if w := waiting(); len(w) != 0 {
+			t.Fatalf("iteration %d: the cancelled Lock has returned, but pg_locks still shows its waiter: %v", i, w)
+		}
+	}
+	time.Sleep(200 * time.Millisecond)
+	if w := waiting(); len(w) != 0 {
+		t.Errorf("a cancelled waiter came back: %v", w)
+	}
+	if err := hl.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFree(t, obs, k)
+}

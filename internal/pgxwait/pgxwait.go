@@ -91,8 +91,13 @@ func (r *Reader) Verified() (ok, direct bool) {
 // between.
 func (r *Reader) MarkVerified(direct bool) { r.PC.CustomData()[verifiedKey] = direct }
 
-// Cancel sends a cancel request for the connection's backend.
-func (r *Reader) Cancel(ctx context.Context) { _ = r.PC.CancelRequest(ctx) }
+// Cancel sends a cancel request for the connection's backend when it is a direct connection (see
+// session.Conn.Cancel).
+func (r *Reader) Cancel(ctx context.Context) {
+	if _, direct := r.Verified(); direct {
+		_ = r.PC.CancelRequest(ctx)
+	}
+}
 
 // ClientPID is the pid from the startup BackendKeyData.
 func (r *Reader) ClientPID() uint32 { return r.PC.PID() }

@@ -49,10 +49,12 @@ type Conn interface {
 	// connection.
 	Verified() (ok, direct bool)
 	MarkVerified(direct bool)
-	// Cancel asks the server, over a connection of its own, to cancel the statement running on this session (a
-	// protocol cancel request). It is sent before a session whose wait was abandoned is destroyed, so that the
-	// server drops the waiter at once instead of when it next checks the closed socket. Drivers without access
-	// to the cancel key do nothing (lib/pq sends its own when a ctx ends).
+	// Cancel makes sure, within ctx, that the server has dropped the statement this session was abandoned in (a
+	// wait given up, its connection already destroyed), so that no waiter is left queued in the server that is
+	// later granted the key: the server notices a closed socket only when it next writes to it or checks it. pgx
+	// adapters send a protocol cancel request on a direct connection (through a pooler the pooler cancels, and
+	// PgBouncer 1.18 to 1.20 can crash on extra cancel requests); lib/pq, which sends its own cancel request when
+	// the statement's ctx ends, waits for that statement to end (the server answers the cancel).
 	Cancel(ctx context.Context)
 	// Destroy closes the network connection at once (the server then ends the backend and drops its locks) and
 	// makes the pool forget it. It must not block on the network.
@@ -326,16 +328,12 @@ func notGranted(ctx context.Context, conn Conn, t Target, err error) error {
 	return WithContext(ctx, fmt.Errorf("not granted before the deadline (the server's lock_timeout): %w", err))
 }
 
-// abandoned tells the server that the wait on conn (already destroyed) was given up, when conn is a direct
-// connection: a backend blocked in a lock wait notices its closed socket only when granted or at its next
-// client_connection_check_interval, and until then pg_locks shows a waiter nobody waits for. The cancel request is
-// bounded and synchronous, so that when Lock returns the server has been told (a process that exits right after,
-// such as advlock run, leaves no waiter behind). Through a pooler the pooler cancels the server's statement itself
-// when its client goes away, and PgBouncer 1.18 to 1.20 can crash on extra cancel requests (pgbouncer#822).
+// abandoned makes sure the server has dropped the wait on conn (already destroyed) that was given up: a backend
+// blocked in a lock wait notices its closed socket only when granted or at its next
+// client_connection_check_interval, and until then pg_locks shows a waiter nobody waits for, which is then granted
+// the key for a moment. It is bounded (1 s) and synchronous, so that when Lock returns the server has been told (a
+// process that exits right after, such as advlock run, leaves no waiter behind). See Conn.Cancel.
 func abandoned(conn Conn) {
-	if _, direct := conn.Verified(); !direct {
-		return
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	conn.Cancel(ctx)
@@ -389,6 +387,22 @@ func notTxPooled(ctx context.Context, pool Pool, p1 int64) error {
 		return fmt.Errorf("%w (server pid %d)", ErrTxPooling, p1)
 	}
 	return nil
+}
+
+// OpenSettings are what the Lockers of advlock.Open and advsql.Open set on each lock session (see advlock.Open):
+// no statement or lock timeout that would cut a wait, idle_session_timeout of FrozenAfter(keepalive), and server
+// keepalives and client_connection_check_interval so that a vanished client's locks are dropped in about 25 s.
+func OpenSettings(keepalive time.Duration) []Setting {
+	return []Setting{
+		{Name: "statement_timeout", Value: "0"},
+		{Name: "lock_timeout", Value: "0"},
+		{Name: "idle_session_timeout", Value: strconv.FormatInt(FrozenAfter(keepalive).Milliseconds(), 10)},
+		{Name: "idle_in_transaction_session_timeout", Value: "0"},
+		{Name: "tcp_keepalives_idle", Value: "10"},
+		{Name: "tcp_keepalives_interval", Value: "5"},
+		{Name: "tcp_keepalives_count", Value: "3"},
+		{Name: "client_connection_check_interval", Value: "5s"},
+	}
 }
 
 // FrozenAfter is the idle_session_timeout that advlock sets on the sessions it controls: a live holder pings its

@@ -8,7 +8,8 @@ import (
 	"time"
 )
 
-// Shared is the set of shared sessions of one Locker: at most Max, opened as they are needed. A request goes to a
+// Shared is the set of shared sessions of one Locker: at most Max, and at most half of the pool's connections,
+// opened as they are needed. A request goes to a
 // session with no round trip on the wire if there is one; when every open one is busy and fewer than Max are
 // open, another is opened in the background while the request queues on the least loaded one (so nobody waits
 // for a connection to be made, except for the first session).
@@ -70,7 +71,7 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 				best, bestLoad = m, load
 			}
 		}
-		grow := live+s.opening < s.max
+		grow := live+s.opening < s.limit()
 		if best != nil {
 			if grow {
 				s.openLocked()
@@ -100,6 +101,16 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 		waited = true
 		s.mu.Lock()
 	}
+}
+
+// limit is how many shared sessions may be open: Max, and at most half of the pool's connections (at least one),
+// so that shared sessions, pinned for the Locker's life, never take every connection of a small pool that the
+// application and the waits in the server share (a pool of 2: 1 shared session).
+func (s *Shared) limit() int {
+	if pm := s.pool.Stats().Max; pm > 0 {
+		return min(s.max, max(1, pm/2))
+	}
+	return s.max
 }
 
 // openLocked starts opening one more shared session in the background.

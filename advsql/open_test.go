@@ -1,0 +1,304 @@
+package advsql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/advsql"
+	"github.com/advlock/advlock/internal/conformance"
+	"github.com/advlock/advlock/internal/pgtest"
+)
+
+// advsql.Open: a pool of its own, whose lock sessions carry Open's settings (application_name=advlock among them,
+// unless the DSN names one); Close closes the pool; a database that is down fails Open.
+func TestOpen(t *testing.T) {
+	base := pgtest.URL(t)
+	obs := pgtest.Conn(t, base)
+	ctx := context.Background()
+	appOf := func(t *testing.T, lk *advlock.Lock) string {
+		t.Helper()
+		v, _ := lk.Key().Int64()
+		pids, err := pgtest.Holders(ctx, obs, v)
+		if err != nil || len(pids) != 1 {
+			t.Fatalf("holders of %s: %v %v", lk.Key(), pids, err)
+		}
+		var app string
+		if err := obs.QueryRow(ctx, "SELECT application_name FROM pg_stat_activity WHERE pid = $1", int32(pids[0])).Scan(&app); err != nil {
+			t.Fatal(err)
+		}
+		return app
+	}
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			l, err := advsql.Open(ctx, driver, base)
+			if err != nil {
+				t.Fatal(err)
+			}
+			lk, err := l.TryLock(ctx, conformance.Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if app := appOf(t, lk); app != "advlock" {
+				t.Errorf("application_name of an Open lock session = %q, want advlock", app)
+			}
+			if st := l.Stats(); st.Pool.Max != advlock.DefaultOpenConns {
+				t.Errorf("Open's pool: %+v, want at most %d connections", st.Pool, advlock.DefaultOpenConns)
+			}
+			l.Close()
+			if !errors.Is(lk.Err(), advlock.ErrClosed) {
+				t.Errorf("a lock after Close: %v", lk.Err())
+			}
+
+			name := fmt.Sprintf("advsql-open-%d", time.Now().UnixNano())
+			u, _ := url.Parse(base)
+			q := u.Query()
+			q.Set("application_name", name)
+			u.RawQuery = q.Encode()
+			l, err = advsql.Open(ctx, driver, u.String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			lk, err = l.TryLock(ctx, conformance.Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if app := appOf(t, lk); app != name {
+				t.Errorf("application_name = %q, want the DSN's %q", app, name)
+			}
+			l.Close()
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+				var n int
+				if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				if n == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("%d sessions of the Locker's pool still open after Close", n)
+				}
+			}
+
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			u.Host = ln.Addr().String()
+			ln.Close()
+			cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			defer cancel()
+			if _, err := advsql.Open(cctx, driver, u.String()); err == nil || !strings.Contains(err.Error(), "connect") {
+				t.Errorf("Open of a database that is down: %v, want a connect error", err)
+			}
+		})
+	}
+}
+
+// A small application pool (database/sql, 2 connections) shared with a busy Locker: shared sessions never take
+// more than half of it, so the application's own queries always find a connection. Two shared sessions pinned both
+// before, and every query of the application timed out.
+func TestSmallPoolLeavesTheApplicationConnections(t *testing.T) {
+	db := openDB(t, "pgx", pgtest.URL(t))
+	db.SetMaxOpenConns(2)
+	l := advsql.New(db)
+	defer l.Close()
+	ctx := context.Background()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var most atomic.Int32
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if lk, err := l.TryLock(ctx, conformance.Key(t)); err == nil {
+					_ = lk.Unlock(ctx)
+				}
+				if n := int32(l.Stats().SharedSessions); n > most.Load() {
+					most.Store(n)
+				}
+			}
+		}()
+	}
+	failed := 0
+	for range 30 {
+		qctx, cancel := context.WithTimeout(ctx, time.Second)
+		var one int
+		if err := db.QueryRowContext(qctx, "SELECT 1").Scan(&one); err != nil {
+			failed++
+		}
+		cancel()
+		time.Sleep(20 * time.Millisecond)
+	}
+	close(stop)
+	wg.Wait()
+	if failed > 0 {
+		t.Errorf("%d of 30 application queries found no connection within 1 s", failed)
+	}
+	if most.Load() > 1 {
+		t.Errorf("%d shared sessions on a pool of 2, want at most 1", most.Load())
+	}
+}
+
+// Lead over database/sql, both drivers: two Lockers take turns (never two terms at once); a leader whose fn
+// panics steps down. With lib/pq through PgBouncer (whose pid is not the server session's, so a second connection
+// must prove that the pooler pins sessions) and a pool of 2 whose other connection the application holds, the
+// campaign cannot prove a new connection for 3 s (ErrUnverified) and tries again until it can, then leads: it
+// ended with ErrUnverified after 2 s before.
+func TestLead(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 60*time.Second)
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			k := conformance.Key(t)
+			var inside, terms atomic.Int32
+			done := make(chan struct{})
+			var once sync.Once
+			fn := func(context.Context) error {
+				if inside.Add(1) != 1 {
+					t.Error("two leaders at once")
+				}
+				time.Sleep(5 * time.Millisecond)
+				inside.Add(-1)
+				if terms.Add(1) >= 10 {
+					once.Do(func() { close(done) })
+				}
+				return nil
+			}
+			lctx, cancel := context.WithCancel(ctx)
+			var wg sync.WaitGroup
+			for range 2 {
+				l := advsql.New(openDB(t, driver, url))
+				defer l.Close()
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if err := l.Lead(lctx, k, fn); !errors.Is(err, context.Canceled) {
+						t.Errorf("Lead: %v", err)
+					}
+				}()
+			}
+			select {
+			case <-done:
+			case <-time.After(20 * time.Second):
+				t.Fatal("fewer than 10 terms")
+			}
+			cancel()
+			wg.Wait()
+
+			l := advsql.New(openDB(t, driver, url))
+			defer l.Close()
+			func() {
+				defer func() {
+					if r := recover(); r != "boom" {
+						t.Errorf("recovered %v, want the panic", r)
+					}
+				}()
+				_ = l.Lead(ctx, k, func(context.Context) error { panic("boom") })
+			}()
+			v, _ := k.Int64()
+			pgtest.WaitFree(t, pgtest.Conn(t, url), v, 5*time.Second)
+		})
+	}
+	t.Run("unverified passes", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("starts pgbouncer")
+		}
+		db := openDB(t, "postgres", pgtest.Bouncer(t, url, "session"))
+		db.SetMaxOpenConns(2)
+		l := advsql.New(db)
+		defer l.Close()
+		app, err := db.Conn(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.AfterFunc(3*time.Second, func() { app.Close() })
+		start := time.Now()
+		lctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		led := make(chan advlock.Stats, 1)
+		res := make(chan error, 1)
+		go func() {
+			res <- l.Lead(lctx, conformance.Key(t), func(ctx context.Context) error {
+				led <- l.Stats()
+				<-ctx.Done()
+				return nil
+			})
+		}()
+		select {
+		case st := <-led:
+			t.Logf("led %v after the campaign began, after %d failed campaigns", time.Since(start).Round(time.Millisecond), st.CampaignRetries)
+			if st.CampaignRetries < 1 {
+				t.Error("the campaigns that could not verify a connection are not counted")
+			}
+		case err := <-res:
+			t.Fatalf("Lead ended: %v", err)
+		case <-time.After(15 * time.Second):
+			t.Fatal("Lead did not lead once the application freed its connection")
+		}
+		cancel()
+		<-res
+	})
+}
+
+// A semaphore over database/sql with lib/pq (a session per lock) and a pool of 2 holding 2 of its 3 slots: a
+// waiting Acquire waits for a connection and a slot (another process frees the third slot after 500 ms, one of
+// its own holders its connection after 1 s), then takes one. It returned ErrPoolExhausted at once before.
+func TestSemaphoreSmallPool(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 30*time.Second)
+	db := openDB(t, "postgres", url)
+	db.SetMaxOpenConns(2)
+	l, other := advsql.New(db), advsql.New(openDB(t, "pgx", url))
+	defer l.Close()
+	defer other.Close()
+	name := fmt.Sprintf("sql-%d", time.Now().UnixNano())
+	sem := l.Semaphore(name, 3)
+	var mine []*advlock.Lock
+	for range 2 {
+		lk, err := sem.TryAcquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mine = append(mine, lk)
+	}
+	theirs, err := other.Semaphore(name, 3).TryAcquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(500*time.Millisecond, func() { _ = theirs.Unlock(context.Background()) })
+	time.AfterFunc(time.Second, func() { _ = mine[0].Unlock(context.Background()) })
+	start := time.Now()
+	lk, err := sem.Acquire(ctx)
+	if err != nil {
+		t.Fatalf("Acquire after %v: %v", time.Since(start), err)
+	}
+	if took := time.Since(start); took < 900*time.Millisecond {
+		t.Errorf("Acquire took a slot after %v, before a connection was free", took)
+	}
+	_ = lk.Unlock(ctx)
+	_ = mine[1].Unlock(ctx)
+}
+
+var _ = sql.ErrNoRows
+
+func ctxT(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
