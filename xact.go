@@ -80,7 +80,21 @@ func (l *Locker) DoTx(ctx context.Context, key Key, fn func(ctx context.Context,
 		return &keyError{op: "do tx", key: key, err: err}
 	}
 	defer done()
-	tx, err := l.pgxPool.Begin(ctx)
+	conn, err := l.pgxPool.Acquire(ctx)
+	if err != nil {
+		return &keyError{op: "do tx", key: key, err: session.WithContext(ctx, err)}
+	}
+	defer func() {
+		// A connection pgx gave up (a statement that outlived its ctx, a network gone) is closed by pgx in the
+		// background, after a cancel request and a drain of up to 15 s, all that time holding the transaction and
+		// its lock on the server. Destroy means now: close the socket, so the server ends the transaction as soon
+		// as the network lets it know.
+		if conn.Conn().IsClosed() {
+			_ = conn.Conn().PgConn().Conn().Close()
+		}
+		conn.Release()
+	}()
+	tx, err := conn.Begin(ctx)
 	if err != nil {
 		return &keyError{op: "do tx", key: key, err: session.WithContext(ctx, err)}
 	}
@@ -89,7 +103,9 @@ func (l *Locker) DoTx(ctx context.Context, key Key, fn func(ctx context.Context,
 		if !committed {
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.ReleaseTimeout)
 			defer cancel()
-			_ = tx.Rollback(rctx)
+			if tx.Rollback(rctx) != nil {
+				_ = conn.Conn().PgConn().Conn().Close() // the transaction's state is unknown: end the session now
+			}
 		}
 	}()
 	if err := XactLock(ctx, tx, key); err != nil {

@@ -3,9 +3,11 @@ package advlock
 import (
 	"context"
 	"errors"
+	neturl "net/url"
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/faults"
 	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/jackc/pgx/v5"
 )
@@ -172,4 +174,39 @@ func TestDoTx(t *testing.T) {
 	if err := New(nil).DoTx(ctx, k, nil); !errors.Is(err, ErrNoPool) {
 		t.Errorf("DoTx on New(nil): %v", err)
 	}
+}
+
+// A DoTx cut off by a network that drops everything (its ctx ends while fn's statement waits for an answer) gives
+// its connection up at once: when the network comes back, the server sees the socket close and ends the
+// transaction, which frees the key within moments. The driver's own close sent a cancel request and drained the
+// socket for up to 15 s first, all that time holding the transaction, and with it the lock.
+func TestDoTxAbandonedNow(t *testing.T) {
+	url := pgtest.URL(t)
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := faults.Start(t, u.Host)
+	u.Host = p.Addr()
+	l := New(pgtest.Pool(t, u.String(), nil))
+	defer l.Close()
+	obs := pgtest.Conn(t, url)
+	k := key(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	err = l.DoTx(ctx, k, func(ctx context.Context, tx pgx.Tx) error {
+		p.Blackhole(true)
+		_, err := tx.Exec(ctx, "SELECT 1")
+		return err
+	})
+	if err == nil {
+		t.Fatal("DoTx through a blackhole succeeded")
+	}
+	time.Sleep(time.Second) // the network stays down a while after DoTx gave up
+	p.Blackhole(false) // the network is back: the closed socket's end reaches the server
+	start := time.Now()
+	v, _ := k.Int64()
+	pgtest.WaitFree(t, obs, v, 5*time.Second)
+	t.Logf("DoTx failed (%v); its key was free %v after the network came back", err, time.Since(start).Round(time.Millisecond))
+	p.Cut() // pgx's cancel request, whose packet the blackhole swallowed, waits for an answer for 15 s
 }

@@ -8,9 +8,12 @@
 //
 // With the pgx driver a lost session is seen at once, as with pgxpool: the watcher reads the idle connection. lib/pq
 // gives no access to its socket, so with lib/pq a loss is noticed by the keepalive round trip, within about twice
-// the keepalive interval ([advlock.WithKeepalive]), and, for a connection not proved to be a direct one, the
-// first lock on each new connection takes a second connection for a moment to prove that no transaction-mode
-// pooler sits in between.
+// the keepalive interval ([advlock.WithKeepalive]), and, for a connection not proved to be a direct one (through a
+// pooler), the first lock on each new connection takes a second connection for a moment to prove that no
+// transaction-mode pooler sits in between.
+//
+// [New] locks through the application's *sql.DB (shared sessions take at most half of its connections; waits in
+// the server, and with lib/pq every held lock, take one each); [Open] gives locks a *sql.DB of their own.
 //
 //	db, _ := sql.Open("pgx", dsn) // or "postgres" with lib/pq
 //	l := advsql.New(db)
