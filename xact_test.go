@@ -203,7 +203,7 @@ func TestDoTxAbandonedNow(t *testing.T) {
 		t.Fatal("DoTx through a blackhole succeeded")
 	}
 	time.Sleep(time.Second) // the network stays down a while after DoTx gave up
-	p.Blackhole(false) // the network is back: the closed socket's end reaches the server
+	p.Blackhole(false)      // the network is back: the closed socket's end reaches the server
 	start := time.Now()
 	v, _ := k.Int64()
 	pgtest.WaitFree(t, obs, v, 5*time.Second)
