@@ -455,6 +455,15 @@ func (c *campaign) inject(ctx context.Context) {
 				s.proxy.Latency(0)
 			}
 		case "sigstop":
+			// A worker whose sessions hold a lock, when one does: a paused holder is what fencing must stop (a
+			// paused worker holding nothing tests little).
+			if _, w, ok := c.pickBackend(ctx, true, rng); ok {
+				for _, s := range c.slots {
+					if s.cfg.ID == w {
+						target, f.Worker = s, w
+					}
+				}
+			}
 			f.Detail = fmt.Sprintf("%v, holding %d", long, c.heldBy(ctx, target.cfg.Name))
 			c.record(f)
 			c.signal(target, syscall.SIGSTOP)
