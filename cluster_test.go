@@ -158,13 +158,17 @@ func TestPrivateCluster(t *testing.T) {
 			var held []*Lock
 			var refused []Key
 			var wg sync.WaitGroup
-			for range 16 {
+			for g := range 16 {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
 					for {
 						k := key(t)
-						lk, err := l.TryLock(ctx, k)
+						try := l.TryLock
+						if g%2 == 1 {
+							try = l.TryRLock // shared mode too
+						}
+						lk, err := try(ctx, k)
 						mu.Lock()
 						if err == nil {
 							held = append(held, lk)
@@ -426,6 +430,18 @@ func TestFencingCluster(t *testing.T) {
 			t.Fatalf("Lead for a role that may not use the sequence: %v, want it to end with ErrFencing", err)
 		}
 		if _, err := obs.Exec(ctx, "GRANT USAGE ON SEQUENCE public.advlock_fence TO fenceweak"); err != nil {
+			t.Fatal(err)
+		}
+		// A schema hardened against PUBLIC: the role may not even look at public. That too is for an operator.
+		if _, err := obs.Exec(ctx, "REVOKE ALL ON SCHEMA public FROM PUBLIC"); err != nil {
+			t.Fatal(err)
+		}
+		hardened := New(pgtest.Pool(t, weakURL, nil), WithFencing())
+		if _, err := hardened.TryLock(ctx, key(t)); !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "GRANT USAGE ON SCHEMA public") {
+			t.Errorf("fencing for a role that may not use schema public: %v, want ErrFencing naming GRANT USAGE ON SCHEMA", err)
+		}
+		hardened.Close()
+		if _, err := obs.Exec(ctx, "GRANT USAGE ON SCHEMA public TO PUBLIC"); err != nil {
 			t.Fatal(err)
 		}
 		for _, step := range []string{"granted", "fast", "immediate"} {

@@ -5,22 +5,27 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"time"
+
+	"github.com/advlock/advlock/internal/session"
 )
 
 // Lead campaigns for key and runs fn while this process leads: it waits in the server (no polling) until elected,
 // runs fn with a context that is cancelled when leadership is lost (the session ended) or ctx ends, releases
 // leadership when fn returns (also when fn panics: it steps down, then the panic goes on), and campaigns again,
 // until ctx ends (Lead then returns ctx's error) or fn returns an error while its context was still live (Lead
-// returns it: the loss did not cause it). What ended a term is judged from fn's context at the moment fn returns:
+// returns it: the loss did not cause it), unless that error matches ErrLockLost (fn found out itself that it no
+// longer leads, say a write refused for its fencing token: it campaigns again). What ended a term is judged from fn's context at the moment fn returns:
 // if it had been cancelled because the lock was lost (cause ErrLockLost), fn's error is taken as the loss's doing
 // and this process campaigns again after a short backoff (50 to 150 ms).
 //
 // A campaign that fails for any other reason (the database down or restarting, a connection terminated, a
 // standby that is not promoted yet, no connection free to check a new one, a full lock table) is tried again with
 // a backoff that grows to 2 s, logged by [WithLogger] and counted in [Stats] (CampaignRetries). Only what an
-// operator must fix ends Lead: ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, and ErrFencing (which is only
-// ever a missing privilege).
+// operator must fix ends Lead: ErrClosed, ErrNoPool (also a pool closed under the Locker), ErrInvalidKey,
+// ErrTxPooling, ErrFencing (which is only ever a missing privilege), and the server refusing the role or knowing no
+// such database (SQLSTATE class 28, 3D000).
 //
 // fn gets the leader's fencing token through [FenceToken] when the Locker has [WithFencing]: every term's token
 // is greater than the last, so a deposed leader that was paused can be refused by what it writes to. Lead suits
@@ -40,7 +45,9 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 			}
 			if leadEnds(err) {
 				err = fmt.Errorf("advlock: lead %s: %w", key, err)
-				l.campaignFailed(key, err, 0)
+				if !errors.Is(err, ErrClosed) { // Close is an ordinary end, not a failure
+					l.campaignFailed(key, err, 0)
+				}
 				return err
 			}
 			wait := jitter(backoff)
@@ -83,6 +90,9 @@ func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context
 		}
 		l.leading.Add(-1)
 	}()
+	if err := lk.Err(); err != nil {
+		cancel(err) // lost before fn starts: its ctx says so from the start (AfterEnd runs f in a goroutine)
+	}
 	ferr = fn(fctx)
 	if fctx.Err() != nil { // judged now, before anything else moves: who ended fn's context?
 		lost = errors.Is(context.Cause(fctx), ErrLockLost)
@@ -90,17 +100,22 @@ func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context
 			ferr = nil // ctx ended: the caller returns ctx's error
 		}
 	}
+	if errors.Is(ferr, ErrLockLost) {
+		lost = true // fn says it lost leadership (a write refused by its fencing token, say): campaign again
+	}
 	return ferr, lost
 }
 
-// leadEnds reports whether a campaign's error is one an operator must fix: trying again cannot help.
+// leadEnds reports whether a campaign's error is one an operator must fix: trying again cannot help. Besides the
+// sentinels, the server refusing the role or naming no such database (SQLSTATE class 28, 3D000).
 func leadEnds(err error) bool {
 	for _, fatal := range []error{ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, ErrFencing} {
 		if errors.Is(err, fatal) {
 			return true
 		}
 	}
-	return false
+	code := session.SQLState(err)
+	return strings.HasPrefix(code, "28") || code == "3D000"
 }
 
 // jitter spreads d over [d/2, 3d/2).

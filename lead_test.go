@@ -3,7 +3,9 @@ package advlock
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
+	neturl "net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -297,5 +299,51 @@ func TestLeadEnds(t *testing.T) {
 	<-res
 	if st := l.Stats(); st.Campaigning != 0 || st.Leading != 0 {
 		t.Errorf("Stats after Lead returned: %+v", st)
+	}
+
+	// A pool closed under the Locker, and a database that does not exist, end Lead: retrying cannot help.
+	closedPool := pgtest.Pool(t, b.url, nil)
+	lc := New(closedPool)
+	defer lc.Close()
+	closedPool.Close()
+	if err := lc.Lead(ctx, key(t), func(context.Context) error { return nil }); !errors.Is(err, ErrNoPool) {
+		t.Errorf("Lead over a closed pool: %v, want ErrNoPool", err)
+	}
+	u, _ := neturl.Parse(b.url)
+	u.Path = "/advlock_no_such_database"
+	ln := New(pgtest.Pool(t, u.String(), nil))
+	defer ln.Close()
+	if err := ln.Lead(ctx, key(t), func(context.Context) error { return nil }); errCode(err) != "3D000" {
+		t.Errorf("Lead on a database that does not exist: %v, want it ended with SQLSTATE 3D000", err)
+	}
+
+	// fn returning an error that matches ErrLockLost (it found out itself, say a write refused for its token)
+	// steps down and campaigns again; Close while leading ends Lead with ErrClosed, logged as no failure.
+	var logs2 syncBuffer
+	lr := New(pgtest.Pool(t, b.url, nil), WithLogger(slog.New(slog.NewTextHandler(&logs2, nil))))
+	terms := 0
+	leading := make(chan struct{})
+	res = runLead(ctx, lr, key(t), func(ctx context.Context) error {
+		terms++
+		if terms == 1 {
+			return fmt.Errorf("write refused: %w", ErrLockLost)
+		}
+		close(leading)
+		<-ctx.Done()
+		return nil
+	})
+	select {
+	case <-leading:
+	case r := <-res:
+		t.Fatalf("Lead whose fn reported a loss: %v after %d terms, want a second term", r, terms)
+	case <-time.After(5 * time.Second):
+		t.Fatal("no second term")
+	}
+	lr.Close()
+	if r := <-res; !errors.Is(r.(error), ErrClosed) {
+		t.Errorf("Lead after Close: %v, want ErrClosed", r)
+	}
+	if strings.Contains(logs2.String(), "campaign ended") {
+		t.Errorf("Close logged as a failure: %s", logs2.String())
 	}
 }

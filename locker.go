@@ -243,8 +243,13 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait bool, onEnd fu
 	if l.shared != nil {
 		for attempt := 0; ; attempt++ {
 			m, err := l.shared.Get(ctx, wait)
-			if errors.Is(err, ErrPoolExhausted) && wait {
-				break // no connection for a shared session now: wait for one for a session of its own
+			if errors.Is(err, session.ErrNoShared) {
+				break
+			}
+			if err != nil && wait && ctx.Err() == nil && !errors.Is(err, ErrClosed) {
+				// No shared session now (no connection free for one, or its open failed): a wait takes a session
+				// of its own, waiting for a connection as long as ctx allows.
+				break
 			}
 			if err != nil {
 				return nil, err

@@ -2,12 +2,15 @@ package advlock
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/advlock/advlock/internal/pgxwait"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/puddle/v2"
 )
 
 // pgxPool adapts a *pgxpool.Pool to the session lifecycle.
@@ -15,6 +18,9 @@ type pgxPool struct{ p *pgxpool.Pool }
 
 func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 	c, err := a.p.Acquire(ctx)
+	if errors.Is(err, puddle.ErrClosedPool) {
+		return nil, fmt.Errorf("%w: its pool was closed (close the Locker before its pool): %w", ErrNoPool, err)
+	}
 	if err != nil {
 		return nil, err
 	}

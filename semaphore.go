@@ -62,8 +62,8 @@ func (s *Semaphore) TryAcquire(ctx context.Context) (*Lock, error) {
 // wait is in the server, on one slot at a time: the release of that slot, or its holder's death, wakes the waiter
 // at once; every 200 ms the waiter also tries every slot once, then waits on the next one, so a slot freed
 // elsewhere is found within that bound. It waits for a connection too: a try of the slots that finds the pool with
-// no connection free (ErrPoolExhausted, which TryAcquire returns) counts as "no slot yet", and the wait on a slot
-// waits for a connection as Lock does.
+// no connection free (ErrPoolExhausted, which TryAcquire returns), or none to prove a new one with (ErrUnverified),
+// counts as "no slot yet", and the wait on a slot waits for a connection as Lock does.
 func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, error) {
 	co := callOptions(opts)
 	var deadline time.Time
@@ -73,7 +73,7 @@ func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, err
 	slot := rand.IntN(max(len(s.keys), 1))
 	for {
 		lk, err := s.TryAcquire(ctx)
-		if err == nil || !errors.Is(err, ErrNotAcquired) && !errors.Is(err, ErrPoolExhausted) {
+		if err == nil || !errors.Is(err, ErrNotAcquired) && !errors.Is(err, ErrPoolExhausted) && !errors.Is(err, ErrUnverified) {
 			return lk, err
 		}
 		wait := semaphorePoll

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	neturl "net/url"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/faults"
 	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
@@ -293,4 +296,83 @@ func TestSharedOpenDefaultBound(t *testing.T) {
 	pgtest.WaitClosed(t, closed, 3*time.Second, "Close after the failed open returned")
 	p.Cut()
 	p.Blackhole(false)
+}
+
+// failOpen is a connection on which the setup of a shared session fails after a moment (as a server might refuse
+// it), everything else working.
+type failOpen struct {
+	session.Conn
+	opens *atomic.Int64
+}
+
+func (c *failOpen) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	if strings.Contains(sql, "idle_session_timeout") {
+		c.opens.Add(1)
+		time.Sleep(30 * time.Millisecond)
+		return 0, errors.New("shared session refused by the test")
+	}
+	return c.Conn.QueryInt(ctx, sql, args...)
+}
+
+// When shared sessions cannot be opened, callers get the failure, each after the open it waited for (tries), and
+// no caller starts opens in a loop; a Lock, which may wait, takes a session of its own and gets the key. Two
+// callers used to restart each other's opens until their contexts ended (565 failed opens in 5 s).
+func TestSharedOpenFails(t *testing.T) {
+	url := pgtest.URL(t)
+	var opens atomic.Int64
+	l := New(pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = 8 }), func(o *config.Options) {
+		o.Wrap = func(c session.Conn) session.Conn { return &failOpen{Conn: c, opens: &opens} }
+	})
+	defer l.Close()
+	ctx := ctxT(t, 20*time.Second)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := l.TryLock(ctx, key(t)); err == nil || !strings.Contains(err.Error(), "refused by the test") {
+				t.Errorf("TryLock with shared sessions failing to open: %v, want the open's error", err)
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("4 tries failed after %v, %d opens", time.Since(start).Round(time.Millisecond), opens.Load())
+	if opens.Load() > 8 || time.Since(start) > 5*time.Second {
+		t.Errorf("4 tries took %v and %d opens", time.Since(start), opens.Load())
+	}
+	lk, err := l.Lock(ctx, key(t))
+	if err != nil {
+		t.Fatalf("Lock with shared sessions failing to open: %v, want the key on a session of its own", err)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A pool of 1 gets no shared session (it would pin the only connection for the Locker's life): every lock takes
+// the connection for as long as it is held, and the application has it back after the Unlock.
+func TestPoolOfOne(t *testing.T) {
+	pool := pgtest.Pool(t, pgtest.URL(t), func(c *pgxpool.Config) { c.MaxConns = 1 })
+	l := New(pool)
+	defer l.Close()
+	ctx := ctxT(t, 10*time.Second)
+	for range 3 {
+		lk, err := l.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		qctx, cancel := context.WithTimeout(ctx, time.Second)
+		err = pool.QueryRow(qctx, "SELECT 1").Scan(new(int))
+		cancel()
+		if err != nil {
+			t.Fatalf("the application's query after an Unlock: %v", err)
+		}
+	}
+	if st := l.Stats(); st.SharedSessions != 0 {
+		t.Errorf("Stats %+v: a shared session on a pool of 1", st)
+	}
 }

@@ -29,8 +29,8 @@ import (
 	"fmt"
 	"math"
 	"reflect"
+	"regexp"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -69,12 +69,19 @@ func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (
 	}
 	db.SetMaxOpenConns(advlock.DefaultOpenConns)
 	db.SetMaxIdleConns(advlock.DefaultOpenConns)
+	// The server ends a lock session silent for FrozenAfter(keepalive) (idle_session_timeout, set below), idle
+	// pooled ones too, and lib/pq would hand such a dead connection out unchecked: database/sql closes them first.
+	o := config.Defaults()
+	for _, opt := range opts {
+		opt(&o)
+	}
+	db.SetConnMaxIdleTime(session.FrozenAfter(o.Keepalive) * 2 / 3)
 	if err := db.PingContext(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("advlock: connect: %w", err)
 	}
 	backend := &pool{db: db, verified: map[any]*mark{}}
-	named := strings.Contains(dsn, "application_name")
+	named := appNameRE.MatchString(dsn)
 	return advlock.New(nil, append(opts, func(o *config.Options) {
 		o.Backend = backend
 		o.Settings = session.OpenSettings(o.Keepalive)
@@ -84,6 +91,9 @@ func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (
 		o.OnClose = func() { _ = db.Close() }
 	})...), nil
 }
+
+// appNameRE finds application_name in a key=value or URL connection string (not fallback_application_name).
+var appNameRE = regexp.MustCompile(`(^|[\s?&])application_name=`)
 
 type pool struct {
 	db       *sql.DB

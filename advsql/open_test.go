@@ -302,3 +302,54 @@ func ctxT(t *testing.T, d time.Duration) context.Context {
 	t.Cleanup(cancel)
 	return ctx
 }
+
+// advsql.Open's lock sessions carry idle_session_timeout (3 keepalive intervals), so the server ends them when
+// they sit idle in the pool; lib/pq hands out pooled connections unchecked. Open's pool closes idle connections
+// before the server does, so a lock taken after a quiet spell gets a live one. It failed with "driver: bad
+// connection" before.
+func TestOpenAfterIdle(t *testing.T) {
+	ctx := ctxT(t, 30*time.Second)
+	l, err := advsql.Open(ctx, "postgres", pgtest.URL(t), advlock.WithKeepalive(time.Second), advlock.WithSharedSessions(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	for i := range 3 {
+		lk, err := l.TryLock(ctx, conformance.Key(t))
+		if err != nil {
+			t.Fatalf("TryLock %d, after %d idle spells of 3.5 s: %v", i, i, err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if i < 2 {
+			time.Sleep(3500 * time.Millisecond)
+		}
+	}
+}
+
+// Semaphore.Acquire through a pooler (lib/pq through PgBouncer, a pool of 2, the application holding one
+// connection for 3 s): a new connection cannot be proved a session of its own meanwhile (ErrUnverified), which is a
+// passing failure: Acquire waits, and takes a slot once the connection is free. It returned ErrUnverified after 2 s.
+func TestSemaphoreUnverifiedPasses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts pgbouncer")
+	}
+	ctx := ctxT(t, 30*time.Second)
+	db := openDB(t, "postgres", pgtest.Bouncer(t, pgtest.URL(t), "session"))
+	db.SetMaxOpenConns(2)
+	l := advsql.New(db)
+	defer l.Close()
+	app, err := db.Conn(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(3*time.Second, func() { app.Close() })
+	start := time.Now()
+	lk, err := l.Semaphore(fmt.Sprintf("unverified-%d", time.Now().UnixNano()), 3).Acquire(ctx)
+	if err != nil {
+		t.Fatalf("Acquire after %v: %v", time.Since(start), err)
+	}
+	t.Logf("Acquire took a slot after %v", time.Since(start).Round(time.Millisecond))
+	_ = lk.Unlock(ctx)
+}

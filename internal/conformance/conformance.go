@@ -79,8 +79,9 @@ func Run(t *testing.T, be Backend) {
 	t.Run("dedicated", func(t *testing.T) { (&suite{be: be}).run(t) })
 }
 
-// endsContexts are the subtests that end contexts while statements run (see Backend.NoCancel).
-var endsContexts = map[string]bool{"CancelRace": true, "CancelLeavesQueue": true, "DatabaseDown": true, "Stress": true,
+// endsContexts are the subtests that end contexts while statements run (see Backend.NoCancel); Close ends the
+// statements of waits in the server too (with lib/pq, by cancelling their contexts).
+var endsContexts = map[string]bool{"CancelRace": true, "CancelLeavesQueue": true, "CloseAbortsWaiters": true, "DatabaseDown": true, "Stress": true,
 	"TimedWaitsKeepSessions": true, "WaitBound": true}
 
 func (s *suite) run(t *testing.T) {

@@ -29,7 +29,7 @@ var (
 		"got the same server session): a session-level lock would stay on a server session that other clients use; " +
 		"use pool_mode=session for session locks, or transaction-scoped locks (XactLock, DoTx)")
 	ErrUnverified = errors.New("advlock: could not prove that the connection is a server session of its own: the " +
-		"driver does not report the session's pid (lib/pq) or a pooler answers in its place, and no second connection " +
+		"pid the driver reports is not the session's (a pooler answers in its place) or it reports none, and no second connection " +
 		"was free within 2s to rule out a pooler in transaction mode; refusing a session-level lock that could leak " +
 		"(the next lock call tries again)")
 )

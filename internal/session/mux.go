@@ -30,7 +30,8 @@ import (
 // Only statements that never wait go on a Mux: tries and unlocks. A wait for a key held elsewhere happens on a
 // session of its own ([Acquire]). Errors in a round trip: rows answered before the failing one are applied (the
 // server sends rows as it produces them), a row that failed for lack of lock-table space (53200) fails that caller
-// alone with ErrLockTableFull, rows after it go out again; any other error leaves the session in doubt, so it is
+// alone with ErrLockTableFull (and an unlock of its key in its mode goes out first in the next round trip, undoing
+// a fenced grant whose token found no space), rows after it go out again; any other error leaves the session in doubt, so it is
 // destroyed and its locks are reported lost.
 type Mux struct {
 	conn      Conn
@@ -105,7 +106,7 @@ func init() {
 				if !try {
 					return unlockFn(shared, args) + "::int"
 				}
-				return "CASE" + fenceFirst(fenced) + " WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE 0 END"
+				return "CASE WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE 0 END"
 			}
 			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair]))
 			singleSQL[f][op-1] = "SELECT " + call(single[pair])
@@ -398,7 +399,14 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 		case failed >= 0:
 			retry = append(retry, r)
 		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && isTry(r.op):
-			r.err, failed = batchErr, i // no lock-table space for this try: it took nothing
+			// No lock-table space for this try. The lock function itself took nothing then, but with fencing the
+			// grant's token (its transaction id) needs space too, after the lock, whose session lock survives the
+			// error: undo it, in the next round trip, before anything else. An unlock in the same mode is exact: the
+			// lock function needs new space only when this session does not hold the key in that mode already, and
+			// then the unlock answers false and changes nothing; space that failed after the grant means it was
+			// granted, and the unlock gives back exactly that grant.
+			r.err, failed = batchErr, i
+			retry = append(retry, &req{op: r.op + opUnlock - opTry, key: r.key})
 		default:
 			m.mu.Unlock()
 			if batchErr == nil {

@@ -71,7 +71,12 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 				best, bestLoad = m, load
 			}
 		}
-		grow := live+s.opening < s.limit()
+		limit := s.limit()
+		if limit == 0 && best == nil && s.opening == 0 {
+			s.mu.Unlock()
+			return nil, ErrNoShared
+		}
+		grow := live+s.opening < limit
 		if best != nil {
 			if grow {
 				s.openLocked()
@@ -79,7 +84,7 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 			s.mu.Unlock()
 			return best, nil
 		}
-		if waited && s.opening == 0 && s.openErr != nil {
+		if waited && s.openErr != nil { // an open this call waited for failed: say why (never start another)
 			err := s.openErr
 			s.mu.Unlock()
 			return nil, WithContext(ctx, err)
@@ -103,15 +108,21 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 	}
 }
 
-// limit is how many shared sessions may be open: Max, and at most half of the pool's connections (at least one),
-// so that shared sessions, pinned for the Locker's life, never take every connection of a small pool that the
-// application and the waits in the server share (a pool of 2: 1 shared session).
+// limit is how many shared sessions may be open: Max, and at most half of the pool's connections, so that shared
+// sessions, pinned for the Locker's life, never take every connection of a small pool that the application and
+// the waits in the server share (a pool of 2: 1 shared session; a pool of 1: none, every lock takes a session of
+// its own for as long as it is held). It is looked at when a session would open: sessions already open stay when
+// the pool shrinks later.
 func (s *Shared) limit() int {
 	if pm := s.pool.Stats().Max; pm > 0 {
-		return min(s.max, max(1, pm/2))
+		return min(s.max, pm/2)
 	}
 	return s.max
 }
+
+// ErrNoShared is what Get returns when the pool is too small for any shared session (see limit): the caller takes
+// a session of its own.
+var ErrNoShared = errors.New("advlock: the pool is too small for a shared session")
 
 // openLocked starts opening one more shared session in the background.
 func (s *Shared) openLocked() {

@@ -38,8 +38,7 @@ func (id ID) literal() string {
 
 // Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
-	resultPrelude  = "-3" // never: fenceFirst's branch
-	resultTimeouts = -2   // LockSQL: held elsewhere, and a statement_timeout or lock_timeout is set: use WaitSQL
+	resultTimeouts = -2 // LockSQL: held elsewhere, and a statement_timeout or lock_timeout is set: use WaitSQL
 	resultStandby  = -1
 	resultNotHeld  = 0
 	resultAcquired = 1
@@ -63,18 +62,6 @@ func grant(fenced bool) string {
 			"0 * length(set_config('synchronous_commit', 'local', true)))"
 	}
 	return "1"
-}
-
-// fenceFirst is a CASE branch, never chosen, that a fenced try puts before its lock function: it takes the
-// transaction id (txid_current) and the sequence's lock for the transaction (pg_sequence_last_value opens and
-// locks it; nextval then takes no lock of its own) before the advisory lock. Both take lock-table space; taken
-// after a grant, either could fail for lack of it (53200) with the session lock already granted, which survives
-// the error. Taken first, a try that fails for lack of space has taken nothing.
-func fenceFirst(fenced bool) string {
-	if fenced {
-		return " WHEN txid_current() < 0 OR pg_sequence_last_value('" + FenceSeq + "') < 0 THEN " + resultPrelude
-	}
-	return ""
 }
 
 // lockFn names the advisory-lock function of a target's kind: lock(try, shared) with the key arguments args.
@@ -106,7 +93,7 @@ func init() {
 		for p := range 2 {
 			for sh := range 2 {
 				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
-				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1" + fenceFirst(fenced) + " WHEN " + lockFn(true, shared, args) +
+				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
 					" THEN " + grant(fenced) + " ELSE 0 END"
 				lockSQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 " +
 					"WHEN current_setting('statement_timeout') = '0' AND current_setting('lock_timeout') = '0' " +
@@ -221,12 +208,22 @@ func EnsureFence(ctx context.Context, pool Pool, try bool) error {
 	if try && pool.Stats().Exhausted() {
 		return ErrPoolExhausted
 	}
-	bctx, cancel := context.WithTimeout(ctx, VerifyBound)
-	defer cancel()
-	conn, err := pool.Acquire(bctx)
+	// A try waits for a connection no longer than the checks of a new one may take; a wait, as long as ctx allows.
+	actx, acancel := ctx, context.CancelFunc(func() {})
+	if try {
+		actx, acancel = context.WithTimeout(ctx, VerifyBound)
+	}
+	conn, err := pool.Acquire(actx)
+	bound := ctx.Err() == nil && actx.Err() != nil
+	acancel()
 	if err != nil {
+		if bound {
+			return fmt.Errorf("check the fencing sequence: no connection within %v (%v)", VerifyBound, err)
+		}
 		return WithContext(ctx, fmt.Errorf("check the fencing sequence: acquire connection: %w", err))
 	}
+	bctx, cancel := context.WithTimeout(ctx, VerifyBound)
+	defer cancel()
 	err = ensureFence(bctx, conn)
 	switch {
 	case err == nil || errors.Is(err, ErrFencing):
@@ -242,6 +239,10 @@ func EnsureFence(ctx context.Context, pool Pool, try bool) error {
 func ensureFence(ctx context.Context, conn Conn) error {
 	for attempt := 0; ; attempt++ {
 		exists, err := conn.QueryInt(ctx, "SELECT (to_regclass('"+FenceSeq+"') IS NOT NULL)::int")
+		if SQLState(err) == "42501" {
+			return fmt.Errorf("%w: this role may not use schema public, where the sequence %s is; as its owner run: "+
+				"GRANT USAGE ON SCHEMA public TO <role>: %v", ErrFencing, FenceSeq, err)
+		}
 		if err != nil {
 			return fmt.Errorf("check the fencing sequence: %w", err)
 		}
@@ -264,6 +265,9 @@ func ensureFence(ctx context.Context, conn Conn) error {
 		break
 	}
 	usable, err := conn.QueryInt(ctx, "SELECT has_sequence_privilege('"+FenceSeq+"', 'USAGE')::int")
+	if SQLState(err) == "42501" {
+		return fmt.Errorf("%w: this role may not use the sequence %s: %v", ErrFencing, FenceSeq, err)
+	}
 	if err != nil {
 		return fmt.Errorf("check the fencing sequence: %w", err)
 	}
