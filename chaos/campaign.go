@@ -464,6 +464,7 @@ func (c *campaign) inject(ctx context.Context) {
 					}
 				}
 			}
+			long = 3*ka + 200*time.Millisecond + time.Duration(rng.Int64N(int64(2*ka))) // past the idle timeout, always
 			f.Detail = fmt.Sprintf("%v, holding %d", long, c.heldBy(ctx, target.cfg.Name))
 			c.record(f)
 			c.signal(target, syscall.SIGSTOP)

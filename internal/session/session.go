@@ -252,7 +252,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		conn.Destroy()
 		if wait && SQLState(err) == "" {
-			abandoned(conn)
+			abandoned(pool, conn)
 		}
 		if err == nil {
 			err = errors.New("lock statement finished after the context ended; session closed")
@@ -331,12 +331,35 @@ func notGranted(ctx context.Context, conn Conn, t Target, err error) error {
 // abandoned makes sure the server has dropped the wait on conn (already destroyed) that was given up: a backend
 // blocked in a lock wait notices its closed socket only when granted or at its next
 // client_connection_check_interval, and until then pg_locks shows a waiter nobody waits for, which is then granted
-// the key for a moment. It is bounded (1 s) and synchronous, so that when Lock returns the server has been told (a
-// process that exits right after, such as advlock run, leaves no waiter behind). See Conn.Cancel.
-func abandoned(conn Conn) {
+// the key for a moment. It is bounded (1 s) and synchronous, so that when Lock returns the server has dropped the
+// waiter (a process that exits right after, such as advlock run, leaves no waiter behind). See Conn.Cancel. A
+// cancel request is answered once the server has signalled the backend, which leaves the queue a moment later: on
+// a direct connection with a pid, abandoned then reads pg_locks through another connection of the pool (when one
+// is free at once) until the backend no longer waits.
+func abandoned(pool Pool, conn Conn) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	conn.Cancel(ctx)
+	pid := conn.ClientPID()
+	if _, direct := conn.Verified(); !direct || pid == 0 || pool.Stats().Exhausted() {
+		return
+	}
+	other, err := pool.Acquire(ctx)
+	if err != nil {
+		return
+	}
+	for {
+		n, err := other.QueryInt(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND pid = $1::int4", int64(pid))
+		if err != nil {
+			other.Destroy()
+			return
+		}
+		if n == 0 || ctx.Err() != nil {
+			other.Release()
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // verify proves, once per physical connection, that conn is a server session of its own: either the pid the
