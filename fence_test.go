@@ -2,7 +2,9 @@ package advlock
 
 import (
 	"context"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -84,4 +86,66 @@ func TestFencingFirstUse(t *testing.T) {
 		}
 	}
 	t.Logf("%d of %d first uses failed", failed, lockers*rounds)
+}
+
+// A round trip of a fenced shared session that fails for another reason than lock-table space (here the token's
+// nextval cannot get the sequence's lock within the database's lock_timeout while another session alters the
+// sequence) puts the session in doubt: it is closed, and every caller whose request was in that round trip gets an
+// error, none waits for ever, and the Locker goes on working afterwards (TestMuxRoundTripFails holds such a round
+// trip at the moment it is settled).
+func TestFencedRoundTripFails(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 60*time.Second)
+	name := url[strings.LastIndex(url, "/")+1:]
+	if i := strings.IndexByte(name, '?'); i >= 0 {
+		name = name[:i]
+	}
+	if _, err := obs.Exec(ctx, "ALTER DATABASE "+name+" SET lock_timeout = '300ms'"); err != nil {
+		t.Fatal(err)
+	}
+	l := New(pgtest.Pool(t, url, nil), WithFencing(), WithSharedSessions(1))
+	defer l.Close()
+	warm, err := l.TryLock(ctx, key(t)) // the sequence exists, the shared session is open
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = warm.Unlock(ctx)
+	tx, err := obs.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "ALTER SEQUENCE public.advlock_fence INCREMENT BY 1"); err != nil {
+		t.Fatal(err)
+	}
+	time.AfterFunc(time.Second, func() { _ = tx.Commit(context.Background()) })
+	stop := time.Now().Add(2 * time.Second)
+	var wg sync.WaitGroup
+	var failed, ok atomic.Int64
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				lk, err := l.TryLock(ctx, key(t))
+				if err != nil {
+					failed.Add(1)
+					continue
+				}
+				ok.Add(1)
+				_ = lk.Unlock(ctx)
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(15 * time.Second):
+		t.Fatal("callers of a fenced round trip that failed still wait 13 s after the sequence was free again")
+	}
+	t.Logf("%d grants, %d failed tries", ok.Load(), failed.Load())
+	if failed.Load() == 0 || ok.Load() == 0 {
+		t.Errorf("the round trips never failed (%d) or never worked (%d)", failed.Load(), ok.Load())
+	}
 }

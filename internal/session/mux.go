@@ -30,8 +30,8 @@ import (
 // Only statements that never wait go on a Mux: tries and unlocks. A wait for a key held elsewhere happens on a
 // session of its own ([Acquire]). Errors in a round trip: rows answered before the failing one are applied (the
 // server sends rows as it produces them), a row that failed for lack of lock-table space (53200) fails that caller
-// alone with ErrLockTableFull (and an unlock of its key in its mode goes out first in the next round trip, undoing
-// a fenced grant whose token found no space), rows after it go out again; any other error leaves the session in doubt, so it is
+// alone with ErrLockTableFull (with fencing, an unlock of its key in its mode goes out first in the next round trip,
+// undoing a grant whose token found no space), rows after it go out again; any other error leaves the session in doubt, so it is
 // destroyed and its locks are reported lost.
 type Mux struct {
 	conn      Conn
@@ -399,15 +399,9 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 		case failed >= 0:
 			retry = append(retry, r)
 		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && isTry(r.op):
-			// No lock-table space for this try. The lock function itself took nothing then, but with fencing the
-			// grant's token (its transaction id) needs space too, after the lock, whose session lock survives the
-			// error: undo it, in the next round trip, before anything else. An unlock in the same mode is exact: the
-			// lock function needs new space only when this session does not hold the key in that mode already, and
-			// then the unlock answers false and changes nothing; space that failed after the grant means it was
-			// granted, and the unlock gives back exactly that grant.
-			r.err, failed = batchErr, i
-			retry = append(retry, &req{op: r.op + opUnlock - opTry, key: r.key})
+			r.err, failed = batchErr, i // no lock-table space for this try
 		default:
+			m.wire = wire // die settles them: the session is in doubt
 			m.mu.Unlock()
 			if batchErr == nil {
 				batchErr = errors.New("a request got no answer")
@@ -415,12 +409,21 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 			return false, fmt.Errorf("shared session in doubt: %w", batchErr)
 		}
 	}
-	if len(retry) > 0 {
-		m.queue = append(retry, m.queue...)
-	}
 	answered := wire
 	if failed >= 0 {
 		answered = wire[:failed+1]
+		if m.fenced {
+			// With fencing, the grant's token (nextval, which may need lock-table space for the sequence) comes
+			// after the lock, whose session lock survives the error: undo it, first in the next round trip. An
+			// unlock in the same mode is exact: the lock function needs new space only when this session does not
+			// hold the key in that mode already, and then the unlock answers false and changes nothing; space that
+			// failed after the grant means it was granted, and the unlock gives back exactly that grant.
+			r := wire[failed]
+			retry = append([]*req{{op: r.op + opUnlock - opTry, key: r.key}}, retry...)
+		}
+	}
+	if len(retry) > 0 {
+		m.queue = append(retry, m.queue...)
 	}
 	for _, r := range answered {
 		r.answered = true

@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"sync"
@@ -142,4 +143,135 @@ type noWire struct{ *wireConn }
 
 func (noWire) Wire(func(pc *pgconn.PgConn) error) error {
 	return errors.New("sql: connection is already closed")
+}
+
+// A round trip of several requests that fails with an error other than a full lock table puts the session in
+// doubt: every caller in it gets an error (none waits for ever), as does every caller queued behind it. die found
+// no requests on the wire to settle before, and the callers of that round trip waited for ever.
+func TestMuxRoundTripFails(t *testing.T) {
+	m, gone := openTestMux(t)
+	var once sync.Once
+	injected := errors.New("round trip failed (injected)")
+	setHookSettle(t, func(hm *Mux, where string) {
+		if hm != m || where != "complete" || len(hm.wire) < 2 {
+			return
+		}
+		once.Do(func() { // as the server would answer: an ErrorResponse, no rows
+			hm.batchErr = injected
+			for i := range hm.results {
+				hm.results[i] = -1
+			}
+		})
+	})
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for g := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 8 {
+				h, err := m.Try(context.Background(), Target{ID: ID{V: int64(g*100 + i + 1)}}, nil)
+				if err != nil {
+					errs <- err
+					return
+				}
+				_ = h.Release(context.Background(), ErrNotHeld)
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("callers of a round trip that failed still wait")
+	}
+	close(errs)
+	saw := false
+	for err := range errs {
+		saw = saw || errors.Is(err, injected)
+	}
+	if !saw {
+		t.Error("no caller got the round trip's error")
+	}
+	select {
+	case <-gone:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the Mux in doubt was not settled")
+	}
+}
+
+// A fenced try on a lock table with room for its advisory lock alone: the lock is granted, then the token's nextval
+// logs the sequence (the first nextval after a checkpoint does) and takes a transaction id, whose lock finds no
+// space, and the statement fails with 53200 while the session lock survives. The try fails with ErrLockTableFull and
+// keeps nothing: the key is not in pg_locks and another session takes it. (Without the undo the shared session kept
+// the key, every time.)
+func TestMuxFencedTryUndone(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private cluster")
+	}
+	c := pgtest.StartCluster(t, "max_locks_per_transaction = 10")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	obs, err := pgconn.Connect(ctx, c.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer obs.Close(context.Background())
+	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	pc, err := pgconn.Connect(ctx, c.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	b := time.Now().UnixNano()
+	for round := range 3 {
+		key := b + int64(round)
+		filler, err := pgconn.Connect(ctx, c.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := filler.Exec(ctx, "SELECT pg_advisory_lock(g) FROM generate_series(1, 1000000) g").ReadAll(); SQLState(err) != "53200" {
+			t.Fatalf("filling the lock table: %v", err)
+		}
+		if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock(1)").ReadAll(); err != nil { // room for one lock
+			t.Fatal(err)
+		}
+		if _, err := obs.Exec(ctx, "CHECKPOINT").ReadAll(); err != nil { // the next nextval logs, taking an xid
+			t.Fatal(err)
+		}
+		if _, err := m.Try(ctx, Target{ID: ID{V: key}}, nil); !errors.Is(err, ErrLockTableFull) {
+			t.Fatalf("round %d: fenced try with room for its lock alone: %v, want ErrLockTableFull", round, err)
+		}
+		if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock_all()").ReadAll(); err != nil { // space again
+			t.Fatal(err)
+		}
+		_ = filler.Close(ctx)
+		if h, err := m.Try(ctx, Target{ID: ID{V: key + 1000}}, nil); err != nil {
+			t.Fatalf("round %d: a try after the refused one: %v", round, err) // the undo went out before it
+		} else if err := h.Release(ctx, ErrNotHeld); err != nil {
+			t.Fatal(err)
+		}
+		res, err := obs.Exec(ctx, fmt.Sprintf("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "+
+			"((classid::int8 << 32) | objid::int8) = %d", key)).ReadAll()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := string(res[0].Rows[0][0]); n != "0" {
+			t.Fatalf("round %d: the refused key is in pg_locks (%s rows): the shared session kept it", round, n)
+		}
+		res, err = obs.Exec(ctx, fmt.Sprintf("SELECT pg_try_advisory_lock(%d), pg_advisory_unlock(%d)", key, key)).ReadAll()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := string(res[0].Rows[0][0]); got != "t" {
+			t.Fatalf("round %d: another session could not take the refused key", round)
+		}
+	}
 }

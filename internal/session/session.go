@@ -335,7 +335,7 @@ func notGranted(ctx context.Context, conn Conn, t Target, err error) error {
 // waiter (a process that exits right after, such as advlock run, leaves no waiter behind). See Conn.Cancel. A
 // cancel request is answered once the server has signalled the backend, which leaves the queue a moment later: on
 // a direct connection with a pid, abandoned then reads pg_locks through another connection of the pool (when one
-// is free at once) until the backend no longer waits.
+// is free at once) until the backend holds and waits for no advisory lock.
 func abandoned(pool Pool, conn Conn) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
@@ -349,7 +349,8 @@ func abandoned(pool Pool, conn Conn) {
 		return
 	}
 	for {
-		n, err := other.QueryInt(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND pid = $1::int4", int64(pid))
+		// Any advisory row: a grant that raced the cancel is held until the backend exits.
+		n, err := other.QueryInt(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1::int4", int64(pid))
 		if err != nil {
 			other.Destroy()
 			return
