@@ -109,6 +109,7 @@ func (s *suite) run(t *testing.T) {
 		{"WaitBound", s.waitBound},
 		{"NoPoolSurprises", s.noPoolSurprises},
 		{"Fencing", s.fencing},
+		{"FencingFirstUse", s.fencingFirstUse},
 		{"SharedOpenBounded", s.sharedOpenBounded},
 		{"UnlockBound", s.unlockBound},
 		{"CancelLeavesQueue", s.cancelLeavesQueue},

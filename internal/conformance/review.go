@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -13,6 +14,7 @@ import (
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5"
 )
 
 // blindWatch is a connection whose watcher never reads the socket: Wait only sleeps until its deadline or an
@@ -538,5 +540,84 @@ func (s *suite) fencing(t *testing.T) {
 	_ = stale.Unlock(ctx)
 	if err := fresh.Unlock(ctx); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// fencingFirstUse: a database that has never seen advlock (no sequence yet) and a fleet whose Lockers take their
+// first fenced lock at once, through every call. Every one is granted, with distinct tokens: a concurrent CREATE
+// SEQUENCE that loses the race (a duplicate in pg_class, 23505, or 42P07) means the sequence exists now.
+func (s *suite) fencingFirstUse(t *testing.T) {
+	obs := pgtest.Conn(t, pgtest.FreshDB(t, s.be.ObsURL))
+	db := obs.Config().Database
+	u, err := url.Parse(s.be.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = "/" + db // a pooler in front routes any database name (its [databases] has a wildcard)
+	ctx := ctxT(t, 60*time.Second)
+	const lockers, rounds = 6, 3
+	failed := 0
+	for round := range rounds { // a subtest each, whose end closes its Lockers' pools (a pooler's pool is small)
+		t.Run(fmt.Sprintf("round %d", round), func(t *testing.T) { s.firstUses(t, ctx, obs, u.String(), lockers, &failed) })
+	}
+	if failed > 0 {
+		t.Logf("%d of %d first uses failed", failed, lockers*rounds)
+	}
+}
+
+func (s *suite) firstUses(t *testing.T, ctx context.Context, obs *pgx.Conn, url string, lockers int, failed *int) {
+	{
+		if _, err := obs.Exec(ctx, "DROP SEQUENCE IF EXISTS public.advlock_fence"); err != nil {
+			t.Fatal(err)
+		}
+		var hs []Harness
+		for range lockers {
+			h := s.openURL(t, url, advlock.WithFencing())
+			hs = append(hs, h)
+		}
+		start := make(chan struct{})
+		tokens, errs := make([]int64, lockers), make([]error, lockers)
+		var wg sync.WaitGroup
+		for i, h := range hs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				k := Key(t)
+				<-start
+				var lk *advlock.Lock
+				var err error
+				switch i % 3 {
+				case 0:
+					lk, err = h.L.TryLock(ctx, k)
+				case 1:
+					lk, err = h.L.Lock(ctx, k)
+				case 2:
+					err = h.L.Do(ctx, k, func(fctx context.Context) error {
+						tokens[i] = advlock.FenceToken(fctx)
+						return nil
+					})
+				}
+				if lk != nil {
+					tokens[i] = lk.Token()
+					err = lk.Unlock(ctx)
+				}
+				errs[i] = err
+			}()
+		}
+		close(start)
+		wg.Wait()
+		seen := map[int64]bool{}
+		for i, err := range errs {
+			if err != nil {
+				*failed++
+				t.Errorf("Locker %d: first fenced lock on a fresh database: %v", i, err)
+			} else if tokens[i] <= 0 || seen[tokens[i]] {
+				t.Errorf("Locker %d: token %d (tokens so far %v)", i, tokens[i], seen)
+			}
+			seen[tokens[i]] = true
+		}
+		for _, h := range hs {
+			h.L.Close()
+		}
 	}
 }
