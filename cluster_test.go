@@ -444,6 +444,20 @@ func TestFencingCluster(t *testing.T) {
 		if _, err := obs.Exec(ctx, "GRANT USAGE ON SCHEMA public TO PUBLIC"); err != nil {
 			t.Fatal(err)
 		}
+		// A server that revoked pg_logical_emit_message, which a grant needs to flush the WAL covering its token
+		// when the server has WAL not yet flushed: an operator's fix too, said at the first fenced lock.
+		const emit = "FUNCTION pg_catalog.pg_logical_emit_message(boolean, text, text)"
+		if _, err := obs.Exec(ctx, "REVOKE EXECUTE ON "+emit+" FROM PUBLIC"); err != nil {
+			t.Fatal(err)
+		}
+		noEmit := New(pgtest.Pool(t, weakURL, nil), WithFencing())
+		if _, err := noEmit.TryLock(ctx, key(t)); !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "GRANT EXECUTE ON "+emit) {
+			t.Errorf("fencing for a role that may not execute pg_logical_emit_message: %v, want ErrFencing naming the GRANT", err)
+		}
+		noEmit.Close()
+		if _, err := obs.Exec(ctx, "GRANT EXECUTE ON "+emit+" TO PUBLIC"); err != nil {
+			t.Fatal(err)
+		}
 		for _, step := range []string{"granted", "fast", "immediate"} {
 			if step != "granted" {
 				if err := c.Restart(step); err != nil {

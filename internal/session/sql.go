@@ -50,15 +50,25 @@ const (
 const FenceSeq = "public.advlock_fence"
 
 // grant is what a statement yields for a grant: 1, or a fresh token. A token is used outside the database, so it
-// must survive a crash. nextval logs the sequence ahead of the values it hands out (one WAL record every 32 values)
-// and takes a transaction id when it logs, so that the transaction's commit flushes that record; the grant sets
-// synchronous_commit to local for its own transaction, so that the commit flushes whatever the server's setting.
-// Local, not on: a grant never waits for a synchronous standby (were one down, every fenced grant would stall, and
-// a shared session stalled past its round-trip bound is closed with every lock on it). No other transaction id is
-// taken: the 31 grants in 32 that log nothing consume none.
+// must survive a crash: no value may reach a caller before the WAL record that covers it is flushed. nextval logs
+// the sequence ahead of the values it hands out (one record every 32 values) and takes a transaction id when it
+// logs, so the commit of the transaction that logged flushes that record. The other 31 values log nothing, and
+// their commits flush nothing: they are covered only once that transaction has committed, which may be later (a
+// shared session's batch still running, a transaction that drew from the sequence and is still open, one that
+// aborted, one with synchronous_commit off). So a grant whose transaction has no id yet, on a server with WAL not
+// yet flushed, writes a transactional logical-decoding message of its own (prefix "advlock", empty): its
+// transaction then has an id and WAL, and its commit flushes everything before it. On a server whose WAL is all
+// flushed (every commit that wrote flushed it) it writes nothing. The grant sets synchronous_commit to local for
+// its own transaction, so that the commit flushes whatever the server's setting. Local, not on: a grant never
+// waits for a synchronous standby (were one down, every fenced grant would stall, and a shared session stalled past
+// its round-trip bound is closed with every lock on it). Evaluated left to right: nextval before the check, and the
+// flush position read before the insert position.
 func grant(fenced bool) string {
 	if fenced {
-		return "(nextval('" + FenceSeq + "') + 0 * length(set_config('synchronous_commit', 'local', true)))"
+		return "(nextval('" + FenceSeq + "') + 0 * length(set_config('synchronous_commit', 'local', true)) + " +
+			"0 * length(CASE WHEN txid_current_if_assigned() IS NULL AND " +
+			"pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn() " +
+			"THEN pg_logical_emit_message(true, 'advlock', '')::text ELSE '' END))"
 	}
 	return "1"
 }
@@ -273,6 +283,19 @@ func ensureFence(ctx context.Context, conn Conn) error {
 	if usable == 0 {
 		return fmt.Errorf("%w: this role may not use the sequence %s; as its owner run: GRANT USAGE ON SEQUENCE %s TO <role>",
 			ErrFencing, FenceSeq, FenceSeq)
+	}
+	// A grant may write a logical-decoding message to flush the WAL that covers its token (see grant). Every role
+	// may by default; a hardened server may have revoked it.
+	emit, err := conn.QueryInt(ctx, "SELECT COALESCE(bool_or(has_function_privilege(oid, 'EXECUTE')), false)::int "+
+		"FROM pg_catalog.pg_proc WHERE proname = 'pg_logical_emit_message' AND pronamespace = 'pg_catalog'::regnamespace "+
+		"AND proargtypes[2] = 'text'::regtype")
+	if err != nil {
+		return fmt.Errorf("check the fencing sequence: %w", err)
+	}
+	if emit == 0 {
+		return fmt.Errorf("%w: this role may not execute pg_logical_emit_message, with which a grant flushes the WAL that "+
+			"covers its token; as a superuser run: GRANT EXECUTE ON FUNCTION pg_catalog.pg_logical_emit_message(boolean, "+
+			"text, text) TO <role>", ErrFencing)
 	}
 	return nil
 }
