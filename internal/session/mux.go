@@ -30,9 +30,9 @@ import (
 // Only statements that never wait go on a Mux: tries and unlocks. A wait for a key held elsewhere happens on a
 // session of its own ([Acquire]). Errors in a round trip: rows answered before the failing one are applied (the
 // server sends rows as it produces them), a row that failed for lack of lock-table space (53200) fails that caller
-// alone with ErrLockTableFull (with fencing, an unlock of its key in its mode goes out first in the next round trip,
-// undoing a grant whose token found no space, and the tries granted before it in the round trip are undone and
-// sent again, since their tokens' transaction aborted), rows after it go out again; any other error leaves the session in doubt, so it is
+// alone with ErrLockTableFull, rows after it go out again; with fencing, a round trip that ended with an error
+// (that one, or one after its last row) aborted its tokens' transaction, so its granted tries are undone and sent
+// again, and the refused try is undone (an unlock of its key in its mode, first in the next round trip); any other error leaves the session in doubt, so it is
 // destroyed and its locks are reported lost.
 type Mux struct {
 	conn      Conn
@@ -413,32 +413,35 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 	answered := wire
 	if failed >= 0 {
 		answered = wire[:failed+1]
-		if m.fenced {
-			// With fencing, the grant's token (its nextval, which may take a transaction id, whose lock needs
-			// lock-table space) comes after the lock, whose session lock survives the error: undo it, first in the
-			// next round trip. An unlock in the same mode is exact: the lock function needs new space only when this
-			// session does not hold the key in that mode already, and then the unlock answers false and changes
-			// nothing; space that failed after the grant means it was granted, and the unlock gives back exactly
-			// that grant. The tries granted before it in this round trip drew their tokens in the statement's
-			// transaction, which aborted and flushed nothing (the WAL covering a token is flushed by the commit of
-			// the grant's transaction): a crash could hand those tokens out again. They are undone too and sent
-			// again, to draw tokens whose commit flushes.
-			var undo, again []*req
-			answered = answered[:0:0]
-			for j, r := range wire[:failed+1] {
-				granted := j < failed && isTry(r.op) && r.res >= 1
-				if j == failed || granted {
-					undo = append(undo, &req{op: r.op + opUnlock - opTry, key: r.key})
-				}
-				if granted {
-					r.res = 0
-					again = append(again, r)
-					continue
-				}
-				answered = append(answered, r)
+	}
+	if m.fenced && batchErr != nil {
+		// The round trip ended with an error: the statement's transaction aborted, with every answer it sent (a
+		// row refused for lack of lock-table space, or an error after the last row, such as a statement_timeout
+		// or a cancel request landing then). Its session locks survive, but its tokens were drawn in a
+		// transaction that flushed nothing (the WAL covering a token is flushed by the commit of the grant's
+		// transaction): a crash could hand them out again. So every try granted in it is undone, first in the next
+		// round trip, and sent again, to draw a token whose commit flushes; the refused try is undone too. Its
+		// grant's token (nextval, which may take a transaction id, whose lock needs lock-table space) comes after
+		// the lock, whose session lock survives the error. An unlock in the same mode is exact: the lock function
+		// needs new space only when this session does not hold the key in that mode already, and then the unlock
+		// answers false and changes nothing; space that failed after the grant means it was granted, and the
+		// unlock gives back exactly that grant.
+		var undo, again []*req
+		kept := answered[:0:0]
+		for j, r := range answered {
+			granted := j != failed && isTry(r.op) && r.res >= 1
+			if j == failed || granted {
+				undo = append(undo, &req{op: r.op + opUnlock - opTry, key: r.key})
 			}
-			retry = append(append(undo, again...), retry...)
+			if granted {
+				r.res = 0
+				again = append(again, r)
+				continue
+			}
+			kept = append(kept, r)
 		}
+		answered = kept
+		retry = append(append(undo, again...), retry...)
 	}
 	if len(retry) > 0 {
 		m.queue = append(retry, m.queue...)

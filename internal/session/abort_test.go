@@ -1,0 +1,275 @@
+package session
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// A fenced shared session's round trip whose rows all arrive, followed by an error (here a statement_timeout
+// that fires after the last row, before the executor finishes: the server checks for interrupts once more when it
+// asks the scan for the next row; a cancel request landing then does the same): the statement's transaction
+// aborted and flushed nothing. Its granted tries are undone and sent again, so the token a caller gets comes from
+// a transaction whose commit flushed, and an immediate restart goes on above it. (Every row used to be applied as
+// answered: the token came from the aborted transaction, and after the restart nextval handed it out again.)
+func TestMuxTrailingErrorToken(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private cluster")
+	}
+	c := pgtest.StartCluster(t, "autovacuum = off", "wal_level = minimal", "max_wal_senders = 0",
+		"wal_writer_delay = 10s")
+	ctx, cancel := context.WithTimeout(context.Background(), 170*time.Second)
+	defer cancel()
+	obs, err := pgconn.Connect(ctx, c.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = obs.Close(context.Background()) }()
+	const held = 7
+	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq+"; SELECT pg_advisory_lock(7)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgconn.ParseConfig(c.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.RuntimeParams["statement_timeout"] = "1" // a role's or a pool's default; advlock.New leaves it
+	var hit struct {
+		err      error
+		rows     int
+		trailing bool // a round trip carrying first answered every row, then failed
+	}
+	var cur *Mux
+	var first *req
+	setHookSettle(t, func(hm *Mux, at string) {
+		if hm != cur || at != "complete" || len(hm.wire) == 0 {
+			return
+		}
+		hit.err, hit.rows = hm.batchErr, 0
+		for _, r := range hm.results {
+			if r >= 0 {
+				hit.rows++
+			}
+		}
+		for _, r := range hm.wire {
+			if r == first && hit.err != nil && hit.rows == len(hm.wire) {
+				hit.trailing = true
+			}
+		}
+	})
+	n, outcomes := 400, map[string]int{}
+	base := time.Now().UnixNano()
+	start := time.Now()
+	for it := 0; time.Since(start) < 90*time.Second; it++ {
+		if _, err := obs.Exec(ctx, "CHECKPOINT").ReadAll(); err != nil { // the next nextval logs, in its own transaction
+			t.Fatal(err)
+		}
+		pc, err := pgconn.ConnectConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
+		if err != nil {
+			outcomes["open failed"]++
+			continue
+		}
+		hit.err, hit.rows, hit.trailing = nil, -1, false
+		// One round trip: a granted try of a fresh key (its nextval logs), then tries of a key held elsewhere
+		// (answered 0, no token) that make the statement last about statement_timeout.
+		first = &req{op: opTry, key: base + int64(it), sig: make(chan struct{}, 1)}
+		cur = m
+		var rest []*req
+		for range n - 1 {
+			rest = append(rest, &req{op: opTry, key: held, sig: make(chan struct{}, 1)})
+		}
+		m.mu.Lock()
+		m.queue = append(m.queue, first)
+		m.queue = append(m.queue, rest[:len(rest)-1]...)
+		m.mu.Unlock()
+		m.do(rest[len(rest)-1])
+		m.wait(first)
+		switch {
+		case hit.trailing:
+			outcomes["every row answered, then an error"]++
+		case hit.err == nil:
+			outcomes["committed"]++
+			n += 20
+		default:
+			outcomes["failed mid-statement (session destroyed)"]++
+			n -= 20
+		}
+		if !hit.trailing || first.err != nil || first.res < 1 {
+			m.Close()
+			continue
+		}
+		token := first.res
+		t.Logf("iteration %d: a round trip of %d rows answered every row, then failed; the try returned token %d",
+			it, n, token)
+		if err := c.Stop("immediate"); err != nil {
+			t.Fatal(err)
+		}
+		m.Close()
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		after, err := pgconn.Connect(ctx, c.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := after.Exec(ctx, "SELECT nextval('"+FenceSeq+"')").ReadAll()
+		_ = after.Close(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		next, _ := strconv.ParseInt(string(res[0].Rows[0][0]), 10, 64)
+		t.Logf("outcomes %v", outcomes)
+		if next <= token {
+			t.Fatalf("token %d came from a round trip that ended in an error after its last row (its transaction "+
+				"aborted); after an immediate restart nextval returned %d: the same token again", token, next)
+		}
+		t.Logf("after the restart nextval returned %d, above the token", next)
+		return
+	}
+	t.Fatalf("outcomes %v; the window was never hit in 90 s: nothing shown", outcomes)
+}
+
+// The undo-and-resend of a fenced round trip refused for lack of lock-table space, where the key of a granted try
+// also appears elsewhere in the round trip: [unlock A, try A, try B] (A was held by this session before) and
+// [try A, try A, try B] (shared, twice). B finds no space after A's grant and its transaction id took the last
+// slots. Afterwards the session must hold A exactly as often as the answers say (checked by unlocking until the
+// server answers false), B not at all, and the tries of A end granted with fresh tokens.
+func TestMuxUndoSameKey(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private cluster")
+	}
+	c := pgtest.StartCluster(t, "max_locks_per_transaction = 10", "autovacuum = off")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	obs, err := pgconn.Connect(ctx, c.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = obs.Close(context.Background()) }()
+	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		pre   bool    // the session holds A (shared) before the round trip
+		ops   []int16 // the round trip, before B
+		free  int     // slots the filler gives back
+		holds int     // how often the session holds A afterwards
+	}{
+		{"unlock A, try A, try B", true, []int16{opUnlockShared, opTryShared}, 1, 1},
+		{"try A, try A, try B", false, []int16{opTryShared, opTryShared}, 2, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pc, err := pgconn.Connect(ctx, c.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			do := func(rs ...*req) {
+				t.Helper()
+				for _, r := range rs {
+					r.sig = make(chan struct{}, 1)
+				}
+				m.mu.Lock()
+				m.queue = append(m.queue, rs[:len(rs)-1]...)
+				m.mu.Unlock()
+				m.do(rs[len(rs)-1])
+				for _, r := range rs {
+					m.wait(r)
+				}
+			}
+			a, b := time.Now().UnixNano(), time.Now().UnixNano()+1
+			if tc.pre {
+				r := &req{op: opTryShared, key: a}
+				do(r)
+				if r.err != nil || r.res < 1 {
+					t.Fatalf("taking A first: %d %v", r.res, r.err)
+				}
+			}
+			filler, err := pgconn.Connect(ctx, c.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = filler.Close(context.Background()) }()
+			if _, err := filler.Exec(ctx, "SELECT pg_advisory_lock(g) FROM generate_series(1, 1000000) g").ReadAll(); SQLState(err) != "53200" {
+				t.Fatalf("filling the lock table: %v", err)
+			}
+			if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock(g) FROM generate_series(1, "+strconv.Itoa(tc.free)+") g").ReadAll(); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := obs.Exec(ctx, "CHECKPOINT").ReadAll(); err != nil { // the next nextval takes a transaction id
+				t.Fatal(err)
+			}
+			var rs []*req
+			for _, op := range tc.ops {
+				rs = append(rs, &req{op: op, key: a})
+			}
+			rb := &req{op: opTry, key: b}
+			var rounds, fails int
+			var refused []int64 // the answers of the refused round trip (-1: none)
+			setHookSettle(t, func(hm *Mux, at string) {
+				if hm == m && at == "complete" && len(hm.wire) > 0 {
+					rounds++
+					if hm.batchErr != nil {
+						fails++
+						refused = append([]int64(nil), hm.results...)
+					}
+				}
+			})
+			do(append(rs, rb)...)
+			testHookSettle.Store(nil)
+			t.Logf("%d round trips, %d refused (its rows answered %v); answers: %v", rounds, fails, refused, func() (s []string) {
+				for _, r := range append(rs, rb) {
+					s = append(s, strconv.FormatInt(r.res, 10)+"/"+strconv.FormatBool(r.err != nil))
+				}
+				return s
+			}())
+			if fails == 0 || len(refused) != len(rs)+1 || refused[len(rs)-1] < 1 || refused[len(rs)] != -1 {
+				t.Fatalf("the scenario did not happen: A's try granted, then B refused (%v)", refused)
+			}
+			if !errors.Is(rb.err, ErrLockTableFull) {
+				t.Errorf("B: %d %v, want ErrLockTableFull", rb.res, rb.err)
+			}
+			if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock_all()").ReadAll(); err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range rs {
+				if r.err != nil || (isTry(r.op) && r.res < 1) || (!isTry(r.op) && r.res != 1) {
+					t.Errorf("op %d: %d %v", r.op, r.res, r.err)
+				}
+			}
+			n := 0
+			for ; n < 10; n++ {
+				r := &req{op: opUnlockShared, key: a}
+				do(r)
+				if r.err != nil {
+					t.Fatal(r.err)
+				}
+				if r.res != 1 {
+					break
+				}
+			}
+			if n != tc.holds {
+				t.Errorf("the session held A %d times, want %d", n, tc.holds)
+			}
+			r := &req{op: opUnlock, key: b}
+			do(r)
+			if r.err != nil || r.res != 0 {
+				t.Errorf("B still held by the session: %d %v", r.res, r.err)
+			}
+		})
+	}
+}
