@@ -20,6 +20,7 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/faults"
+	"github.com/advlock/advlock/internal/mutant"
 	"github.com/advlock/advlock/internal/pgcluster"
 	"github.com/jackc/pgx/v5"
 )
@@ -34,6 +35,10 @@ type Options struct {
 	Broken    bool // every worker uses the deliberately wrong locker
 	Log       io.Writer
 	Keep      bool // keep the workers' histories and output (kept anyway when something was found)
+	// Mutant switches one deliberate bug on in every worker (internal/mutant); the workers must be a build with
+	// the tag advlock_mutants: Binary names one (by default this executable, which must then be such a build).
+	Mutant string
+	Binary string
 }
 
 // Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
@@ -101,6 +106,11 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
+	}
+	if opt.Binary != "" {
+		self = opt.Binary
+	} else if opt.Mutant != "" && !mutant.Enabled {
+		return nil, fmt.Errorf("chaos: mutant %q needs a build with -tags advlock_mutants", opt.Mutant)
 	}
 	dir, err := os.MkdirTemp("", "advlock-chaos-")
 	if err != nil {
@@ -224,7 +234,7 @@ func (c *campaign) start(s *slot) error {
 	}
 	raw, _ := json.Marshal(s.cfg)
 	cmd := exec.Command(c.self)
-	cmd.Env = append(os.Environ(), envWorker+"="+string(raw))
+	cmd.Env = append(os.Environ(), envWorker+"="+string(raw), mutant.Env+"="+c.opt.Mutant)
 	cmd.Stdout = s.stderr
 	cmd.Stderr = s.stderr
 	if err := cmd.Start(); err != nil {

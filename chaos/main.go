@@ -1,6 +1,7 @@
 // Command chaos runs advlock under injected faults and checks the history afterwards.
 //
 //	go run ./chaos [-duration 2m] [-seed N] [-workers 6] [-json FILE] [-v]
+//	go run -tags advlock_mutants ./chaos -mutant NAME ...   (the library with one deliberate bug; see internal/mutant)
 //
 // It starts a private PostgreSQL cluster and PgBouncer (session pooling), runs worker processes (this binary
 // again), each with its own Locker, in shared-session and session-per-lock mode, directly, through a fault proxy
@@ -36,6 +37,7 @@ func mainCampaign() int {
 	jsonPath := flag.String("json", "", "also write the report as JSON to this file")
 	verbose := flag.Bool("v", false, "log each fault as it is injected")
 	keep := flag.Bool("keep", false, "keep the workers' histories and output (kept anyway when something was found)")
+	mutantName := flag.String("mutant", "", "switch one deliberate bug on in the library (a build with -tags advlock_mutants)")
 	flag.Parse()
 	if flag.NArg() > 0 || *duration <= 0 || *workers < 1 {
 		flag.Usage()
@@ -43,7 +45,7 @@ func mainCampaign() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep}
+	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName}
 	if *verbose {
 		opt.Log = os.Stderr
 	}
