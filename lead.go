@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/advlock/advlock/internal/mutant"
 	"github.com/advlock/advlock/internal/session"
 )
 
@@ -38,7 +39,11 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 	}
 	backoff := 50 * time.Millisecond
 	for {
-		lk, err := l.Lock(ctx, key)
+		campaign := l.Lock
+		if mutant.On(mutant.LeadShared) {
+			campaign = l.RLock
+		}
+		lk, err := campaign(ctx, key)
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()

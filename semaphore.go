@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"time"
+
+	"github.com/advlock/advlock/internal/mutant"
 )
 
 // A Semaphore admits at most n holders at once, across every process that uses the same name and n: "at most n
@@ -26,6 +28,9 @@ const semaphorePoll = 200 * time.Millisecond
 // Every process must use the same n for a name.
 func (l *Locker) Semaphore(name string, n int) *Semaphore {
 	s := &Semaphore{l: l, name: name}
+	if mutant.On(mutant.SemaphoreExtraSlot) && n > 0 {
+		n++
+	}
 	for i := range max(n, 0) {
 		s.keys = append(s.keys, NameKey(fmt.Sprintf("advlock.semaphore/%s/%d", name, i)))
 	}

@@ -229,7 +229,7 @@ func TestChecker(t *testing.T) {
 			csSpec{"b", 1, "x", 2, true, -1, []int{10, 110}, nil},
 			csSpec{"c", 2, "x", 3, true, -1, []int{20, 120}, nil})
 		for _, c := range h.CS {
-			c.Key = "slot" + c.ID
+			c.Key, c.Op = "slot"+c.ID, "semaphore"
 		}
 		for i := range h.Writes {
 			h.Writes[i].Key = "slot" + h.Writes[i].CS
@@ -242,6 +242,15 @@ func TestChecker(t *testing.T) {
 		h.SemN = 2
 		if got := kinds(Check(h)); got[VSemaphore] != 1 {
 			t.Fatalf("3 of 2: got %v", got)
+		}
+		// A holder of a slot the semaphore does not have (slot n or above), by operation, whatever the count.
+		h.SemKeys = map[string]bool{"slota": true, "slotb": true}
+		if got := kinds(Check(h)); got[VSemaphore] != 1 {
+			t.Fatalf("a third slot of 2: got %v", got)
+		}
+		h.CS["c"].Op = "lock" // the same key held by a plain lock is no semaphore holder
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("2 slots and a plain lock: got %v", got)
 		}
 	})
 	t.Run("leaks and worker problems", func(t *testing.T) {

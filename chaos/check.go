@@ -286,22 +286,31 @@ func Check(h *History) []Violation {
 		}
 	}
 
-	// The semaphore: never more than n clean holders' sections at once.
+	// The semaphore, by slot and by operation: every holder a Semaphore hands out holds one of its n slots (a key
+	// of another slot, n or above, is a violation at once), and never more than n clean holders' sections at once,
+	// whatever keys they hold.
 	if h.SemN > 0 {
 		type edge struct {
 			at time.Time
 			d  int
 		}
 		var edges []edge
-		for k, list := range byKey {
-			if !h.SemKeys[k] {
+		ids := make([]string, 0, len(h.CS))
+		for id := range h.CS {
+			ids = append(ids, id)
+		}
+		sort.Strings(ids)
+		for _, id := range ids {
+			c := h.CS[id]
+			if c.Op != "semaphore" {
 				continue
 			}
-			for _, c := range list {
-				if c.Clean {
-					bw := c.believing()
-					edges = append(edges, edge{bw[0].At, 1}, edge{bw[len(bw)-1].At, -1})
-				}
+			if !h.SemKeys[c.Key] {
+				add(VSemaphore, "%s %s holds key %s, none of the semaphore's %d slots", c.Op, c.ID, c.Key, h.SemN)
+				continue
+			}
+			if bw := c.believing(); c.Clean && len(bw) > 0 {
+				edges = append(edges, edge{bw[0].At, 1}, edge{bw[len(bw)-1].At, -1})
 			}
 		}
 		sort.Slice(edges, func(i, j int) bool {

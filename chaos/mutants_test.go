@@ -32,6 +32,8 @@ func TestMutants(t *testing.T) {
 	}{
 		{"", nil, 10 * time.Second}, // the control: the same build with no mutant on finds nothing
 		{mutant.GuardOff, []string{VOverlap}, 10 * time.Second},
+		{mutant.LeadShared, []string{VOverlap}, 10 * time.Second},
+		{mutant.SemaphoreExtraSlot, []string{VSemaphore}, 10 * time.Second},
 	}
 	for _, c := range cases {
 		name := c.mutant

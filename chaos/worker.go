@@ -93,6 +93,62 @@ type worker struct {
 	opsMu sync.Mutex
 	ops   map[int64]opTrack
 	opSeq int64
+
+	terms leadTerms
+}
+
+// leadTerms learns how each Lead term's lock ended (Lead releases it after fn returns, out of fn's sight) from the
+// Locker's observer hook, so that a term released cleanly counts as a clean section like any other. Terms of one
+// worker on leadKey never overlap (its Locker's gate), so the lock end that follows a term's return is that term's.
+type leadTerms struct {
+	w       *worker
+	mu      sync.Mutex
+	pending *event // the end of a term whose fn returned, waiting for its lock's end
+	ended   bool   // the current term's lock ended before its fn returned (a loss, or Close)
+}
+
+func (o *leadTerms) LockStart(ctx context.Context, _ advlock.LockCall) (context.Context, func(advlock.LockOutcome)) {
+	return ctx, func(advlock.LockOutcome) {}
+}
+
+func (o *leadTerms) Session(advlock.SessionEvent) {}
+
+func (o *leadTerms) LockEnd(e advlock.LockEnd) {
+	if e.Key != leadKey {
+		return
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.pending == nil {
+		o.ended = true
+		return
+	}
+	end := *o.pending
+	o.pending = nil
+	end.Clean = end.Told == 0 && e.Cause == advlock.CauseReleased && errors.Is(e.Err, advlock.ErrNotHeld) // released by its holder, confirmed
+	if e.Cause != advlock.CauseReleased {
+		end.Unlock = e.Cause
+	}
+	o.w.emit(end)
+}
+
+// begin marks a new term.
+func (o *leadTerms) begin() {
+	o.mu.Lock()
+	o.ended, o.pending = false, nil
+	o.mu.Unlock()
+}
+
+// returned records the end of the term whose fn returns: at once when its lock has ended already, else when it
+// ends.
+func (o *leadTerms) returned(end event) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.ended {
+		o.w.emit(end)
+		return
+	}
+	o.pending = &end
 }
 
 type opTrack struct {
@@ -133,6 +189,7 @@ func runWorker(raw string) int {
 	}
 	defer h.Close()
 	w := &worker{cfg: cfg, hist: h, ops: map[int64]opTrack{}}
+	w.terms.w = w
 	pcfg, err := pgxpool.ParseConfig(cfg.Ledger)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "chaos worker:", err)
@@ -246,7 +303,7 @@ func (w *worker) open(ctx context.Context) (*advlock.Locker, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	return advlock.Open(ctx, w.cfg.DSN+"&application_name="+w.cfg.Name, advlock.WithFencing(),
-		advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n))
+		advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n), advlock.WithObserver(&w.terms))
 }
 
 // heldByMe lists the advisory locks that backends named after this worker hold once every operation has ended:
@@ -629,6 +686,7 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 	err := l.Lead(ctx, leadKey, func(fctx context.Context) error {
 		cs := w.csID()
 		token := advlock.FenceToken(fctx)
+		w.terms.begin()
 		w.emit(event{T: "begin", Op: "lead", Key: canon(leadKey), Mode: "x", CS: cs, Token: token})
 		told := watchTold(fctx.Done())
 		r := rngFor(cs)
@@ -656,9 +714,8 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 		if t != 0 {
 			cause = classify(context.Cause(fctx))
 		}
-		// Lead releases after fn returns; whether that release was confirmed is not visible here, so a
-		// term counts as clean only through its writes, never as a proof of exclusion on its own.
-		w.emit(event{T: "end", CS: cs, Key: canon(leadKey), Told: t, Cause: cause, Unlock: "ok", Clean: false})
+		// Lead releases after fn returns: the term is clean when that release went through, never told of an end.
+		w.terms.returned(event{T: "end", CS: cs, Key: canon(leadKey), Told: t, Cause: cause, Unlock: "ok"})
 		return nil
 	})
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

@@ -8,6 +8,10 @@ const (
 	// GuardOff: the in-process gate admits every caller, so two holders in one process share one session's lock
 	// through PostgreSQL's re-entrancy.
 	GuardOff = "guard_off"
+	// LeadShared: Lead campaigns for a shared lock, so every campaign leads at once.
+	LeadShared = "lead_shared"
+	// SemaphoreExtraSlot: a Semaphore of n slots uses n+1.
+	SemaphoreExtraSlot = "semaphore_extra_slot"
 )
 
 // Env names the environment variable that selects the mutant in a build with the tag.
