@@ -34,6 +34,7 @@ func TestMutants(t *testing.T) {
 		{mutant.GuardOff, []string{VOverlap}, 10 * time.Second},
 		{mutant.LeadShared, []string{VOverlap}, 10 * time.Second},
 		{mutant.SemaphoreExtraSlot, []string{VSemaphore}, 10 * time.Second},
+		{mutant.UnlockSkippedShared, []string{VLeak}, 10 * time.Second},
 	}
 	for _, c := range cases {
 		name := c.mutant

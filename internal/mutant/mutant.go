@@ -12,6 +12,9 @@ const (
 	LeadShared = "lead_shared"
 	// SemaphoreExtraSlot: a Semaphore of n slots uses n+1.
 	SemaphoreExtraSlot = "semaphore_extra_slot"
+	// UnlockSkippedShared: Unlock of a lock on a shared session reports success without unlocking; the shared
+	// session keeps the key, which no other process can take while it lives.
+	UnlockSkippedShared = "unlock_skipped_shared"
 )
 
 // Env names the environment variable that selects the mutant in a build with the tag.

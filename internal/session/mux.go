@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/advlock/advlock/internal/mutant"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 )
@@ -858,6 +859,14 @@ func (h *Held) Release(ctx context.Context, after error) error {
 	h.mu.Unlock()
 	if err := h.Err(); err != nil {
 		return err
+	}
+	if mutant.On(mutant.UnlockSkippedShared) { // the lock stays on the shared session, which the caller no longer knows
+		m := h.mux
+		m.mu.Lock()
+		delete(m.held, h)
+		m.mu.Unlock()
+		h.finish(after)
+		return nil
 	}
 	op := int16(opUnlock)
 	if h.target.Shared {
