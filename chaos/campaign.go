@@ -437,8 +437,10 @@ func (c *campaign) inject(ctx context.Context) {
 			}
 			f.Worker, f.Detail = w, fmt.Sprintf("pid %d", pid)
 			f.At = time.Now()
-			_ = c.exec(ctx, `SELECT pg_terminate_backend($1)`, pid)
-			c.record(f)
+			// Counted only when it took effect: the backend was still there to be signalled.
+			if n, err := c.execRows(ctx, `SELECT 1 WHERE pg_terminate_backend($1)`, pid); err == nil && n == 1 {
+				c.record(f)
+			}
 		case "cut", "blackhole", "latency":
 			if len(proxied) == 0 {
 				continue
@@ -560,15 +562,21 @@ func (c *campaign) locksNow(ctx context.Context) Sample {
 }
 
 func (c *campaign) exec(ctx context.Context, sql string, args ...any) error {
+	_, err := c.execRows(ctx, sql, args...)
+	return err
+}
+
+// execRows runs sql on a connection of its own and says how many rows it returned or changed.
+func (c *campaign) execRows(ctx context.Context, sql string, args ...any) (int64, error) {
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	conn, err := pgx.Connect(qctx, c.cluster.URL)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer conn.Close(context.Background())
-	_, err = conn.Exec(qctx, sql, args...)
-	return err
+	tag, err := conn.Exec(qctx, sql, args...)
+	return tag.RowsAffected(), err
 }
 
 // leftovers lists the advisory locks still in pg_locks after every worker stopped. A session whose client died
