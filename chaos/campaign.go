@@ -561,11 +561,6 @@ func (c *campaign) locksNow(ctx context.Context) Sample {
 	return s
 }
 
-func (c *campaign) exec(ctx context.Context, sql string, args ...any) error {
-	_, err := c.execRows(ctx, sql, args...)
-	return err
-}
-
 // execRows runs sql on a connection of its own and says how many rows it returned or changed.
 func (c *campaign) execRows(ctx context.Context, sql string, args ...any) (int64, error) {
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
