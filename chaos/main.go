@@ -11,7 +11,8 @@
 // holders and waiters, network cut, blackhole and latency, SIGSTOP and SIGCONT of a worker, SIGKILL of a worker
 // (restarted), fast and immediate server restarts, a worker's Locker closed mid-flight. Afterwards a checker reads
 // the history, the ledger and pg_locks samples and counts violations. Exit status: 0 with zero violations and zero
-// leaked locks, 1 otherwise (with examples printed), 2 when the campaign itself could not run.
+// leaked locks, 1 otherwise (with examples printed) or when the run was not exercised (no write refused, no loss
+// told inside a section, a kind of fault that never took effect), 2 when the campaign itself could not run.
 package main
 
 import (

@@ -42,12 +42,15 @@ type Report struct {
 	ViolationsByKind map[string]int            `json:"violations_by_kind"`
 	Examples         map[string][]string       `json:"examples"`
 	LeakedLocks      int                       `json:"leaked_locks"`
-	Errors           map[string]int            `json:"errors"`        // operations that failed with an error, by message
-	Dir              string                    `json:"dir,omitempty"` // kept when something was found
+	Errors           map[string]int            `json:"errors"`                  // operations that failed with an error, by message
+	NotExercised     []string                  `json:"not_exercised,omitempty"` // why a run under faults proves nothing
+	Dir              string                    `json:"dir,omitempty"`           // kept when something was found
 }
 
 // OK is true with zero violations and zero leaks.
-func (r *Report) OK() bool { return r.Violations == 0 && r.LeakedLocks == 0 }
+func (r *Report) OK() bool {
+	return r.Violations == 0 && r.LeakedLocks == 0 && len(r.NotExercised) == 0
+}
 
 func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error) {
 	css, ops, probs, cancels, err := c.history()
@@ -122,6 +125,21 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		}
 		sort.Float64s(ds)
 		r.LossNoticeMS[kind] = Percentiles{P50: pct(ds, 0.50), P99: pct(ds, 0.99), N: len(ds)}
+	}
+	// A run under faults that refused no write, told no holder of a loss, or never injected a kind of fault did
+	// not exercise what the checker's excusing rules are about: it proves less than it seems, and fails.
+	if !c.opt.NoFaults {
+		if r.Refused == 0 {
+			r.NotExercised = append(r.NotExercised, "no write was refused by its token")
+		}
+		if r.LossesTold == 0 {
+			r.NotExercised = append(r.NotExercised, "no holder was told of a loss inside its section")
+		}
+		for _, k := range faultKinds {
+			if r.Faults[k] == 0 {
+				r.NotExercised = append(r.NotExercised, "fault "+k+" never took effect")
+			}
+		}
 	}
 	for _, v := range vs {
 		if v.Kind == VLeak {
@@ -204,6 +222,9 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintln(w)
 	}
 	fmt.Fprintf(w, "violations: %d   leaked locks: %d\n", r.Violations, r.LeakedLocks)
+	for _, why := range r.NotExercised {
+		fmt.Fprintf(w, "not exercised: %s\n", why)
+	}
 	if r.Dir != "" {
 		fmt.Fprintf(w, "the workers' histories and output are kept in %s\n", r.Dir)
 	}
