@@ -199,20 +199,7 @@ func TestMuxUndoSameKey(t *testing.T) {
 					t.Fatalf("taking A first: %d %v", r.res, r.err)
 				}
 			}
-			filler, err := pgconn.Connect(ctx, c.URL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = filler.Close(context.Background()) }()
-			if _, err := filler.Exec(ctx, "SELECT pg_advisory_lock(g) FROM generate_series(1, 1000000) g").ReadAll(); SQLState(err) != "53200" {
-				t.Fatalf("filling the lock table: %v", err)
-			}
-			if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock(g) FROM generate_series(1, "+strconv.Itoa(tc.free)+") g").ReadAll(); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := obs.Exec(ctx, "CHECKPOINT").ReadAll(); err != nil { // the next nextval takes a transaction id
-				t.Fatal(err)
-			}
+			filler := fillLockTable(t, ctx, c.URL, obs, tc.free)
 			var rs []*req
 			for _, op := range tc.ops {
 				rs = append(rs, &req{op: op, key: a})

@@ -290,20 +290,7 @@ func TestMuxFencedBatchTokensSurviveCrash(t *testing.T) {
 	if _, err := m.Try(ctx, Target{ID: ID{V: a}, Shared: true}, nil); err != nil { // A held: trying it again needs no space
 		t.Fatal(err)
 	}
-	filler, err := pgconn.Connect(ctx, c.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer filler.Close(context.Background())
-	if _, err := filler.Exec(ctx, "SELECT pg_advisory_lock(g) FROM generate_series(1, 1000000) g").ReadAll(); SQLState(err) != "53200" {
-		t.Fatalf("filling the lock table: %v", err)
-	}
-	if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock(1)").ReadAll(); err != nil { // room for A's transaction id
-		t.Fatal(err)
-	}
-	if _, err := obs.Exec(ctx, "CHECKPOINT").ReadAll(); err != nil { // the next nextval logs, taking a transaction id
-		t.Fatal(err)
-	}
+	fillLockTable(t, ctx, c.URL, obs, 1) // room for A's transaction id
 	// Rows A and B queued, then a try of a third key, which sends all three as one round trip.
 	r1 := &req{op: opTryShared, key: a, sig: make(chan struct{}, 1)}
 	r2 := &req{op: opTry, key: b, sig: make(chan struct{}, 1)}

@@ -33,8 +33,9 @@ import (
 // server sends rows as it produces them), a row that failed for lack of lock-table space (53200) fails that caller
 // alone with ErrLockTableFull, rows after it go out again; with fencing, a round trip that ended with an error
 // (that one, or one after its last row) aborted its tokens' transaction, so its granted tries are undone and sent
-// again, and the refused try is undone (an unlock of its key in its mode, first in the next round trip); any other error leaves the session in doubt, so it is
-// destroyed and its locks are reported lost.
+// again, and the refused try is undone (an unlock of its key in its mode, first in the next round trip); any
+// other error before a row's answer leaves the session in doubt, so it is destroyed and its locks are reported
+// lost.
 type Mux struct {
 	conn      Conn
 	nc        net.Conn

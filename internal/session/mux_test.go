@@ -233,19 +233,7 @@ func TestMuxFencedTryUndone(t *testing.T) {
 	b := time.Now().UnixNano()
 	for round := range 3 {
 		key := b + int64(round)
-		filler, err := pgconn.Connect(ctx, c.URL)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := filler.Exec(ctx, "SELECT pg_advisory_lock(g) FROM generate_series(1, 1000000) g").ReadAll(); SQLState(err) != "53200" {
-			t.Fatalf("filling the lock table: %v", err)
-		}
-		if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock(1)").ReadAll(); err != nil { // room for one lock
-			t.Fatal(err)
-		}
-		if _, err := obs.Exec(ctx, "CHECKPOINT").ReadAll(); err != nil { // the next nextval logs, taking an xid
-			t.Fatal(err)
-		}
+		filler := fillLockTable(t, ctx, c.URL, obs, 1) // room for the advisory lock alone
 		if _, err := m.Try(ctx, Target{ID: ID{V: key}}, nil); !errors.Is(err, ErrLockTableFull) {
 			t.Fatalf("round %d: fenced try with room for its lock alone: %v, want ErrLockTableFull", round, err)
 		}
@@ -274,4 +262,26 @@ func TestMuxFencedTryUndone(t *testing.T) {
 			t.Fatalf("round %d: another session could not take the refused key", round)
 		}
 	}
+}
+
+// fillLockTable fills the server's lock table from a connection of its own, then gives room slots back, and
+// checkpoints through obs so that the next nextval of the fencing sequence logs (and takes a transaction id, whose
+// lock needs a slot). The filler's locks go with it when the test ends, or with pg_advisory_unlock_all on it.
+func fillLockTable(t *testing.T, ctx context.Context, url string, obs *pgconn.PgConn, room int) *pgconn.PgConn {
+	t.Helper()
+	filler, err := pgconn.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = filler.Close(context.Background()) })
+	if _, err := filler.Exec(ctx, "SELECT pg_advisory_lock(g) FROM generate_series(1, 1000000) g").ReadAll(); SQLState(err) != "53200" {
+		t.Fatalf("filling the lock table: %v", err)
+	}
+	if _, err := filler.Exec(ctx, fmt.Sprintf("SELECT pg_advisory_unlock(g) FROM generate_series(1, %d) g", room)).ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := obs.Exec(ctx, "CHECKPOINT").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	return filler
 }
