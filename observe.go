@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
+	"github.com/advlock/advlock/internal/session"
 )
 
 // Observer is told what a Locker's locks and sessions do, for logs, metrics and traces (WithLogger is one;
@@ -70,11 +71,12 @@ const (
 
 // LockEnd says how a held lock ended.
 type LockEnd struct {
-	Key    Key
-	Shared bool
-	Held   time.Duration
-	Cause  string // one of the Cause constants
-	Err    error  // what Lock.Err reports (for a loss, why)
+	Key     Key
+	Shared  bool
+	Session string // where it was held: "shared" (a shared session's) or "dedicated" (a session of its own)
+	Held    time.Duration
+	Cause   string // one of the Cause constants
+	Err     error  // what Lock.Err reports (for a loss, why)
 }
 
 // SessionEvent is a session opening, closing, or being destroyed.
@@ -260,7 +262,10 @@ func (l *Locker) lockEnded(lk *Lock) {
 	if !lk.observed.CompareAndSwap(true, false) {
 		return
 	}
-	e := LockEnd{Key: lk.key, Shared: lk.shared, Held: time.Since(lk.grantedAt), Err: lk.h.Err()}
+	e := LockEnd{Key: lk.key, Shared: lk.shared, Session: "dedicated", Held: time.Since(lk.grantedAt), Err: lk.h.Err()}
+	if _, ok := lk.h.(*session.Held); ok {
+		e.Session = "shared"
+	}
 	switch {
 	case errors.Is(e.Err, ErrLockLost):
 		e.Cause = CauseLost

@@ -183,6 +183,7 @@ func (r *recorder) LockEnd(e LockEnd) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.ends[e.Cause]++
+	r.ends["session "+e.Session]++
 	if e.Held <= 0 {
 		r.ends["no held time"]++
 	}
@@ -271,6 +272,11 @@ func TestObserver(t *testing.T) {
 			m := "shared"
 			if mode.shared == 0 {
 				m = "dedicated"
+			}
+			// Each lock end says where the lock was held: every one of them on a shared session with shared
+			// sessions (the keys were free: each grant came at once), none without.
+			if rec.ends["session "+m] != rec.outcomes[ResultAcquired] {
+				t.Errorf("lock ends %v: want all %d on %s sessions", rec.ends, rec.outcomes[ResultAcquired], m)
 			}
 			opened := rec.sessions["open/"+m]
 			if opened == 0 || rec.sessions["destroy/"+m] == 0 {

@@ -12,7 +12,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -39,6 +41,10 @@ type Options struct {
 	// the tag advlock_mutants: Binary names one (by default this executable, which must then be such a build).
 	Mutant string
 	Binary string
+	// Faults, when not empty, are the only fault kinds injected, and Ops the only operations the workers run (a
+	// mutant's short campaign aims at its bug).
+	Faults []string
+	Ops    []string
 }
 
 // Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
@@ -53,6 +59,9 @@ type fault struct {
 	Until  time.Time
 	Worker int
 	Detail string
+	PID    int32    // the backend it ended (terminate)
+	Keys   []string // the advisory locks that backend held just before
+	Held   int      // advisory locks its target (a worker, or every worker) held when it was injected
 }
 
 // via says how a worker reaches the server.
@@ -83,6 +92,8 @@ type campaign struct {
 
 	errors map[string]int // what the operations that failed with "error" said, by class
 
+	runEnd time.Time // when the workers were told to stop
+
 	mu      sync.Mutex
 	faults  []fault
 	pauses  []Pause
@@ -112,6 +123,19 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	} else if opt.Mutant != "" && !mutant.Enabled {
 		return nil, fmt.Errorf("chaos: mutant %q needs a build with -tags advlock_mutants", opt.Mutant)
 	}
+	if opt.Mutant != "" && !slices.Contains(mutant.All, opt.Mutant) {
+		return nil, fmt.Errorf("chaos: no mutant %q (there are: %s)", opt.Mutant, strings.Join(mutant.All, ", "))
+	}
+	for _, op := range opt.Ops {
+		if !slices.ContainsFunc(opWeights, func(o opWeight) bool { return o.op == op }) {
+			return nil, fmt.Errorf("chaos: no operation %q", op)
+		}
+	}
+	for _, k := range opt.Faults {
+		if !slices.Contains(faultKinds, k) {
+			return nil, fmt.Errorf("chaos: no fault kind %q (there are: %s)", k, strings.Join(faultKinds, ", "))
+		}
+	}
 	dir, err := os.MkdirTemp("", "advlock-chaos-")
 	if err != nil {
 		return nil, err
@@ -124,7 +148,9 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}()
 	c := &campaign{opt: opt, dir: dir, self: self}
 	c.logf("starting a private cluster")
-	if c.cluster, err = pgcluster.Start("max_connections = 300"); err != nil {
+	// The server's log says when each backend ended, by pid and application name: evidence the checker reads.
+	if c.cluster, err = pgcluster.Start("max_connections = 300", "log_disconnections = on",
+		"log_line_prefix = '%n|%p|%a|'"); err != nil {
 		return nil, err
 	}
 	defer c.cluster.Remove()
@@ -175,6 +201,7 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	}()
 	bg.Wait()
 	c.logf("stopping the workers")
+	c.runEnd = time.Now()
 	c.stopAll()
 	leaked := c.leftovers(ctx)
 	c.logf("checking %s of history", time.Since(start).Round(time.Second))
@@ -222,7 +249,7 @@ func (c *campaign) newSlot(i int) (*slot, error) {
 	s.stderr = f
 	s.cfg = workerConfig{ID: i, Name: fmt.Sprintf("chaos-w%d", i), DSN: dsn, Ledger: c.cluster.URL, Shared: shared,
 		Broken: c.opt.Broken, Seed: c.opt.Seed*1000 + uint64(i), Keepalive: c.opt.Keepalive,
-		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4}
+		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4, Ops: c.opt.Ops}
 	return s, nil
 }
 
@@ -408,7 +435,9 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-// inject draws faults from a deck of every kind, shuffled with the seed, until ctx ends.
+// inject draws faults from a deck of every kind, shuffled with the seed, until ctx ends. Each fault aims at what
+// pg_locks shows holding a lock, when something does (a fault that hits nobody tests little), and is counted only
+// once it took effect; the locks its target held then are recorded.
 func (c *campaign) inject(ctx context.Context) {
 	rng := rand.New(rand.NewPCG(c.opt.Seed, 1))
 	var deck []string
@@ -421,21 +450,22 @@ func (c *campaign) inject(ctx context.Context) {
 	ka := c.opt.Keepalive
 	for sleepCtx(ctx, time.Duration(300+rng.IntN(900))*time.Millisecond) {
 		if len(deck) == 0 {
-			deck = append(deck, faultKinds...)
+			deck = append(deck, c.kinds()...)
 			rng.Shuffle(len(deck), func(i, j int) { deck[i], deck[j] = deck[j], deck[i] })
 		}
 		kind := deck[0]
 		deck = deck[1:]
-		target := c.slots[rng.IntN(len(c.slots))]
+		now := c.locksNow(ctx)
+		target := c.pickHolder(now, c.slots, rng)
 		long := 2*ka + time.Duration(rng.Int64N(int64(3*ka))) // past the server's 3-keepalive idle timeout, mostly
-		f := fault{Kind: kind, At: time.Now(), Worker: target.cfg.ID}
+		f := fault{Kind: kind, At: time.Now(), Worker: target.cfg.ID, Held: heldIn(now, target.cfg.Name)}
 		switch kind {
 		case "terminate_holder", "terminate_waiter":
-			pid, w, ok := c.pickBackend(ctx, kind == "terminate_holder", rng)
+			pid, w, keys, ok := pickBackend(now, kind == "terminate_holder", rng)
 			if !ok {
 				continue
 			}
-			f.Worker, f.Detail = w, fmt.Sprintf("pid %d", pid)
+			f.Worker, f.PID, f.Keys, f.Held, f.Detail = w, pid, keys, len(keys), fmt.Sprintf("pid %d holding %v", pid, keys)
 			f.At = time.Now()
 			// Counted only when it took effect: the backend was still there to be signalled.
 			if n, err := c.execRows(ctx, `SELECT 1 WHERE pg_terminate_backend($1)`, pid); err == nil && n == 1 {
@@ -445,46 +475,42 @@ func (c *campaign) inject(ctx context.Context) {
 			if len(proxied) == 0 {
 				continue
 			}
-			s := proxied[rng.IntN(len(proxied))]
-			f.Worker = s.cfg.ID
+			s := c.pickHolder(now, proxied, rng)
+			f.Worker, f.Held = s.cfg.ID, heldIn(now, s.cfg.Name)
 			switch kind {
 			case "cut":
 				s.proxy.Cut()
 				c.record(f)
 			case "blackhole":
 				s.proxy.Blackhole(true)
-				f.Detail = fmt.Sprintf("%v, holding %d", long, c.heldBy(ctx, s.cfg.Name))
-				c.record(f)
+				f.Detail = fmt.Sprintf("%v, holding %d", long, f.Held)
 				sleepCtx(ctx, long)
-				c.logf("blackhole off worker %d, its sessions hold %d", s.cfg.ID, c.heldBy(ctx, s.cfg.Name))
 				s.proxy.Blackhole(false)
+				f.Until = time.Now()
+				c.record(f)
 			case "latency":
 				d := time.Duration(10+rng.IntN(70)) * time.Millisecond
 				s.proxy.Latency(d)
 				f.Detail = d.String()
-				c.record(f)
 				sleepCtx(ctx, time.Duration(1000+rng.IntN(1000))*time.Millisecond)
 				s.proxy.Latency(0)
+				f.Until = time.Now()
+				c.record(f)
 			}
 		case "sigstop":
-			// A worker whose sessions hold a lock, when one does: a paused holder is what fencing must stop (a
-			// paused worker holding nothing tests little).
-			if _, w, ok := c.pickBackend(ctx, true, rng); ok {
-				for _, s := range c.slots {
-					if s.cfg.ID == w {
-						target, f.Worker = s, w
-					}
-				}
-			}
+			// Some pauses are far past the bound: a stopped holder is what fencing must stop.
 			long = 3*ka + 200*time.Millisecond + time.Duration(rng.Int64N(int64(2*ka))) // past the idle timeout, always
-			f.Detail = fmt.Sprintf("%v, holding %d", long, c.heldBy(ctx, target.cfg.Name))
-			c.record(f)
+			if rng.IntN(3) == 0 {
+				long = 4*(2*ka+time.Second) + time.Duration(rng.Int64N(int64(time.Second)))
+			}
+			f.Detail = fmt.Sprintf("%v, holding %d", long, f.Held)
 			c.signal(target, syscall.SIGSTOP)
 			sleepCtx(ctx, long)
-			c.logf("sigcont worker %d, its sessions hold %d", target.cfg.ID, c.heldBy(ctx, target.cfg.Name))
 			c.signal(target, syscall.SIGCONT)
+			f.Until = time.Now()
+			c.record(f)
 			c.mu.Lock()
-			c.pauses = append(c.pauses, Pause{Worker: target.cfg.ID, From: f.At, To: time.Now()})
+			c.pauses = append(c.pauses, Pause{Worker: target.cfg.ID, From: f.At, To: f.Until})
 			c.mu.Unlock()
 		case "sigkill":
 			c.record(f)
@@ -496,7 +522,7 @@ func (c *campaign) inject(ctx context.Context) {
 			c.record(f)
 			c.signal(target, syscall.SIGUSR1)
 		case "restart_fast", "restart_immediate":
-			f.Worker = -1
+			f.Worker, f.Held = -1, heldIn(now, "")
 			c.record(f)
 			if err := c.cluster.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
 				c.logf("restart: %v", err)
@@ -506,46 +532,75 @@ func (c *campaign) inject(ctx context.Context) {
 	}
 }
 
-// pickBackend picks a worker session that holds (or waits for) an advisory lock.
-func (c *campaign) pickBackend(ctx context.Context, holder bool, rng *rand.Rand) (pid int32, worker int, ok bool) {
-	type row struct {
-		pid int32
-		app string
+// kinds lists the fault kinds this campaign draws from.
+func (c *campaign) kinds() []string {
+	if len(c.opt.Faults) > 0 {
+		return c.opt.Faults
 	}
-	var list []row
-	seen := map[int32]bool{}
-	for _, rows := range c.locksNow(ctx).Held {
-		for _, h := range rows {
-			if h.Granted == holder && strings.HasPrefix(h.App, "chaos-w") && !seen[h.PID] {
-				seen[h.PID] = true
-				list = append(list, row{h.PID, h.App})
-			}
-		}
-	}
-	if len(list) == 0 {
-		return 0, 0, false
-	}
-	sort.Slice(list, func(i, j int) bool { return list[i].pid < list[j].pid }) // the seed picks in one order
-	r := list[rng.IntN(len(list))]
-	var w int
-	_, _ = fmt.Sscanf(r.app, "chaos-w%d", &w)
-	return r.pid, w, true
+	return faultKinds
 }
 
-// heldBy counts the advisory locks granted to the sessions named app (for the log).
-func (c *campaign) heldBy(ctx context.Context, app string) int {
-	if c.opt.Log == nil {
-		return -1
+// pickHolder picks one of the slots whose sessions pg_locks shows holding a lock, or any of them when none does.
+func (c *campaign) pickHolder(now Sample, slots []*slot, rng *rand.Rand) *slot {
+	var holding []*slot
+	for _, s := range slots {
+		if heldIn(now, s.cfg.Name) > 0 {
+			holding = append(holding, s)
+		}
 	}
+	if len(holding) == 0 {
+		holding = slots
+	}
+	return holding[rng.IntN(len(holding))]
+}
+
+// heldIn counts the advisory locks granted to the sessions named app in a sample (every worker's: app "").
+func heldIn(s Sample, app string) int {
 	n := 0
-	for _, rows := range c.locksNow(ctx).Held {
+	for _, rows := range s.Held {
 		for _, h := range rows {
-			if h.Granted && h.App == app {
+			if h.Granted && (h.App == app || app == "" && strings.HasPrefix(h.App, "chaos-w")) {
 				n++
 			}
 		}
 	}
 	return n
+}
+
+// pickBackend picks a worker session that holds (or waits for) an advisory lock, one lock drawn at random, and
+// lists the keys it holds.
+func pickBackend(now Sample, holder bool, rng *rand.Rand) (pid int32, worker int, keys []string, ok bool) {
+	type row struct {
+		pid int32
+		app string
+		key string
+	}
+	var list []row // one per lock held (or waited for): a shared session holding many is picked as often
+	held := map[int32][]string{}
+	for key, rows := range now.Held {
+		for _, h := range rows {
+			if !strings.HasPrefix(h.App, "chaos-w") {
+				continue
+			}
+			if h.Granted {
+				held[h.PID] = append(held[h.PID], key)
+			}
+			if h.Granted == holder {
+				list = append(list, row{h.PID, h.App, key})
+			}
+		}
+	}
+	if len(list) == 0 {
+		return 0, 0, nil, false
+	}
+	sort.Slice(list, func(i, j int) bool { // the seed picks in one order
+		return list[i].pid < list[j].pid || list[i].pid == list[j].pid && list[i].key < list[j].key
+	})
+	r := list[rng.IntN(len(list))]
+	_, _ = fmt.Sscanf(r.app, "chaos-w%d", &worker)
+	keys = held[r.pid]
+	sort.Strings(keys)
+	return r.pid, worker, keys, true
 }
 
 // locksNow reads pg_locks on a connection of its own (empty when the server does not answer).
@@ -610,6 +665,40 @@ func (c *campaign) leftovers(ctx context.Context) []string {
 	}
 }
 
+// sessionEnds reads the server's log: one piece of evidence per backend of a worker that ended (log_disconnections,
+// with the prefix "epoch.ms|pid|application_name|").
+func (c *campaign) sessionEnds() []Evidence {
+	f, err := os.Open(c.cluster.LogFile())
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	var out []Evidence
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 1<<20), 1<<24)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.Contains(line, "disconnection: session time") {
+			continue
+		}
+		parts := strings.SplitN(line, "|", 4)
+		if len(parts) < 4 {
+			continue
+		}
+		var w int
+		if _, err := fmt.Sscanf(parts[2], "chaos-w%d", &w); err != nil || strings.HasSuffix(parts[2], "-ledger") {
+			continue
+		}
+		sec, err1 := strconv.ParseFloat(parts[0], 64)
+		pid, err2 := strconv.ParseInt(parts[1], 10, 32)
+		if err1 != nil || err2 != nil {
+			continue
+		}
+		out = append(out, Evidence{Kind: "session_end", At: time.UnixMilli(int64(sec*1000 + 0.5)), Worker: w, PID: int32(pid)})
+	}
+	return out
+}
+
 // history reads the workers' files.
 func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Violation, int64, error) {
 	c.errors = map[string]int{}
@@ -642,10 +731,12 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 					c.errors[errClass(e.Err)]++
 				}
 			case "begin":
-				css[e.CS] = &CS{ID: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Token: e.Token}
+				css[e.CS] = &CS{ID: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Token: e.Token, Begin: time.Unix(0, e.At)}
 			case "end":
 				if cs := css[e.CS]; cs != nil {
-					cs.Ended, cs.Cause, cs.Unlock, cs.Clean = true, e.Cause, e.Unlock, e.Clean
+					cs.Ended, cs.Cause, cs.Unlock, cs.Clean, cs.ToldBy = true, e.Cause, e.Unlock, e.Clean, e.ToldBy
+					cs.Session = e.Session
+					cs.End = time.Unix(0, e.At)
 					if e.Told != 0 {
 						cs.Told = time.Unix(0, e.Told)
 					}

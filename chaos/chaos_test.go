@@ -122,12 +122,19 @@ type csSpec struct {
 }
 
 func build(specs ...csSpec) *History {
-	h := &History{CS: map[string]*CS{}, Bound: time.Second, AppName: func(w int) string { return "w" + string(rune('0'+w)) }}
+	h := &History{CS: map[string]*CS{}, Bound: time.Second, AppName: func(w int) string { return "w" + string(rune('0'+w)) },
+		WorkerOf: func(app string) (int, bool) {
+			if len(app) == 2 && app[0] == 'w' {
+				return int(app[1] - '0'), true
+			}
+			return 0, false
+		}, RunEnd: at(100_000)}
 	id := int64(0)
 	for _, s := range specs {
-		c := &CS{ID: s.id, Worker: s.worker, Op: "lock", Key: "k", Mode: s.mode, Token: s.token, Ended: true, Clean: s.clean}
+		c := &CS{ID: s.id, Worker: s.worker, Op: "lock", Key: "k", Mode: s.mode, Token: s.token, Ended: true, Clean: s.clean,
+			End: at(s.writes[len(s.writes)-1] + 1)}
 		if s.told >= 0 {
-			c.Told = at(s.told)
+			c.Told, c.ToldBy = at(s.told), "done"
 		}
 		h.CS[s.id] = c
 		for i, ms := range s.writes {
@@ -145,6 +152,19 @@ func build(specs ...csSpec) *History {
 	for i := range h.Writes {
 		id++
 		h.Writes[i].ID = id // the ledger's ids follow the server's order
+	}
+	return h
+}
+
+func evidence(h *History, e ...Evidence) *History {
+	h.Evidence = append(h.Evidence, e...)
+	return h
+}
+
+// begins sets grant times (ms) where they differ from the first write.
+func begins(h *History, ms map[string]int) *History {
+	for id, t := range ms {
+		h.CS[id].Begin = at(t)
 	}
 	return h
 }
@@ -170,15 +190,39 @@ func TestChecker(t *testing.T) {
 		{"clean holder overlapped", build(
 			csSpec{"a", 0, "x", 1, true, -1, []int{0, 50}, []bool{false, true}},
 			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, nil}), map[string]int{VOverlap: 1, VTokenOrder: 1}},
-		{"lost holder within the bound", build(
+		{"lost holder, no evidence of its loss", build(
 			csSpec{"a", 0, "x", 1, false, 500, []int{0, 400}, []bool{false, true}},
-			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, []bool{false, false}}), map[string]int{}},
-		{"lost holder told too late", build(
+			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, []bool{false, false}}), map[string]int{VOverlap: 1}},
+		{"lost holder within the bound", evidence(build(
+			csSpec{"a", 0, "x", 1, false, 500, []int{0, 400}, []bool{false, true}},
+			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, []bool{false, false}}),
+			Evidence{Kind: "terminate_holder", At: at(20), Worker: 0, PID: 9, Keys: []string{"k"}}), map[string]int{}},
+		{"lost holder told too late", evidence(build(
 			csSpec{"a", 0, "x", 1, false, 3000, []int{0, 2500}, []bool{false, true}},
-			csSpec{"b", 1, "x", 2, false, -1, []int{30, 40}, nil}), map[string]int{VOverlap: 1}},
-		{"a lost holder granted first writes once after the next one began", build( // seen in a campaign
+			csSpec{"b", 1, "x", 2, false, -1, []int{30, 40}, nil}),
+			Evidence{Kind: "terminate_holder", At: at(20), Worker: 0, PID: 9, Keys: []string{"k"}}), map[string]int{VLateNotice: 1}},
+		{"evidence about another worker excuses nothing", evidence(build(
+			csSpec{"a", 0, "x", 1, false, 500, []int{0, 400}, []bool{false, true}},
+			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, []bool{false, false}}),
+			Evidence{Kind: "terminate_holder", At: at(20), Worker: 2, PID: 9, Keys: []string{"k"}},
+			Evidence{Kind: "cut", At: at(20), Worker: 1}), map[string]int{VOverlap: 1}},
+		{"evidence after the later grant excuses nothing", evidence(build(
+			csSpec{"a", 0, "x", 1, false, 500, []int{0, 400}, []bool{false, true}},
+			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, []bool{false, false}}),
+			Evidence{Kind: "restart_fast", At: at(100), Worker: -1}), map[string]int{VOverlap: 1}},
+		{"a lost holder granted first writes once after the next one began", evidence(begins(build( // seen in a campaign
 			csSpec{"new", 3, "x", 2618, true, -1, []int{0, 43}, nil},
-			csSpec{"old", 1, "x", 2498, false, 41, []int{40}, []bool{true}}), map[string]int{}},
+			csSpec{"old", 1, "x", 2498, false, 41, []int{40}, []bool{true}}), map[string]int{"old": -100}),
+			Evidence{Kind: "session_end", At: at(-50), Worker: 1, PID: 7}), map[string]int{}},
+		{"told only by Unlock, long after the loss", evidence(build(
+			csSpec{"a", 0, "x", 1, false, -1, []int{0, 500, 2500}, nil}),
+			Evidence{Kind: "cut", At: at(100), Worker: 0}), map[string]int{VNeverTold: 1}},
+		{"told only by Unlock, within the bound", evidence(build(
+			csSpec{"a", 0, "x", 1, false, -1, []int{0, 500, 900}, nil}),
+			Evidence{Kind: "cut", At: at(100), Worker: 0}), map[string]int{}},
+		{"a fault that ends no session tells nothing", evidence(build(
+			csSpec{"a", 0, "x", 1, false, -1, []int{0, 500, 2500}, nil}),
+			Evidence{Kind: "latency", At: at(100), Until: at(2000), Worker: 0}), map[string]int{}},
 		{"writes after being told do not count", build(
 			csSpec{"a", 0, "x", 1, false, 20, []int{0, 2500}, nil},
 			csSpec{"b", 1, "x", 2, false, -1, []int{30, 40}, nil}), map[string]int{VStaleToken: 1}},
@@ -225,19 +269,63 @@ func TestChecker(t *testing.T) {
 		}
 	})
 	t.Run("paused holder is judged by the fence", func(t *testing.T) {
-		h := build(
-			csSpec{"a", 0, "x", 1, false, 4000, []int{0, 3000}, []bool{false, true}},
-			csSpec{"b", 1, "x", 2, false, -1, []int{30, 40}, nil})
-		h.Pauses = []Pause{{Worker: 0, From: at(10), To: at(2900)}}
-		if got := kinds(Check(h)); len(got) != 0 {
+		// Stopped from 10 ms to 2.9 s; the server ended its idle session at 25 ms (its log says so, and pg_locks had
+		// shown that backend holding the key); it wrote once more on waking and was told at 3.1 s, within the
+		// bound of its resumption.
+		paused := func(refused bool) *History {
+			h := evidence(build(
+				csSpec{"a", 0, "x", 1, false, 3100, []int{0, 3000}, []bool{false, refused}},
+				csSpec{"b", 1, "x", 2, false, -1, []int{30, 40}, nil}),
+				Evidence{Kind: "session_end", At: at(25), Worker: 0, PID: 9})
+			h.Pauses = []Pause{{Worker: 0, From: at(10), To: at(2900)}}
+			h.Samples = []Sample{{At: at(5), Held: map[string][]Holder{"k": {{App: "w0", PID: 9, Granted: true}}}}}
+			return h
+		}
+		if got := kinds(Check(paused(true))); len(got) != 0 {
 			t.Fatalf("paused holder refused: got %v", got)
 		}
-		h = build(
-			csSpec{"a", 0, "x", 1, false, 4000, []int{0, 3000}, nil},
-			csSpec{"b", 1, "x", 2, false, -1, []int{30, 40}, nil})
-		h.Pauses = []Pause{{Worker: 0, From: at(10), To: at(2900)}}
-		if got := kinds(Check(h)); got[VStaleToken] != 1 || got[VOverlap] != 0 {
+		if got := kinds(Check(paused(false))); got[VStaleToken] != 1 || got[VOverlap] != 0 {
 			t.Fatalf("paused holder accepted after a newer token: got %v", got)
+		}
+		// The end of a backend pg_locks never showed holding the key excuses nothing once another one was seen.
+		h := paused(true)
+		h.Evidence[0].PID = 10
+		if got := kinds(Check(h)); got[VOverlap] != 1 {
+			t.Fatalf("another backend's end excused the overlap: got %v", got)
+		}
+		// Told after the bound from its resumption: late.
+		h = paused(true)
+		h.CS["a"].Told = at(4000)
+		h.Writes[len(h.Writes)-1].At = at(3950)
+		if got := kinds(Check(h)); got[VLateNotice] != 1 {
+			t.Fatalf("told 1.1 s after the bound: got %v", got)
+		}
+	})
+	t.Run("leak during the run", func(t *testing.T) {
+		var samples []Sample
+		for ms := 0; ms <= 2000; ms += 100 {
+			samples = append(samples, Sample{At: at(ms), Held: map[string][]Holder{"k": {{App: "w0", PID: 9, Granted: true}}}})
+		}
+		h := build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 1000, 2100}, nil})
+		h.Samples = samples
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("held while its holder believed it: got %v", got)
+		}
+		h = build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 300}, nil})
+		h.Samples = samples
+		if got := kinds(Check(h)); got[VLeak] != 1 {
+			t.Fatalf("held 1.7 s after a clean release: got %v", got)
+		}
+		h = build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 300}, nil})
+		h.Samples = samples[:10] // 0.6 s after the release: within the bound
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("held 0.6 s after the release: got %v", got)
+		}
+		h = evidence(build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 300}, nil}),
+			Evidence{Kind: "blackhole", At: at(200), Until: at(1500), Worker: 0})
+		h.Samples = samples // a client that gave up on its session behind a blackhole: the server keeps it a while
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("held 1.7 s after a blackhole: got %v", got)
 		}
 	})
 	t.Run("semaphore", func(t *testing.T) {
@@ -268,6 +356,17 @@ func TestChecker(t *testing.T) {
 		h.CS["c"].Op = "lock" // the same key held by a plain lock is no semaphore holder
 		if got := kinds(Check(h)); len(got) != 0 {
 			t.Fatalf("2 slots and a plain lock: got %v", got)
+		}
+		// By pg_locks: a backend holding slot 2 of a semaphore of 2, or three backends holding its slots.
+		h.SemSlots = map[string]int{"slota": 0, "slotb": 1, "slotc": 2}
+		h.AppName, h.WorkerOf = nil, nil // this sample alone is no record of who believed what
+		h.Samples = []Sample{{At: at(50), Held: map[string][]Holder{"slota": {{App: "w0", Granted: true}}, "slotb": {{App: "w1", Granted: true}}}}}
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("2 slots held: got %v", got)
+		}
+		h.Samples[0].Held["slotc"] = []Holder{{App: "w9", Granted: true}}
+		if got := kinds(Check(h)); got[VSemaphore] != 2 {
+			t.Fatalf("slot 2 held, 3 holders: got %v", got)
 		}
 	})
 	t.Run("leaks and worker problems", func(t *testing.T) {

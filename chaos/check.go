@@ -21,18 +21,50 @@ type Write struct {
 
 // CS is one critical section: a grant and what its holder was told.
 type CS struct {
-	ID     string
-	Worker int
-	Op     string
-	Key    string
-	Mode   string
-	Token  int64
-	Ended  bool      // its end was recorded (a SIGKILLed worker records none)
-	Told   time.Time // when the library said the lock ended (Done, fn's ctx); zero if never
-	Cause  string
-	Unlock string
-	Clean  bool // never told of an end, and the release was confirmed
-	Writes []Write
+	ID      string
+	Worker  int
+	Op      string
+	Key     string
+	Mode    string
+	Token   int64
+	Begin   time.Time // just after the grant (its holder's record; zero in old histories: its first write)
+	End     time.Time // just after the release returned; zero if its end was never recorded
+	Ended   bool      // its end was recorded (a SIGKILLed worker records none)
+	Told    time.Time // when the library said the lock ended; zero if never
+	ToldBy  string    // done: the lock's Done (fn's ctx) closed; unlock: only the release said so
+	Session string    // where it was held: shared (a shared session's reader tells) or dedicated (its watcher)
+	Cause   string
+	Unlock  string
+	Clean   bool // never told of an end, and the release was confirmed
+	Writes  []Write
+}
+
+// Evidence is something that ended sessions, with the server's clock: a fault the campaign injected and saw take
+// effect, or a line of the server's log saying a backend ended.
+type Evidence struct {
+	Kind   string    // a fault kind, or "session_end" (the server's log: a backend of the worker ended)
+	At     time.Time // for a fault, when it was injected (its effect follows); for session_end, the end itself
+	Until  time.Time // a fault with a span (sigstop, blackhole, latency): when it stopped
+	Worker int       // -1: every worker (a restart)
+	PID    int32     // the backend it ended, when one
+	Keys   []string  // the advisory locks that backend held just before (terminate)
+}
+
+// ends reports whether e ends sessions (rather than only slowing or stopping a client).
+func (e Evidence) ends() bool {
+	switch e.Kind {
+	case "sigstop", "blackhole", "latency":
+		return false
+	}
+	return true
+}
+
+// Notice is one loss the server's evidence shows inside a critical section, and how its holder learned of it.
+type Notice struct {
+	Fault   string        // the evidence's kind
+	By      string        // watcher, reader (a shared session's), unlock (only the release said so), none
+	After   time.Duration // from the evidence to the notice (0 when the holder knew first)
+	Verdict string        // ok, late_notice, never_told
 }
 
 // Holder is one row of a pg_locks sample.
@@ -60,17 +92,22 @@ type History struct {
 	Writes   []Write
 	Samples  []Sample
 	Pauses   []Pause
+	Evidence []Evidence  // faults that took effect, and backend ends from the server's log
 	Leaked   []string    // advisory locks left after the workers stopped
 	Problems []Violation // worker panics, goroutine leaks, hangs, unexpected deaths
 	Bound    time.Duration
 	SemKeys  map[string]bool
+	SemSlots map[string]int // the semaphore's slot keys, numbered, including slots n and above
 	SemN     int
 	AppName  func(worker int) string
+	WorkerOf func(app string) (int, bool) // the inverse of AppName
+	Shared   map[int]bool                 // workers whose Locker runs shared sessions (a loss is then learned by the reader)
+	RunEnd   time.Time
 
 	// Filled in by Check: how much it compared (a check that compared nothing proves nothing).
-	Confirmed      int // (sample, holder) pairs where pg_locks showed the believing holder
-	LateOverlaps   int // overlaps with a holder that had lost its lock, within the detection bound
-	PausedOverlaps int // overlaps with a paused holder, left to the fencing rules
+	Confirmed       int      // (sample, holder) pairs where pg_locks showed the believing holder
+	ExcusedOverlaps int      // overlaps with a holder whose session the server's evidence shows ended first
+	Notices         []Notice // losses inside sections, judged against the bound
 }
 
 // Violation is one broken guarantee.
@@ -81,12 +118,14 @@ type Violation struct {
 
 // Violation kinds.
 const (
-	VOverlap    = "overlap"     // two holders of one key at once, neither told of a loss (beyond the bound)
+	VOverlap    = "overlap"     // two holders of one key at once, without server evidence that the first had lost it
 	VStaleToken = "stale_token" // the resource accepted a token not greater than one it accepted before
 	VTokenOrder = "token_order" // a later grant's token not greater than an earlier one's; a clean holder refused
 	VPhantom    = "phantom"     // a holder that believed it held while pg_locks showed it did not
-	VSemaphore  = "semaphore"   // more than n semaphore holders at once
-	VLeak       = "leak"        // an advisory lock left behind
+	VSemaphore  = "semaphore"   // a holder of a slot n or above, or more than n holders at once
+	VLeak       = "leak"        // an advisory lock held with no holder believing it, past the release bound
+	VLateNotice = "late_notice" // a holder told of a loss later than the bound after the server's evidence
+	VNeverTold  = "never_told"  // a holder that stayed in its section past the bound, told of its loss only by Unlock
 	VPanic      = "panic"
 	VGoroutines = "goroutine_leak"
 	VHang       = "hang"
@@ -116,6 +155,99 @@ func (h *History) paused(worker int, from, to time.Time) bool {
 	return false
 }
 
+// begin is when c's holder started to believe it held: its record right after the grant, or its first write.
+func (c *CS) begin() time.Time {
+	if !c.Begin.IsZero() {
+		return c.Begin
+	}
+	if len(c.Writes) > 0 {
+		return c.Writes[0].At
+	}
+	return time.Time{}
+}
+
+// until is when c's holder stopped believing it held: its last write before it was told of an end.
+func (c *CS) until() time.Time {
+	bw := c.believing()
+	if len(bw) == 0 {
+		return c.begin()
+	}
+	return bw[len(bw)-1].At
+}
+
+// The slack between an injected fault and its effect (the campaign records a fault just before it is applied, and
+// a holder records its grant just after the server made it).
+const (
+	faultSlack = 100 * time.Millisecond
+	logSlack   = 20 * time.Millisecond
+)
+
+// pids lists the backends that pg_locks showed holding c's key for c's worker while c believed it held.
+func (h *History) pids(c *CS) map[int32]bool {
+	out := map[int32]bool{}
+	if h.AppName == nil {
+		return out
+	}
+	from, to := c.begin(), c.until()
+	for _, s := range h.Samples {
+		if s.At.Before(from) || s.At.After(to) {
+			continue
+		}
+		for _, r := range s.Held[c.Key] {
+			if r.Granted && r.App == h.AppName(c.Worker) {
+				out[r.PID] = true
+			}
+		}
+	}
+	return out
+}
+
+// lostBy returns the first evidence at or before to that ended the session of c's lock: a restart, a fault that
+// ends every session of c's worker (cut, SIGKILL, its Locker closed), a terminate of the backend pg_locks showed
+// holding c's key, or the server's log of that backend's end. When no sample saw c's backend (a section shorter
+// than the sampling period), loose accepts the end of any backend of c's worker instead (a terminate must then
+// have found c's key on its backend).
+func (h *History) lostBy(c *CS, to time.Time, loose bool) (Evidence, bool) {
+	pids := h.pids(c)
+	from := c.begin()
+	for _, e := range h.Evidence {
+		if !e.ends() || e.At.After(to) {
+			continue
+		}
+		slack := faultSlack
+		if e.Kind == "session_end" {
+			slack = logSlack
+		}
+		if e.At.Add(slack).Before(from) {
+			continue // before c's grant: not c's session
+		}
+		if e.Worker != -1 && e.Worker != c.Worker {
+			continue
+		}
+		switch e.Kind {
+		case "session_end":
+			if !pids[e.PID] && !(loose && len(pids) == 0) {
+				continue
+			}
+		case "terminate_holder", "terminate_waiter":
+			if !pids[e.PID] && !(len(pids) == 0 && c.Mode == "x" && contains(e.Keys, c.Key)) {
+				continue
+			}
+		}
+		return e, true
+	}
+	return Evidence{}, false
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
 // Check reads the history and returns every violation found.
 func Check(h *History) []Violation {
 	var out []Violation
@@ -126,6 +258,7 @@ func Check(h *History) []Violation {
 			c.Writes = append(c.Writes, w)
 		}
 	}
+	sort.Slice(h.Evidence, func(i, j int) bool { return h.Evidence[i].At.Before(h.Evidence[j].At) })
 	byKey := map[string][]*CS{}
 	for _, c := range h.CS {
 		sort.Slice(c.Writes, func(i, j int) bool { return c.Writes[i].ID < c.Writes[j].ID })
@@ -139,56 +272,102 @@ func Check(h *History) []Violation {
 	}
 	sort.Strings(keys)
 
-	// Overlap: two holders of a key (not both shared) whose believing writes interleave. Two clean holders
-	// (each released cleanly, never told of an end) can never overlap. Otherwise one of them must be a late
-	// writer: it lost the lock before the other's grant and wrote on until told, which is allowed for the
-	// detection bound past the other's first write. The late writer is the one not clean, or, when neither is,
-	// the one with the smaller token (granted first); a paused late writer is left to the fencing rules.
+	// Exclusion: each holder's interval runs from its grant to its last write before it was told of an end (its
+	// first write follows the grant and its last one precedes the release, so the ledger shows it whole). Two
+	// intervals of one key (not both shared) that overlap are a violation, unless the server's evidence shows
+	// that the earlier holder's session had ended by the later grant: a terminate of the backend pg_locks showed
+	// holding the key, the server's log of that backend's end, a restart, a cut of its network, its process
+	// killed or its Locker closed. The earlier holder must then have been told in time (the notice rule below)
+	// and its fenced writes refused (the token rules). An earlier holder that released cleanly held throughout:
+	// nothing excuses an overlap with it.
 	for _, k := range keys {
 		list := byKey[k]
-		sort.Slice(list, func(i, j int) bool { return list[i].believing()[0].At.Before(list[j].believing()[0].At) })
+		sort.Slice(list, func(i, j int) bool { return list[i].begin().Before(list[j].begin()) })
 		for i, a := range list {
-			ab := a.believing()
-			lastA := ab[len(ab)-1].At
+			aEnd := a.until()
 			for _, b := range list[i+1:] {
-				bb := b.believing()
-				if !bb[0].At.Before(lastA) {
-					break // sorted by first write: no later one overlaps a either
+				if !b.begin().Before(aEnd) {
+					break // sorted by grant: no later one overlaps a either
 				}
 				if a.Mode == "s" && b.Mode == "s" {
 					continue
 				}
-				if a.Clean && b.Clean {
-					add(VOverlap, "key %s: %s %s (token %d) and %s %s (token %d) both held it, both released cleanly: %s-%s and %s-%s",
-						k, a.Op, a.ID, a.Token, b.Op, b.ID, b.Token, ts(ab[0].At), ts(lastA), ts(bb[0].At), ts(bb[len(bb)-1].At))
+				if a.Clean {
+					add(VOverlap, "key %s: %s %s (token %d, %s-%s, released cleanly) and %s %s (token %d, granted %s) both held it",
+						k, a.Op, a.ID, a.Token, ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
 					continue
 				}
-				late, other := a, b
-				switch {
-				case a.Clean:
-					late, other = b, a
-				case b.Clean:
-				case b.Token < a.Token:
-					late, other = b, a
-				}
-				lw, ow := late.believing(), other.believing()
-				over := lw[len(lw)-1].At.Sub(ow[0].At)
-				if over <= 0 {
+				if _, ok := h.lostBy(a, b.begin().Add(logSlack), true); ok {
+					h.ExcusedOverlaps++
 					continue
 				}
-				if h.paused(late.Worker, ow[0].At.Add(-h.Bound), lw[len(lw)-1].At) {
-					h.PausedOverlaps++
-					continue
-				}
-				if over <= h.Bound {
-					h.LateOverlaps++
-					continue
-				}
-				add(VOverlap, "key %s: %s %s (token %d, told %s) still wrote at %s, %v after %s %s (token %d) began",
-					k, late.Op, late.ID, late.Token, tsOr(late.Told), ts(lw[len(lw)-1].At), over.Round(time.Millisecond),
-					other.Op, other.ID, other.Token)
+				add(VOverlap, "key %s: %s %s (token %d, told %s) held it %s-%s, and %s %s (token %d) was granted at %s with no evidence that the first one's session had ended",
+					k, a.Op, a.ID, a.Token, tsOr(a.Told), ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
 			}
 		}
+	}
+
+	// Loss notice: a holder whose session the server's evidence shows ended inside its section must learn it
+	// within the bound (from the evidence, or from the end of a pause that covered it): through the lock's Done,
+	// or by leaving its section in time (when Unlock is what says so). A holder told later is late_notice; one
+	// that stayed in its section past the bound and learned only at Unlock (or never) is never_told.
+	ids := make([]string, 0, len(h.CS))
+	for id := range h.CS {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	for _, id := range ids {
+		c := h.CS[id]
+		if c.Clean || c.Op == "dotx" || c.Op == "broken" || c.begin().IsZero() {
+			continue
+		}
+		end := h.RunEnd
+		if c.Ended {
+			end = c.End
+		}
+		e, ok := h.lostBy(c, end, false)
+		if !ok || !c.Told.IsZero() && c.Told.Before(e.At) && c.ToldBy == "done" {
+			continue // no loss the server shows, or the holder knew first
+		}
+		deadline := e.At.Add(h.Bound)
+		for _, p := range h.Pauses { // a stopped process learns nothing: the bound runs from its resumption
+			if p.Worker == c.Worker && p.From.Before(deadline) && p.To.After(e.At) && p.To.Add(h.Bound).After(deadline) {
+				deadline = p.To.Add(h.Bound)
+			}
+		}
+		if h.killed(c.Worker, e.At.Add(-faultSlack), deadline) {
+			continue // its process died: nobody left to tell
+		}
+		from := e.At // the notice is timed from the loss, or from the end of a pause that covered it
+		for _, p := range h.Pauses {
+			if p.Worker == c.Worker && !p.From.After(e.At) && p.To.After(from) {
+				from = p.To
+			}
+		}
+		n := Notice{Fault: e.Kind, By: "none", Verdict: "ok"}
+		lastW := lastWrite(c)
+		switch {
+		case c.ToldBy == "done":
+			n.By, n.After = "watcher", max(0, c.Told.Sub(from))
+			if c.Session == "shared" {
+				n.By = "reader"
+			}
+			if c.Told.After(deadline) {
+				n.Verdict = VLateNotice
+				add(VLateNotice, "key %s: %s %s told of its loss at %s, %v after %s at %s (bound %v)",
+					c.Key, c.Op, c.ID, ts(c.Told), c.Told.Sub(e.At).Round(time.Millisecond), e.Kind, ts(e.At), h.Bound)
+			}
+		default:
+			if c.ToldBy == "unlock" {
+				n.By, n.After = "unlock", max(0, c.Told.Sub(from))
+			}
+			if lastW.After(deadline) {
+				n.Verdict = VNeverTold
+				add(VNeverTold, "key %s: %s %s lost its lock (%s at %s) and wrote on until %s, never told (learned by: %s)",
+					c.Key, c.Op, c.ID, e.Kind, ts(e.At), ts(lastW), n.By)
+			}
+		}
+		h.Notices = append(h.Notices, n)
 	}
 
 	// The resource: accepted fenced writes per key never go back, and one token belongs to one grant.
@@ -329,10 +508,149 @@ func Check(h *History) []Violation {
 		}
 	}
 
+	// The semaphore by pg_locks: no backend holds a slot numbered n or above, and never more than n hold slots.
+	if h.SemN > 0 && len(h.SemSlots) > 0 {
+		var extra, over bool
+		for _, s := range h.Samples {
+			n := 0
+			for k, slot := range h.SemSlots {
+				for _, r := range s.Held[k] {
+					if !r.Granted {
+						continue
+					}
+					n++
+					if slot >= h.SemN && !extra {
+						extra = true
+						add(VSemaphore, "pg_locks at %s: %q holds slot %d of a semaphore of %d", ts(s.At), r.App, slot, h.SemN)
+					}
+				}
+			}
+			if n > h.SemN && !over {
+				over = true
+				add(VSemaphore, "pg_locks at %s: %d backends hold the slots of a semaphore of %d", ts(s.At), n, h.SemN)
+			}
+		}
+	}
+
+	out = append(out, h.leaksDuringRun()...)
 	for _, l := range h.Leaked {
 		add(VLeak, "%s", l)
 	}
 	return append(out, h.Problems...)
+}
+
+// Leak bounds: a lock in pg_locks that no holder of its worker believes it holds is a leak once it stays so for
+// leakBound; near a fault on that worker (a client that gave up on a session the server keeps until its idle
+// timeout or the next keepalive) for leakBoundFault.
+const (
+	leakBound      = time.Second
+	leakBoundFault = 4 * time.Second
+)
+
+// leaksDuringRun finds, in the pg_locks samples, advisory locks granted to a worker's backend while none of that
+// worker's holders believed it held the key, for longer than the release bound.
+func (h *History) leaksDuringRun() []Violation {
+	if h.WorkerOf == nil {
+		return nil
+	}
+	type holding struct {
+		key string
+		pid int32
+	}
+	byWorkerKey := map[string][]*CS{}
+	for _, c := range h.CS {
+		byWorkerKey[fmt.Sprintf("%d/%s", c.Worker, c.Key)] = append(byWorkerKey[fmt.Sprintf("%d/%s", c.Worker, c.Key)], c)
+	}
+	believed := func(w int, key string, at time.Time) bool {
+		for _, c := range byWorkerKey[fmt.Sprintf("%d/%s", w, key)] {
+			end := h.RunEnd
+			if c.Ended {
+				end = c.End
+			} else if k, ok := h.killedAfter(w, c.begin()); ok {
+				end = k
+			}
+			if !c.begin().After(at) && !end.Before(at) {
+				return true
+			}
+		}
+		return false
+	}
+	var out []Violation
+	since := map[holding]time.Time{}
+	reported := map[holding]bool{}
+	for _, s := range h.Samples {
+		seen := map[holding]bool{}
+		for key, rows := range s.Held {
+			for _, r := range rows {
+				w, ok := h.WorkerOf(r.App)
+				if !ok || !r.Granted {
+					continue
+				}
+				hk := holding{key, r.PID}
+				if believed(w, key, s.At) {
+					continue
+				}
+				seen[hk] = true
+				first, ok := since[hk]
+				if !ok {
+					since[hk] = s.At
+					continue
+				}
+				bound := leakBound
+				if h.faultNear(w, first.Add(-leakBoundFault), s.At) {
+					bound = leakBoundFault
+				}
+				if s.At.Sub(first) > bound && !reported[hk] {
+					reported[hk] = true
+					out = append(out, Violation{VLeak, fmt.Sprintf("key %s held by %q (pid %d) from %s to at least %s with no holder of that worker believing it held it",
+						key, r.App, r.PID, ts(first), ts(s.At))})
+				}
+			}
+		}
+		for hk := range since {
+			if !seen[hk] {
+				delete(since, hk)
+			}
+		}
+	}
+	return out
+}
+
+// faultNear reports whether a fault touched the worker (or every worker) between from and to.
+func (h *History) faultNear(worker int, from, to time.Time) bool {
+	for _, e := range h.Evidence {
+		if e.Kind == "session_end" || e.Worker != -1 && e.Worker != worker {
+			continue
+		}
+		efrom, eto := e.At, e.At
+		if e.Until.After(eto) {
+			eto = e.Until
+		}
+		if !efrom.After(to) && !eto.Before(from) {
+			return true
+		}
+	}
+	return false
+}
+
+// killedAfter returns when the worker's process was first SIGKILLed after from.
+func (h *History) killedAfter(worker int, from time.Time) (time.Time, bool) {
+	for _, e := range h.Evidence {
+		if e.Kind == "sigkill" && e.Worker == worker && !e.At.Before(from) {
+			return e.At, true
+		}
+	}
+	return time.Time{}, false
+}
+
+// killed reports whether the worker's process was SIGKILLed between from and to.
+func (h *History) killed(worker int, from, to time.Time) bool {
+	for _, e := range h.Evidence {
+		if e.Kind == "sigkill" && e.Worker == worker && !e.At.Before(from) && !e.At.After(to) {
+			return true
+		}
+	}
+	return false
 }
 
 func lastWrite(c *CS) time.Time {

@@ -1,6 +1,6 @@
 // Command chaos runs advlock under injected faults and checks the history afterwards.
 //
-//	go run ./chaos [-duration 2m] [-seed N] [-workers 6] [-json FILE] [-v]
+//	go run ./chaos [-duration 2m] [-seed N] [-workers 6] [-json FILE] [-v] [-faults KIND,...|none] [-ops OP,...]
 //	go run -tags advlock_mutants ./chaos -mutant NAME ...   (the library with one deliberate bug; see internal/mutant)
 //
 // It starts a private PostgreSQL cluster and PgBouncer (session pooling), runs worker processes (this binary
@@ -9,10 +9,11 @@
 // then cancel, RLock, Do, DoTx, Lead and a semaphore; inside each critical section they write to a ledger table
 // guarded by the fencing token. Meanwhile faults are injected, drawn from the seed: pg_terminate_backend of
 // holders and waiters, network cut, blackhole and latency, SIGSTOP and SIGCONT of a worker, SIGKILL of a worker
-// (restarted), fast and immediate server restarts, a worker's Locker closed mid-flight. Afterwards a checker reads
-// the history, the ledger and pg_locks samples and counts violations. Exit status: 0 with zero violations and zero
-// leaked locks, 1 otherwise (with examples printed) or when the run was not exercised (no write refused, no loss
-// told inside a section, a kind of fault that never took effect), 2 when the campaign itself could not run.
+// (restarted), fast and immediate server restarts, a worker's Locker closed mid-flight, each aimed at what pg_locks
+// shows holding a lock. Afterwards a checker reads the history, the ledger, pg_locks samples, the faults and the
+// server's log of backend ends, and counts violations. Exit status: 0 with zero violations and zero leaked locks, 1
+// otherwise (with examples printed) or when the run was not exercised (no write refused, no loss told inside a
+// section, a kind of fault that never hit a holder), 2 when the campaign itself could not run.
 package main
 
 import (
@@ -21,6 +22,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"time"
 )
 
@@ -39,6 +41,8 @@ func mainCampaign() int {
 	verbose := flag.Bool("v", false, "log each fault as it is injected")
 	keep := flag.Bool("keep", false, "keep the workers' histories and output (kept anyway when something was found)")
 	mutantName := flag.String("mutant", "", "switch one deliberate bug on in the library (a build with -tags advlock_mutants)")
+	opList := flag.String("ops", "", "run only these operations (comma-separated; default: the usual mix)")
+	faultList := flag.String("faults", "", "inject only these fault kinds (comma-separated; none: no faults; default: every kind)")
 	flag.Parse()
 	if flag.NArg() > 0 || *duration <= 0 || *workers < 1 {
 		flag.Usage()
@@ -47,6 +51,16 @@ func mainCampaign() int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName}
+	if *opList != "" {
+		opt.Ops = strings.Split(*opList, ",")
+	}
+	switch *faultList {
+	case "":
+	case "none":
+		opt.NoFaults = true
+	default:
+		opt.Faults = strings.Split(*faultList, ",")
+	}
 	if *verbose {
 		opt.Log = os.Stderr
 	}

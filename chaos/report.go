@@ -32,12 +32,15 @@ type Report struct {
 	Refused          int                       `json:"refused_writes"`
 	Samples          int                       `json:"pg_locks_samples"`
 	Confirmed        int                       `json:"pg_locks_confirmed"` // believing holders seen holding in a sample
-	LateOverlaps     int                       `json:"late_overlaps"`      // overlaps with a lost holder within the bound
-	PausedOverlaps   int                       `json:"paused_overlaps"`    // overlaps with a paused holder (fencing decides)
+	ExcusedOverlaps  int                       `json:"excused_overlaps"`   // overlaps after server evidence of the first holder's loss
+	SessionEnds      int                       `json:"session_ends"`       // backends of the workers that the server logged ending
 	BoundMS          float64                   `json:"bound_ms"`
 	Ops              map[string]map[string]int `json:"ops"`
-	Faults           map[string]int            `json:"faults"`
+	Faults           map[string]int            `json:"faults"`     // injected and taken effect
+	FaultsHit        map[string]int            `json:"faults_hit"` // of those, the ones whose target held a lock
 	LossNoticeMS     map[string]Percentiles    `json:"loss_notice_ms"`
+	LossNotice       map[string]map[string]int `json:"loss_notice"` // fault -> learned by (watcher, reader, unlock, none) and late, never
+	LossesInSections int                       `json:"losses_in_sections"`
 	Violations       int                       `json:"violations"`
 	ViolationsByKind map[string]int            `json:"violations_by_kind"`
 	Examples         map[string][]string       `json:"examples"`
@@ -65,18 +68,34 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	for i := range semN {
 		semKeys[semSlotKey(i)] = true
 	}
+	semSlots := map[string]int{}
+	for i := range semN + 2 {
+		semSlots[semSlotKey(i)] = i
+	}
+	ends := c.sessionEnds()
 	c.mu.Lock()
-	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
-		Bound: 2*c.opt.Keepalive + time.Second, SemKeys: semKeys, SemN: semN,
-		AppName: func(w int) string { return fmt.Sprintf("chaos-w%d", w) }}
 	faults := append([]fault(nil), c.faults...)
+	var ev []Evidence
+	for _, f := range faults {
+		ev = append(ev, Evidence{Kind: f.Kind, At: f.At, Until: f.Until, Worker: f.Worker, PID: f.PID, Keys: f.Keys})
+	}
+	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
+		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemKeys: semKeys, SemSlots: semSlots,
+		SemN: semN, RunEnd: c.runEnd,
+		AppName: func(w int) string { return fmt.Sprintf("chaos-w%d", w) },
+		WorkerOf: func(app string) (int, bool) {
+			var w int
+			_, err := fmt.Sscanf(app, "chaos-w%d", &w)
+			return w, err == nil && !strings.HasSuffix(app, "-ledger")
+		}}
 	c.mu.Unlock()
 	vs := Check(h)
 
 	r := &Report{Seed: c.opt.Seed, DurationS: c.opt.Duration.Seconds(), Workers: c.opt.Workers, Ops: ops,
-		Faults: map[string]int{}, LossNoticeMS: map[string]Percentiles{}, ViolationsByKind: map[string]int{},
+		Faults: map[string]int{}, FaultsHit: map[string]int{}, LossNoticeMS: map[string]Percentiles{},
+		LossNotice: map[string]map[string]int{}, ViolationsByKind: map[string]int{},
 		Examples: map[string][]string{}, Writes: len(writes), Samples: len(h.Samples), Errors: c.errors,
-		Confirmed: h.Confirmed, LateOverlaps: h.LateOverlaps, PausedOverlaps: h.PausedOverlaps,
+		Confirmed: h.Confirmed, ExcusedOverlaps: h.ExcusedOverlaps, SessionEnds: len(ends),
 		BoundMS: float64(h.Bound.Milliseconds())}
 	for _, m := range ops {
 		for _, n := range m {
@@ -90,54 +109,56 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	}
 	for _, f := range faults {
 		r.Faults[f.Kind]++
+		if f.Held > 0 || f.Kind == "latency" || f.Kind == "terminate_waiter" {
+			r.FaultsHit[f.Kind]++
+		}
 	}
 	if cancels > 0 {
 		r.Faults["cancel"] = int(cancels)
 	}
-	lat := map[string][]float64{}
 	for _, cs := range css {
 		r.Grants++
 		if cs.Ended && cs.Unlock == "ok" {
 			r.Releases++
 		}
-		if cs.Cause != "lost" || cs.Told.IsZero() {
-			continue
+		if cs.Cause == "lost" && !cs.Told.IsZero() {
+			r.LossesTold++
 		}
-		r.LossesTold++
-		kind := "unattributed"
-		var at time.Time
-		for _, f := range faults {
-			if (f.Worker == -1 || f.Worker == cs.Worker) && !f.At.After(cs.Told) && cs.Told.Sub(f.At) < 10*time.Second &&
-				f.At.After(at) {
-				kind, at = f.Kind, f.At
-			}
+	}
+	// How each loss inside a section was first learned, judged against the bound.
+	lat := map[string][]float64{}
+	for _, n := range h.Notices {
+		m := r.LossNotice[n.Fault]
+		if m == nil {
+			m = map[string]int{}
+			r.LossNotice[n.Fault] = m
 		}
-		d := 0.0
-		if !at.IsZero() {
-			d = float64(cs.Told.Sub(at).Microseconds()) / 1000
+		m[n.By]++
+		if n.Verdict != "ok" {
+			m[n.Verdict]++
 		}
-		lat[kind] = append(lat[kind], d)
+		if n.By == "watcher" || n.By == "reader" {
+			r.LossesInSections++
+			lat[n.Fault] = append(lat[n.Fault], float64(n.After.Microseconds())/1000)
+		}
 	}
 	for kind, ds := range lat {
-		if kind == "unattributed" {
-			r.LossNoticeMS[kind] = Percentiles{N: len(ds)}
-			continue
-		}
 		sort.Float64s(ds)
 		r.LossNoticeMS[kind] = Percentiles{P50: pct(ds, 0.50), P99: pct(ds, 0.99), N: len(ds)}
 	}
-	// A run under faults that refused no write, told no holder of a loss, or never injected a kind of fault did
-	// not exercise what the checker's excusing rules are about: it proves less than it seems, and fails.
+	// A run under faults that refused no write, told no holder of a loss inside its section, or had a kind of
+	// fault that never hit a holder did not exercise what the checker's excusing rules are about: it proves less
+	// than it seems, and fails.
 	if !c.opt.NoFaults {
 		if r.Refused == 0 {
 			r.NotExercised = append(r.NotExercised, "no write was refused by its token")
 		}
-		if r.LossesTold == 0 {
+		if r.LossesInSections == 0 {
 			r.NotExercised = append(r.NotExercised, "no holder was told of a loss inside its section")
 		}
-		for _, k := range faultKinds {
-			if r.Faults[k] == 0 {
-				r.NotExercised = append(r.NotExercised, "fault "+k+" never took effect")
+		for _, k := range c.kinds() {
+			if r.FaultsHit[k] == 0 {
+				r.NotExercised = append(r.NotExercised, "fault "+k+" never hit a holder")
 			}
 		}
 	}
@@ -166,8 +187,8 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintf(tw, "operations\tgrants\treleases\tlosses told\tledger writes\trefused (fenced)\tpg_locks samples\tholders confirmed\t\n")
 	fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t\n", r.Operations, r.Grants, r.Releases, r.LossesTold, r.Writes, r.Refused, r.Samples, r.Confirmed)
 	tw.Flush()
-	fmt.Fprintf(w, "overlaps with a holder that had lost its lock: %d within the detection bound (%v), %d with a paused holder (fencing decides)\n\n",
-		r.LateOverlaps, time.Duration(r.BoundMS)*time.Millisecond, r.PausedOverlaps)
+	fmt.Fprintf(w, "overlaps excused by the server's evidence that the earlier holder's session had ended: %d (backend ends logged: %d)\n\n",
+		r.ExcusedOverlaps, r.SessionEnds)
 
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "operation\tresults\n")
@@ -182,21 +203,35 @@ func (r *Report) Print(w io.Writer) {
 	fmt.Fprintln(w)
 
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(tw, "fault\tinjected\tlosses told\tnotice p50 ms\tnotice p99 ms\n")
+	fmt.Fprintf(tw, "fault\tinjected\thit a holder\tlosses in sections\tlearned by\tnotice p50 ms\tp99 ms\tpast the bound (%v)\n",
+		time.Duration(r.BoundMS)*time.Millisecond)
 	kinds := map[string]bool{}
 	for k := range r.Faults {
 		kinds[k] = true
 	}
-	for k := range r.LossNoticeMS {
+	for k := range r.LossNotice {
 		kinds[k] = true
 	}
 	for _, k := range sortedKeys(kinds) {
-		l, ok := r.LossNoticeMS[k]
+		m := r.LossNotice[k]
+		var by []string
+		total := 0
+		for _, b := range []string{"watcher", "reader", "unlock", "none"} {
+			if m[b] > 0 {
+				by = append(by, fmt.Sprintf("%s %d", b, m[b]))
+				total += m[b]
+			}
+		}
 		p50, p99 := "-", "-"
-		if ok && k != "unattributed" {
+		if l, ok := r.LossNoticeMS[k]; ok {
 			p50, p99 = fmt.Sprintf("%.1f", l.P50), fmt.Sprintf("%.1f", l.P99)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\t%s\n", k, r.Faults[k], l.N, p50, p99)
+		hit := fmt.Sprint(r.FaultsHit[k])
+		if k == "cancel" || k == "session_end" {
+			hit = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%s\t%s\t%s\t%d\n", k, r.Faults[k], hit, total, strings.Join(by, ", "), p50, p99,
+			m[VLateNotice]+m[VNeverTold])
 	}
 	tw.Flush()
 	fmt.Fprintln(w)

@@ -37,6 +37,7 @@ type workerConfig struct {
 	Keepalive  time.Duration `json:"keepalive"`
 	History    string        `json:"history"`
 	Goroutines int           `json:"goroutines"`
+	Ops        []string      `json:"ops,omitempty"` // only these operations, drawn evenly (default: the mix)
 }
 
 // Keys the workers contend for.
@@ -55,6 +56,7 @@ type event struct {
 	T     string `json:"t"` // op, begin, end, exit, hang
 	W     int    `json:"w"`
 	Inc   int    `json:"inc"`
+	At    int64  `json:"at,omitempty"` // unix ns when written (this machine's clock, which is the server's)
 	Op    string `json:"op,omitempty"`
 	Key   string `json:"key,omitempty"`
 	Mode  string `json:"mode,omitempty"` // x or s
@@ -66,10 +68,12 @@ type event struct {
 	Start  int64  `json:"start,omitempty"` // unix ns, this machine's clock (the server's too: same host)
 	End    int64  `json:"end,omitempty"`
 	// end of a critical section
-	Told   int64  `json:"told,omitempty"`   // when the library told of the lock's end (Done, fn's ctx), 0 if never
-	Cause  string `json:"cause,omitempty"`  // lost, closed, ...
-	Unlock string `json:"unlock,omitempty"` // what Unlock (or Do, Lead, DoTx) returned: ok, lost, closed, error: ...
-	Clean  bool   `json:"clean,omitempty"`  // held from grant to a confirmed release, never told of an end
+	Told    int64  `json:"told,omitempty"`    // when the library told of the lock's end (Done, fn's ctx), 0 if never
+	Cause   string `json:"cause,omitempty"`   // lost, closed, ...
+	Unlock  string `json:"unlock,omitempty"`  // what Unlock (or Do, Lead, DoTx) returned: ok, lost, closed, error: ...
+	Clean   bool   `json:"clean,omitempty"`   // held from grant to a confirmed release, never told of an end
+	ToldBy  string `json:"told_by,omitempty"` // done: the lock's Done (fn's ctx) closed; unlock: only its release said so
+	Session string `json:"session,omitempty"` // where the lock was held: shared or dedicated (the Locker's LockEnd)
 	// exit
 	Leaks      []string `json:"leaks,omitempty"`
 	Goroutines string   `json:"goroutines,omitempty"`
@@ -103,8 +107,16 @@ type worker struct {
 type leadTerms struct {
 	w       *worker
 	mu      sync.Mutex
-	pending *event // the end of a term whose fn returned, waiting for its lock's end
-	ended   bool   // the current term's lock ended before its fn returned (a loss, or Close)
+	pending *event            // the end of a term whose fn returned, waiting for its lock's end
+	ended   bool              // the current term's lock ended before its fn returned (a loss, or Close)
+	session map[string]string // key -> where its last lock that ended was held
+}
+
+// sessionOf says where the last lock of key that ended was held (one exclusive holder per key in a worker).
+func (o *leadTerms) sessionOf(key string) string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.session[key]
 }
 
 func (o *leadTerms) LockStart(ctx context.Context, _ advlock.LockCall) (context.Context, func(advlock.LockOutcome)) {
@@ -114,11 +126,15 @@ func (o *leadTerms) LockStart(ctx context.Context, _ advlock.LockCall) (context.
 func (o *leadTerms) Session(advlock.SessionEvent) {}
 
 func (o *leadTerms) LockEnd(e advlock.LockEnd) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.session == nil {
+		o.session = map[string]string{}
+	}
+	o.session[canon(e.Key)] = e.Session
 	if e.Key != leadKey {
 		return
 	}
-	o.mu.Lock()
-	defer o.mu.Unlock()
 	if o.pending == nil {
 		o.ended = true
 		return
@@ -126,6 +142,7 @@ func (o *leadTerms) LockEnd(e advlock.LockEnd) {
 	end := *o.pending
 	o.pending = nil
 	end.Clean = end.Told == 0 && e.Cause == advlock.CauseReleased && errors.Is(e.Err, advlock.ErrNotHeld) // released by its holder, confirmed
+	end.Session = e.Session
 	if e.Cause != advlock.CauseReleased {
 		end.Unlock = e.Cause
 	}
@@ -145,6 +162,7 @@ func (o *leadTerms) returned(end event) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.ended {
+		end.Session = o.session[canon(leadKey)]
 		o.w.emit(end)
 		return
 	}
@@ -162,6 +180,9 @@ const hangBound = 30 * time.Second
 
 func (w *worker) emit(e event) {
 	e.W, e.Inc = w.cfg.ID, w.cfg.Inc
+	if e.At == 0 {
+		e.At = time.Now().UnixNano()
+	}
 	b, _ := json.Marshal(e)
 	w.histMu.Lock()
 	defer w.histMu.Unlock()
@@ -419,22 +440,31 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 	}
 	l := w.locker.Load()
 	key := lockKeys[rng.IntN(len(lockKeys))]
-	var op string
+	op := w.pick(rng)
 	var err error
 	start := time.Now()
-	switch p := rng.IntN(100); {
-	case p < 18:
-		op = "trylock"
+	switch op {
+	case "hold":
+		// A holder that stays in its section for seconds: the faults (aimed at holders) land inside sections.
+		err = w.sessionLock(op, key, "x", 6*time.Second, within(time.Second, func(ctx context.Context) (*advlock.Lock, error) {
+			return l.Lock(ctx, key)
+		}))
+	case "hold_try": // the same, taken only when free at once (with shared sessions: on a shared session)
+		err = w.sessionLock(op, key, "x", 6*time.Second, func(ctx context.Context) (*advlock.Lock, error) {
+			return l.TryLock(ctx, key)
+		})
+	case "trylock":
 		err = w.sessionLock(op, key, "x", 2*time.Second, func(ctx context.Context) (*advlock.Lock, error) {
 			return l.TryLock(ctx, key)
 		})
-	case p < 36:
-		op = "lock_deadline"
+	case "lock_deadline":
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
 		err = w.sessionLock(op, key, "x", d, within(d, func(ctx context.Context) (*advlock.Lock, error) { return l.Lock(ctx, key) }))
-	case p < 48:
-		op = "lock_cancel"
+	case "lock_cancel":
 		d := time.Duration(rng.IntN(30_000)) * time.Microsecond
+		if rng.IntN(2) == 0 {
+			d = time.Duration(rng.IntN(2_000)) * time.Microsecond // within the first round trips: a grant races it
+		}
 		err = w.sessionLock(op, key, "x", d, func(ctx context.Context) (*advlock.Lock, error) {
 			ctx, cancel := context.WithCancel(ctx)
 			t := time.AfterFunc(d, func() { w.counts.cancels.Add(1); cancel() })
@@ -442,31 +472,50 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 			defer cancel()
 			return l.Lock(ctx, key)
 		})
-	case p < 60:
-		op = "rlock"
+	case "rlock":
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
 		err = w.sessionLock(op, key, "s", d, within(d, func(ctx context.Context) (*advlock.Lock, error) { return l.RLock(ctx, key) }))
-	case p < 72:
-		op = "do"
+	case "do":
 		err = w.do(l, key, rng)
-	case p < 82:
-		op = "dotx"
+	case "dotx":
 		err = w.doTx(l, key, rng)
-	case p < 90:
-		op = "semaphore"
+	case "semaphore":
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
 		sem := l.Semaphore(semName, semN)
 		err = w.sessionLock(op, advlock.Key{}, "x", d, within(d, func(ctx context.Context) (*advlock.Lock, error) {
 			return sem.Acquire(ctx)
 		}))
 	default:
-		op = "lead"
 		err = w.lead(stop, l, rng)
 	}
 	w.emit(event{T: "op", Op: op, Result: classify(err), Err: errString(err), Start: start.UnixNano(), End: time.Now().UnixNano()})
 	if err != nil && !errors.Is(err, advlock.ErrNotAcquired) {
 		sleepRand(rng, 5*time.Millisecond, 50*time.Millisecond)
 	}
+}
+
+type opWeight struct {
+	op string
+	p  int
+}
+
+// opWeights is the workers' mix of operations (percent).
+var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 13}, {"lock_deadline", 18}, {"lock_cancel", 12}, {"rlock", 12}, {"do", 12}, {"dotx", 10},
+	{"semaphore", 8}, {"lead", 10}}
+
+// pick draws the next operation: from the mix, or evenly from the worker's own list.
+func (w *worker) pick(rng *rand.Rand) string {
+	if len(w.cfg.Ops) > 0 {
+		return w.cfg.Ops[rng.IntN(len(w.cfg.Ops))]
+	}
+	p := rng.IntN(100)
+	for _, o := range opWeights {
+		if p < o.p {
+			return o.op
+		}
+		p -= o.p
+	}
+	return "lead"
 }
 
 // within bounds acquire by a deadline d away.
@@ -497,13 +546,19 @@ func (w *worker) sessionLock(op string, key advlock.Key, mode string, planned ti
 	cs := w.csID()
 	w.emit(event{T: "begin", Op: op, Key: canon(lk.Key()), Mode: mode, CS: cs, Token: lk.Token()})
 	told := watchTold(lk.Done())
-	w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), rngFor(cs))
+	r := rngFor(cs)
+	if op == "hold" || op == "hold_try" { // 2.5 to 5 s
+		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 20+r.IntN(20), 250*time.Millisecond)
+	} else {
+		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 2+r.IntN(3), 40*time.Millisecond)
+	}
 	t := told() // before Unlock, which ends Done too
+	by := toldBy(t)
 	uctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	uerr := lk.Unlock(uctx)
 	cancel()
 	if t == 0 && errors.Is(uerr, advlock.ErrLockLost) {
-		t = time.Now().UnixNano() // told by Unlock
+		t, by = time.Now().UnixNano(), "unlock"
 	}
 	cause := ""
 	if t != 0 || uerr != nil {
@@ -512,12 +567,19 @@ func (w *worker) sessionLock(op string, key advlock.Key, mode string, planned ti
 			cause = classify(uerr)
 		}
 	}
-	w.emit(event{T: "end", CS: cs, Key: canon(lk.Key()), Told: t, Cause: cause, Unlock: classify(uerr),
-		Clean: uerr == nil && t == 0})
+	w.emit(event{T: "end", CS: cs, Key: canon(lk.Key()), Told: t, ToldBy: by, Cause: cause, Unlock: classify(uerr),
+		Clean: uerr == nil && t == 0, Session: w.terms.sessionOf(canon(lk.Key()))})
 	if uerr != nil {
 		return uerr
 	}
 	return nil
+}
+
+func toldBy(t int64) string {
+	if t == 0 {
+		return ""
+	}
+	return "done"
 }
 
 func rngFor(cs string) *rand.Rand {
@@ -559,10 +621,10 @@ func watchTold(ch <-chan struct{}) func() int64 {
 	}
 }
 
-// critical writes to the ledger two to four times, guarded by the token, checking before each write that the
-// lock has not been reported ended.
-func (w *worker) critical(key, mode string, token int64, cs string, done <-chan struct{}, rng *rand.Rand) {
-	n := 2 + rng.IntN(3)
+// critical writes to the ledger n times, gap apart at most, guarded by the token, checking before each write that
+// the lock has not been reported ended. Its first write follows the grant at once and its last one precedes the
+// release at once, so that the ledger shows the whole held interval.
+func (w *worker) critical(key, mode string, token int64, cs string, done <-chan struct{}, rng *rand.Rand, n int, gap time.Duration) {
 	for i := range n {
 		select {
 		case <-done:
@@ -576,7 +638,7 @@ func (w *worker) critical(key, mode string, token int64, cs string, done <-chan 
 			select {
 			case <-done:
 				return
-			case <-time.After(time.Duration(5+rng.IntN(40)) * time.Millisecond):
+			case <-time.After(5*time.Millisecond + time.Duration(rng.Int64N(int64(gap)))):
 			}
 		}
 	}
@@ -615,16 +677,19 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 		cs = w.csID()
 		w.emit(event{T: "begin", Op: "do", Key: canon(key), Mode: "x", CS: cs, Token: advlock.FenceToken(fctx)})
 		told := watchTold(fctx.Done())
-		w.critical(canon(key), "x", advlock.FenceToken(fctx), cs, fctx.Done(), rngFor(cs))
+		r := rngFor(cs)
+		w.critical(canon(key), "x", advlock.FenceToken(fctx), cs, fctx.Done(), r, 2+r.IntN(3), 40*time.Millisecond)
 		t = lockEnded(told(), ctx, fctx)
 		return nil
 	})
 	if cs != "" {
+		by := toldBy(t)
 		if t == 0 && errors.Is(err, advlock.ErrLockLost) {
-			t = time.Now().UnixNano() // told by Do's release
+			t, by = time.Now().UnixNano(), "unlock" // told by Do's release
 		}
-		w.emit(event{T: "end", CS: cs, Key: canon(key), Told: t, Cause: causeOf(t, err), Unlock: classify(err),
-			Clean: err == nil && t == 0})
+		w.emit(event{T: "end", CS: cs, Key: canon(key), Told: t, ToldBy: by, Cause: causeOf(t, err), Unlock: classify(err),
+			Session: w.terms.sessionOf(canon(key)),
+			Clean:   err == nil && t == 0})
 	}
 	return err
 }
@@ -690,7 +755,16 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 		w.emit(event{T: "begin", Op: "lead", Key: canon(leadKey), Mode: "x", CS: cs, Token: token})
 		told := watchTold(fctx.Done())
 		r := rngFor(cs)
-		term := time.After(time.Duration(50+r.IntN(300)) * time.Millisecond)
+		termLen := time.Duration(50+r.IntN(300)) * time.Millisecond
+		if r.IntN(5) == 0 {
+			termLen = time.Duration(1000+r.IntN(1500)) * time.Millisecond // a long term: faults land inside it
+		}
+		term := time.After(termLen)
+		write := func() {
+			wctx, wcancel := context.WithTimeout(context.Background(), 3*time.Second)
+			_ = w.write(wctx, w.ledger, canon(leadKey), "x", token, cs)
+			wcancel()
+		}
 	loop:
 		for {
 			select {
@@ -698,13 +772,16 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 				break loop
 			default:
 			}
-			wctx, wcancel := context.WithTimeout(context.Background(), 3*time.Second)
-			_ = w.write(wctx, w.ledger, canon(leadKey), "x", token, cs)
-			wcancel()
+			write()
 			select {
 			case <-fctx.Done():
 				break loop
 			case <-term:
+				select {
+				case <-fctx.Done():
+				default:
+					write() // the term's last write, right before Lead releases
+				}
 				break loop
 			case <-time.After(time.Duration(5+r.IntN(40)) * time.Millisecond):
 			}
@@ -715,7 +792,7 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 			cause = classify(context.Cause(fctx))
 		}
 		// Lead releases after fn returns: the term is clean when that release went through, never told of an end.
-		w.terms.returned(event{T: "end", CS: cs, Key: canon(leadKey), Told: t, Cause: cause, Unlock: "ok"})
+		w.terms.returned(event{T: "end", CS: cs, Key: canon(leadKey), Told: t, ToldBy: toldBy(t), Cause: cause, Unlock: "ok"})
 		return nil
 	})
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
@@ -743,7 +820,8 @@ func (w *worker) brokenStep(rng *rand.Rand) {
 		res = "ok"
 		cs := w.csID()
 		w.emit(event{T: "begin", Op: "broken", Key: canon(key), Mode: "x", CS: cs})
-		w.critical(canon(key), "x", 0, cs, nil, rngFor(cs))
+		r := rngFor(cs)
+		w.critical(canon(key), "x", 0, cs, nil, r, 2+r.IntN(3), 40*time.Millisecond)
 		_, _ = w.broken.Exec(ctx, `SELECT pg_advisory_unlock($1)`, n)
 		w.emit(event{T: "end", CS: cs, Key: canon(key), Unlock: "ok", Clean: true})
 	}

@@ -15,7 +15,22 @@ const (
 	// UnlockSkippedShared: Unlock of a lock on a shared session reports success without unlocking; the shared
 	// session keeps the key, which no other process can take while it lives.
 	UnlockSkippedShared = "unlock_skipped_shared"
+	// UnlockSkippedDedicated: Unlock of a lock on a session of its own reports success without unlocking and
+	// returns the session to its pool still holding the key (the classic bug: pooled while held).
+	UnlockSkippedDedicated = "unlock_skipped_dedicated"
+	// SilentLossDedicated: the watcher of a session of its own finds the session ended and says nothing; only
+	// Unlock finds out.
+	SilentLossDedicated = "silent_loss_dedicated"
+	// SilentLossShared: a shared session that ends tells none of its holders; only Unlock finds out.
+	SilentLossShared = "silent_loss_shared"
+	// CancelGrantDropped: a lock call whose ctx ended as the server granted the key reports the ctx's error (not
+	// acquired) and leaves the key held: on a shared session, or on a session of its own returned to its pool.
+	CancelGrantDropped = "cancel_grant_dropped"
 )
+
+// All lists every mutant.
+var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
+	SilentLossDedicated, SilentLossShared, CancelGrantDropped}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

@@ -123,6 +123,9 @@ func (c *Cluster) Start() error {
 	return nil
 }
 
+// LogFile is the server's log (its stderr, through pg_ctl -l), kept until Remove.
+func (c *Cluster) LogFile() string { return filepath.Join(c.tmp, "log") }
+
 // Stop stops the server with the given shutdown mode (smart, fast or immediate).
 func (c *Cluster) Stop(mode string) error {
 	out, err := c.run("pg_ctl", "-D", c.Dir, "-m", mode, "-w", "-t", "60", "stop")

@@ -689,6 +689,9 @@ func (m *Mux) die(cause error) {
 		lost = ErrClosed
 	}
 	for _, h := range held {
+		if mutant.On(mutant.SilentLossShared) {
+			break // nobody is told; Unlock finds the session gone
+		}
 		h.finish(lost)
 	}
 	select {
@@ -735,6 +738,12 @@ func (m *Mux) Try(ctx context.Context, t Target, onEnd func()) (*Held, error) {
 	}
 	if m.fenced {
 		h.token = r.res
+	}
+	if ctx.Err() != nil && mutant.On(mutant.CancelGrantDropped) { // reported not acquired, left on the session
+		m.mu.Lock()
+		delete(m.held, h)
+		m.mu.Unlock()
+		return nil, WithContext(ctx, ctx.Err())
 	}
 	if ctx.Err() != nil { // granted after the caller gave up: give it back (the caller frees its slot)
 		h.mu.Lock()

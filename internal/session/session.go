@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/advlock/advlock/internal/mutant"
 	"strconv"
 	"strings"
 	"sync"
@@ -244,6 +245,10 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	// A grant that raced the deadline of a timed wait stands (the server answered within its bound); any other
 	// statement that finished after ctx ended is in doubt.
+	if err == nil && ctx.Err() != nil && mutant.On(mutant.CancelGrantDropped) {
+		conn.Release() // granted, reported as not acquired, pooled while held
+		return nil, WithContext(ctx, ctx.Err())
+	}
 	if err != nil || ctx.Err() != nil && !(timed && errors.Is(context.Cause(ctx), context.DeadlineExceeded)) {
 		if err != nil {
 			becauseErr(conn, "lock statement failed", err)
@@ -494,6 +499,9 @@ func (s *Session) watch() {
 			}
 			err = fmt.Errorf("keepalive: %w", err)
 		}
+		if mutant.On(mutant.SilentLossDedicated) {
+			return // nobody is told; Unlock finds the session gone
+		}
 		becauseErr(s.conn, "lock lost", err)
 		s.conn.Destroy()
 		s.finish(fmt.Errorf("%w: %w", ErrLockLost, err))
@@ -553,6 +561,11 @@ func (s *Session) Release(ctx context.Context, after error) error {
 	t := s.target
 	if s.unlockKey != nil {
 		t.ID = s.unlockKey(t.ID)
+	}
+	if mutant.On(mutant.UnlockSkippedDedicated) { // back to the pool, still holding the key
+		s.conn.Release()
+		s.finish(after)
+		return nil
 	}
 	sql, args := UnlockSQL(t)
 	r, err := s.conn.QueryInt(ctx, sql, args...)
