@@ -70,7 +70,7 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 		opts: o,
 		cfg: session.Config{Keepalive: o.Keepalive, Wrap: o.Wrap, Starter: new(session.Starter),
 			Waits: new(session.Waits), Settings: o.Settings, UnlockKey: o.UnlockKey, Fencing: o.Fencing,
-			OpenBound: o.OpenBound},
+			OpenBound: o.OpenBound, WaitSlice: o.WaitSlice},
 		gates:    make(map[session.ID]*gate),
 		held:     make(map[*Lock]struct{}),
 		obs:      observers(o),

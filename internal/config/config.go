@@ -25,6 +25,8 @@ type Options struct {
 	UnlockKey func(session.ID) session.ID
 	// OpenBound bounds the opening of a shared session (tests only; 0: session.VerifyBound).
 	OpenBound time.Duration
+	// WaitSlice bounds each statement of a wait in the server (tests only; 0: session.DefaultWaitSlice).
+	WaitSlice time.Duration
 	// Settings are applied once per proved physical connection (Open sets them).
 	Settings []session.Setting
 	// SharedSessions is how many shared sessions a Locker may open (0: a session per lock).

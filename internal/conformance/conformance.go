@@ -106,6 +106,7 @@ func (s *suite) run(t *testing.T) {
 		{"CloseWhileAcquiring", s.closeWhileAcquiring},
 		{"UnlockRacingClose", s.unlockRacingClose},
 		{"TimedWaitsKeepSessions", s.timedWaitsKeepSessions},
+		{"RequeueRace", s.requeueRace},
 		{"WaitBound", s.waitBound},
 		{"NoPoolSurprises", s.noPoolSurprises},
 		{"Fencing", s.fencing},

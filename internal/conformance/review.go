@@ -241,10 +241,17 @@ func (s *suite) unlockRacingClose(t *testing.T) {
 	}
 }
 
-// timedWaitsKeepSessions: a Lock whose ctx deadline passes while the key is held elsewhere is ended by the server
-// (lock_timeout), so its session goes back to the pool: 30 such calls use at most 3 server sessions, each returns
-// an error matching context.DeadlineExceeded soon after its deadline, and nothing is left waiting or held.
+// timedWaitsKeepSessions: a Lock whose bound passes while the key is held elsewhere, a ctx deadline or a Wait(d),
+// is ended by the server (lock_timeout), so its session goes back to the pool: 30 such calls use at most 3 server
+// sessions, each returns soon after its bound (an error matching context.DeadlineExceeded for a ctx deadline,
+// ErrNotAcquired for Wait), and nothing is left waiting or held.
 func (s *suite) timedWaitsKeepSessions(t *testing.T) {
+	for _, bound := range []string{"deadline", "wait"} {
+		t.Run(bound, func(t *testing.T) { s.timedWaitsKeepSessions1(t, bound == "wait") })
+	}
+}
+
+func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 	holder, h, obs := s.open(t), s.open(t), s.observer(t)
 	k := Key(t)
 	hl, err := holder.L.TryLock(ctxT(t, 10*time.Second), k)
@@ -255,6 +262,10 @@ func (s *suite) timedWaitsKeepSessions(t *testing.T) {
 	pids := map[uint32]bool{}
 	for i := range 30 {
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		var opts []advlock.CallOption
+		if waitOpt { // the bound is Wait's; the sampler below still stops at 100 ms
+			opts = []advlock.CallOption{advlock.Wait(100 * time.Millisecond)}
+		}
 		done := make(chan struct{})
 		go func() { // the waiter's server pid, from pg_locks, while it waits
 			defer close(done)
@@ -273,11 +284,18 @@ func (s *suite) timedWaitsKeepSessions(t *testing.T) {
 			}
 		}()
 		start := time.Now()
-		_, err := h.L.Lock(ctx, k)
+		lctx := ctx
+		if waitOpt {
+			lctx = context.Background()
+		}
+		_, err := h.L.Lock(lctx, k, opts...)
 		took := time.Since(start)
 		cancel()
 		<-done
-		if !errors.Is(err, context.DeadlineExceeded) {
+		switch {
+		case waitOpt && (!errors.Is(err, advlock.ErrNotAcquired) || errors.Is(err, context.DeadlineExceeded)):
+			t.Fatalf("call %d: Lock with Wait(100ms) on a held key: %v, want ErrNotAcquired", i, err)
+		case !waitOpt && !errors.Is(err, context.DeadlineExceeded):
 			t.Fatalf("call %d: Lock with a 100ms deadline on a held key: %v, want DeadlineExceeded", i, err)
 		}
 		if took > 3*time.Second {

@@ -106,6 +106,8 @@ type Config struct {
 	Events Events
 	// OpenBound bounds the opening of a shared session (0: VerifyBound). Tests shorten it.
 	OpenBound time.Duration
+	// WaitSlice bounds each statement of a wait in the server (0: DefaultWaitSlice). Tests shorten it.
+	WaitSlice time.Duration
 	// Settings are applied (SET, session level) once per physical connection, once it is proved to be a server
 	// session of its own (direct, or pinned by a pooler in session mode), never through a transaction-mode
 	// pooler, where they would stay on a server session that other clients then use. Names and values are SQL
@@ -203,28 +205,27 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		return nil, WithContext(ctx, err)
 	}
-	// One prepared statement: a try, or a wait in the server. Only when the session carries a statement_timeout
-	// or lock_timeout (a role or pool default) and the key is held does a second statement wait with them lifted.
-	// A wait whose ctx has a deadline is bounded by the server instead (timedWait).
-	sql, args := TrySQL(t, cfg.Fencing)
-	if wait {
-		sql, args = LockSQL(t, cfg.Fencing)
-		if !cfg.Waits.add(conn) {
-			conn.Release() // nothing was sent
-			return nil, ErrClosed
-		}
+	// A try first: one prepared statement, all that a free key needs. A wait for a held key then queues in the
+	// server one slice at a time (queue), so that none of its statements holds a snapshot for long.
+	if wait && !cfg.Waits.add(conn) {
+		conn.Release() // nothing was sent
+		return nil, ErrClosed
 	}
-	var r int64
 	deadline, timed := ctx.Deadline()
 	timed = timed && wait
-	if timed {
-		r, err = timedWait(ctx, conn, t, deadline, cfg.Fencing)
-	} else if !wait {
-		bound := cfg.Keepalive
-		if bound <= 0 {
-			bound = DefaultKeepalive
-		}
-		bound = max(bound, time.Second) // only against a hang: a short keepalive must not fail tries on a busy machine
+	if timed && time.Until(deadline) <= 0 {
+		cfg.Waits.remove(conn)
+		conn.Release() // nothing was sent
+		return nil, WithContext(ctx, context.DeadlineExceeded)
+	}
+	bound := cfg.Keepalive
+	if bound <= 0 {
+		bound = DefaultKeepalive
+	}
+	bound = max(bound, time.Second) // only against a hang: a short keepalive must not fail tries on a busy machine
+	sql, args := TrySQL(t, cfg.Fencing)
+	var r int64
+	if !wait {
 		tctx, tcancel := context.WithTimeout(ctx, bound)
 		r, err = conn.QueryInt(tctx, sql, args...)
 		if err != nil && ctx.Err() == nil && tctx.Err() != nil {
@@ -232,9 +233,9 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		tcancel()
 	} else {
-		r, err = conn.QueryInt(ctx, sql, args...)
-		if err == nil && r == resultTimeouts {
-			r, err = conn.QueryInt(ctx, WaitSQL(t, cfg.Fencing))
+		r, err = serverBound(ctx, conn, time.Now().Add(bound), sql, args...)
+		if err == nil && r == resultNotHeld {
+			r, err = queue(ctx, conn, t, cfg)
 		}
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
@@ -249,7 +250,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		conn.Release() // granted, reported as not acquired, pooled while held
 		return nil, WithContext(ctx, ctx.Err())
 	}
-	if err != nil || ctx.Err() != nil && !(timed && errors.Is(context.Cause(ctx), context.DeadlineExceeded)) {
+	if err != nil || ctx.Err() != nil && !(timed && errors.Is(ctx.Err(), context.DeadlineExceeded)) {
 		if err != nil {
 			becauseErr(conn, "lock statement failed", err)
 		} else {
@@ -296,26 +297,51 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	return s, nil
 }
 
-// timedWait waits for t in the server for as long as ctx's deadline allows: lock_timeout is set from it, so that
-// the server itself answers "not granted" (55P03) and the session stays usable, and the caller's deadline does not
-// cut the statement (which would cost the session, and could send a cancel request that reaches a later
-// statement). Only a server that does not answer within the deadline plus a margin, or a cancellation of ctx
-// other than its deadline, interrupts the statement.
-func timedWait(ctx context.Context, conn Conn, t Target, deadline time.Time, fenced bool) (int64, error) {
-	d := time.Until(deadline)
-	if d <= 0 {
-		return 0, context.DeadlineExceeded // nothing sent
+// DefaultWaitSlice is the longest a wait statement runs. A statement waiting in the server holds a snapshot for as long
+// as it waits, and a snapshot pins the database's xmin horizon (VACUUM removes no row deleted since it was taken)
+// and holds up CREATE INDEX CONCURRENTLY, REINDEX CONCURRENTLY and their kin, which wait for every older snapshot;
+// so a wait ends at each slice (the server's lock_timeout) and is sent again at once on the same session.
+const DefaultWaitSlice = time.Second
+
+// queue waits for t in the server, one slice at a time, until granted, ctx's deadline passes (the last slice ends
+// at the deadline: the server answers "not granted", SQLSTATE 55P03, and the session stays usable) or ctx is
+// cancelled otherwise (the statement is interrupted). Between two slices the key may be granted to another
+// waiter, as it may whenever its holder lets it go: the server's queue order is kept only within a slice.
+func queue(ctx context.Context, conn Conn, t Target, cfg Config) (int64, error) {
+	slice := cfg.WaitSlice
+	if slice <= 0 {
+		slice = DefaultWaitSlice
 	}
-	qctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline.Add(min(2*time.Second, 250*time.Millisecond+d/10)))
+	deadline, timed := ctx.Deadline()
+	for requeue := false; ; requeue = true {
+		end := time.Now().Add(slice)
+		last := timed && !deadline.After(end)
+		if last {
+			end = deadline
+		}
+		d := max(time.Until(end), time.Millisecond)
+		ms := int64((d + time.Millisecond - 1) / time.Millisecond)
+		r, err := serverBound(ctx, conn, end.Add(min(2*time.Second, 250*time.Millisecond+d/10)), WaitSQL(t, ms, cfg.Fencing, requeue))
+		if SQLState(err) == "55P03" && !last && ctx.Err() == nil {
+			continue
+		}
+		return r, err
+	}
+}
+
+// serverBound runs a statement that the server itself bounds (a try, or a wait under lock_timeout): ctx's deadline
+// does not cut it (which would cost the session, and could send a cancel request that reaches a later statement);
+// only a server that does not answer by until, or a cancellation of ctx other than its deadline, interrupts it.
+func serverBound(ctx context.Context, conn Conn, until time.Time, sql string, args ...any) (int64, error) {
+	qctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), until)
 	defer cancel()
 	stop := context.AfterFunc(ctx, func() {
-		if !errors.Is(context.Cause(ctx), context.DeadlineExceeded) {
+		if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			cancel()
 		}
 	})
 	defer stop()
-	ms := (d + time.Millisecond - 1) / time.Millisecond
-	return conn.QueryInt(qctx, TimedWaitSQL(t, int64(ms), fenced))
+	return conn.QueryInt(qctx, sql, args...)
 }
 
 // notGranted settles a timed wait the server ended (55P03): the grant can race the timeout (the server may have

@@ -38,7 +38,6 @@ func (id ID) literal() string {
 
 // Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
-	resultTimeouts = -2 // LockSQL: held elsewhere, and a statement_timeout or lock_timeout is set: use WaitSQL
 	resultStandby  = -1
 	resultNotHeld  = 0
 	resultAcquired = 1
@@ -91,12 +90,8 @@ var keyArgs = [2]string{"$1::int8", "$1::int4, $2::int4"} // by pair
 // (CASE evaluates lazily), so the recovery check costs no extra round trip. A token, when fenced, is drawn only in
 // the branch that granted, after the grant, in the same statement: no extra round trip, and a later grant always
 // gets a larger token.
-var trySQL, lockSQL [2][2][2]string
+var trySQL [2][2][2]string
 
-// lockSQL blocks in the server when the session has no statement_timeout and no lock_timeout, as one prepared
-// statement (the cheapest wait there is). When one is set it only tries, and yields -2 if the key is held, so that
-// the caller waits with WaitSQL, which lifts them. The blocking functions return void; length(void::text) is 0,
-// which turns the grant into a value without a subquery, whose InitPlan costs about 20 µs per call.
 func init() {
 	for f := range 2 {
 		for p := range 2 {
@@ -104,10 +99,6 @@ func init() {
 				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
 				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
 					" THEN " + grant(fenced) + " ELSE 0 END"
-				lockSQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 " +
-					"WHEN current_setting('statement_timeout') = '0' AND current_setting('lock_timeout') = '0' " +
-					"THEN length(" + lockFn(false, shared, args) + "::text) + " + grant(fenced) +
-					" WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE -2 END"
 			}
 		}
 	}
@@ -125,12 +116,6 @@ func b2i(b bool) int {
 	return 0
 }
 
-// LockSQL returns the blocking lock statement and its arguments: it yields a grant (1, or the token when fenced),
-// -1 (standby) or -2 (see lockSQL).
-func LockSQL(t Target, fenced bool) (string, []any) {
-	return lockSQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
-}
-
 // TrySQL returns the try-lock statement and its arguments. It yields a grant (1, or the token when fenced), 0
 // (held elsewhere) or -1 (the server is in recovery; nothing was taken).
 func TrySQL(t Target, fenced bool) (string, []any) {
@@ -143,21 +128,33 @@ func UnlockSQL(t Target) (string, []any) {
 	return unlockSQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
 }
 
-// WaitSQL returns the blocking lock statements, to be sent as one simple-protocol query (no arguments). They run in
-// one implicit transaction whose SET LOCAL lifts any statement_timeout or lock_timeout that a role, database or
-// pool default put on the session, so that only the caller's context bounds the wait; the settings revert when the
-// implicit transaction ends, while the session-level lock stays. It yields a grant or -1 like TrySQL.
-func WaitSQL(t Target, fenced bool) string {
-	return "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; " +
-		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + lockFn(false, t.Shared, t.ID.literal()) +
-		"::text) + " + grant(fenced) + " END"
-}
-
-// TimedWaitSQL is WaitSQL bounded by the server: lock_timeout is set to ms for the statement's implicit
-// transaction, so that a wait not granted in time ends with SQLSTATE 55P03 and the session stays usable.
-func TimedWaitSQL(t Target, ms int64, fenced bool) string {
+// WaitSQL is a wait in the server bounded by the server: sent as one simple-protocol query (no arguments), its
+// statements run in one implicit transaction whose SET LOCAL lifts any statement_timeout that a role, database or
+// pool default put on the session and sets lock_timeout to ms, so that a wait not granted in time ends with
+// SQLSTATE 55P03 and the session stays usable; the settings revert when the implicit transaction ends, while the
+// session-level lock stays. It yields a grant or -1 like TrySQL.
+//
+// A wait is sent again and again, one slice at a time (see DefaultWaitSlice), so that no snapshot lives long. A grant can
+// race lock_timeout (the server grants the key just as the timeout fires; the lock then survives the error), so a
+// wait sent again (requeue) first looks whether its own session already holds the key in that mode, and if so
+// takes that grant instead of queueing for the key a second time.
+func WaitSQL(t Target, ms int64, fenced, requeue bool) string {
+	held := ""
+	if requeue {
+		classid, objid, sub := uint32(uint64(t.ID.V)>>32), uint32(t.ID.V), 1
+		if t.ID.Pair {
+			sub = 2
+		}
+		mode := "ExclusiveLock"
+		if t.Shared {
+			mode = "ShareLock"
+		}
+		held = " WHEN EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted" +
+			" AND classid = " + strconv.FormatUint(uint64(classid), 10) + " AND objid = " + strconv.FormatUint(uint64(objid), 10) +
+			" AND objsubid = " + strconv.Itoa(sub) + " AND mode = '" + mode + "') THEN " + grant(fenced)
+	}
 	return "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; " +
-		"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(" + lockFn(false, t.Shared, t.ID.literal()) +
+		"SELECT CASE WHEN pg_is_in_recovery() THEN -1" + held + " ELSE length(" + lockFn(false, t.Shared, t.ID.literal()) +
 		"::text) + " + grant(fenced) + " END"
 }
 
