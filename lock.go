@@ -26,6 +26,7 @@ type handle interface {
 	Release(ctx context.Context, after error) error
 	AfterEnd(f func()) (stop func() bool)
 	Token() int64
+	PID() uint32
 }
 
 // Values of Lock.ended.

@@ -60,6 +60,7 @@ type LockOutcome struct {
 	Err    error         // nil when acquired
 	Took   time.Duration // from the call to its outcome: for Lock and RLock, the wait
 	Token  int64         // the fencing token when acquired with fencing
+	PID    uint32        // when acquired: the server session (pg_backend_pid) that holds the lock; 0 when unknown
 }
 
 // Causes of a lock's end (LockEnd.Cause).
@@ -74,6 +75,8 @@ type LockEnd struct {
 	Key     Key
 	Shared  bool
 	Session string // where it was held: "shared" (a shared session's) or "dedicated" (a session of its own)
+	PID     uint32 // the server session that held it (pg_backend_pid); 0 when unknown
+	Token   int64  // its fencing token (0 without fencing)
 	Held    time.Duration
 	Cause   string // one of the Cause constants
 	Err     error  // what Lock.Err reports (for a loss, why)
@@ -229,7 +232,7 @@ func (l *Locker) startCall(ctx context.Context, key Key, shared, wait bool) (con
 		r := LockOutcome{Took: time.Since(start), Err: err}
 		switch {
 		case err == nil:
-			r.Result, r.Token = ResultAcquired, lk.Token()
+			r.Result, r.Token, r.PID = ResultAcquired, lk.Token(), lk.h.PID()
 		case errors.Is(err, ErrNotAcquired):
 			r.Result = ResultNotAcquired
 		case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
@@ -262,7 +265,8 @@ func (l *Locker) lockEnded(lk *Lock) {
 	if !lk.observed.CompareAndSwap(true, false) {
 		return
 	}
-	e := LockEnd{Key: lk.key, Shared: lk.shared, Session: "dedicated", Held: time.Since(lk.grantedAt), Err: lk.h.Err()}
+	e := LockEnd{Key: lk.key, Shared: lk.shared, Session: "dedicated", PID: lk.h.PID(), Token: lk.Token(),
+		Held: time.Since(lk.grantedAt), Err: lk.h.Err()}
 	if _, ok := lk.h.(*session.Held); ok {
 		e.Session = "shared"
 	}

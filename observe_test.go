@@ -159,12 +159,14 @@ type recorder struct {
 	ends     map[string]int
 	sessions map[string]int // event/mode
 	reasons  []string
+	lastPID  uint32 // of the last grant
+	endPIDs  map[uint32]int
 }
 
 type ctxMark struct{}
 
 func newRecorder() *recorder {
-	return &recorder{outcomes: map[string]int{}, ends: map[string]int{}, sessions: map[string]int{}}
+	return &recorder{outcomes: map[string]int{}, ends: map[string]int{}, sessions: map[string]int{}, endPIDs: map[uint32]int{}}
 }
 
 func (r *recorder) LockStart(ctx context.Context, c LockCall) (context.Context, func(LockOutcome)) {
@@ -173,6 +175,9 @@ func (r *recorder) LockStart(ctx context.Context, c LockCall) (context.Context, 
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.outcomes[o.Result]++
+		if o.Result == ResultAcquired {
+			r.lastPID = o.PID
+		}
 		if (o.Result == ResultAcquired) != (o.Err == nil) || o.Took <= 0 {
 			r.outcomes["inconsistent"]++
 		}
@@ -184,6 +189,7 @@ func (r *recorder) LockEnd(e LockEnd) {
 	defer r.mu.Unlock()
 	r.ends[e.Cause]++
 	r.ends["session "+e.Session]++
+	r.endPIDs[e.PID]++
 	if e.Held <= 0 {
 		r.ends["no held time"]++
 	}
@@ -237,7 +243,13 @@ func TestObserver(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			pgtest.Terminate(t, b.obs, b.pidOf(t, lk)) // lost
+			pid := b.pidOf(t, lk)
+			rec.mu.Lock()
+			if rec.lastPID != pid { // the grant names the server session pg_locks shows holding the key
+				t.Errorf("LockOutcome.PID %d, pg_locks shows pid %d holding the key", rec.lastPID, pid)
+			}
+			rec.mu.Unlock()
+			pgtest.Terminate(t, b.obs, pid) // lost
 			waitDone(t, lk, 10*time.Second)
 			if _, err := l.TryLock(ctx, Key{}); err == nil { // error (invalid key)
 				t.Fatal("zero key accepted")
@@ -284,6 +296,9 @@ func TestObserver(t *testing.T) {
 			}
 			if ended := rec.sessions["close/"+m] + rec.sessions["destroy/"+m]; ended != opened {
 				t.Errorf("%d %s sessions opened, %d ended", opened, m, ended)
+			}
+			if rec.endPIDs[0] > 0 {
+				t.Errorf("a lock end without the pid of its session: %v", rec.endPIDs)
 			}
 			if !strings.Contains(strings.Join(rec.reasons, "\n"), "57P01") {
 				t.Errorf("no destroy reason names the termination: %q", rec.reasons)

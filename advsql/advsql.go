@@ -105,6 +105,7 @@ type pool struct {
 // mark is what is known of one driver connection: it was proved a server session of its own, and whether direct.
 type mark struct {
 	direct bool
+	pid    uint32 // the server session's pid
 	used   uint64 // when it was last looked at (pool.uses)
 }
 
@@ -349,6 +350,18 @@ func libpqPID(dc any) uint32 {
 	return uint32(f.Int())
 }
 
+func (a *conn) ServerPID() uint32 {
+	if a.pgx != nil {
+		return a.pgx.ServerPID()
+	}
+	a.p.mu.Lock()
+	defer a.p.mu.Unlock()
+	if m := a.p.verified[a.dc]; m != nil {
+		return m.pid
+	}
+	return 0
+}
+
 func (a *conn) Verified() (ok, direct bool) {
 	if a.pgx != nil {
 		return a.pgx.Verified()
@@ -364,15 +377,15 @@ func (a *conn) Verified() (ok, direct bool) {
 	return true, m.direct
 }
 
-func (a *conn) MarkVerified(direct bool) {
+func (a *conn) MarkVerified(direct bool, pid uint32) {
 	if a.pgx != nil {
-		a.pgx.MarkVerified(direct)
+		a.pgx.MarkVerified(direct, pid)
 		return
 	}
 	a.p.mu.Lock()
 	defer a.p.mu.Unlock()
 	a.p.uses++
-	a.p.verified[a.dc] = &mark{direct: direct, used: a.p.uses}
+	a.p.verified[a.dc] = &mark{direct: direct, pid: pid, used: a.p.uses}
 	a.p.trimLocked()
 }
 

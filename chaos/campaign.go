@@ -731,7 +731,8 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 					c.errors[errClass(e.Err)]++
 				}
 			case "begin":
-				css[e.CS] = &CS{ID: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Token: e.Token, Begin: time.Unix(0, e.At)}
+				css[e.CS] = &CS{ID: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Token: e.Token, Begin: time.Unix(0, e.At),
+					PID: e.PID}
 			case "end":
 				if cs := css[e.CS]; cs != nil {
 					cs.Ended, cs.Cause, cs.Unlock, cs.Clean, cs.ToldBy = true, e.Cause, e.Unlock, e.Clean, e.ToldBy

@@ -2,11 +2,15 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/advlock/advlock"
 
 	"go.uber.org/goleak"
 )
@@ -156,6 +160,10 @@ func build(specs ...csSpec) *History {
 	return h
 }
 
+func heldAt(ms int, rows ...Holder) Sample {
+	return Sample{At: at(ms), Held: map[string][]Holder{"k": rows}}
+}
+
 func evidence(h *History, e ...Evidence) *History {
 	h.Evidence = append(h.Evidence, e...)
 	return h
@@ -190,6 +198,13 @@ func TestChecker(t *testing.T) {
 		{"clean holder overlapped", build(
 			csSpec{"a", 0, "x", 1, true, -1, []int{0, 50}, []bool{false, true}},
 			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, nil}), map[string]int{VOverlap: 1, VTokenOrder: 1}},
+		{"twenty sequential holders", build(func() []csSpec { // in whatever order the map gives them
+			var out []csSpec
+			for i := range 20 {
+				out = append(out, csSpec{string(rune('a' + i)), i % 3, "x", int64(i + 1), true, -1, []int{100 * i, 100*i + 50}, nil})
+			}
+			return out
+		}()...), map[string]int{}},
 		{"lost holder, no evidence of its loss", build(
 			csSpec{"a", 0, "x", 1, false, 500, []int{0, 400}, []bool{false, true}},
 			csSpec{"b", 1, "x", 2, true, -1, []int{30, 40}, []bool{false, false}}), map[string]int{VOverlap: 1}},
@@ -301,6 +316,66 @@ func TestChecker(t *testing.T) {
 			t.Fatalf("told 1.1 s after the bound: got %v", got)
 		}
 	})
+	t.Run("evidence names the right session", func(t *testing.T) {
+		// A cut of the worker 50 ms before a grant (the new connection was made after it: pg_locks showed it
+		// holding later) is not that section's loss; the terminate of its own backend is, and it was told at once.
+		for _, kind := range []string{"cut", "close_locker"} {
+			h := evidence(begins(build(
+				csSpec{"c", 0, "x", 1, false, 1510, []int{60, 400, 800, 1200, 1450}, nil}), map[string]int{"c": 50}),
+				Evidence{Kind: kind, At: at(0), Worker: 0},
+				Evidence{Kind: "terminate_holder", At: at(1500), Worker: 0, PID: 9, Keys: []string{"k"}})
+			h.Samples = []Sample{heldAt(500, Holder{"w0", 9, true}), heldAt(1000, Holder{"w0", 9, true})}
+			if got := kinds(Check(h)); len(got) != 0 {
+				t.Errorf("%s 50 ms before the grant: got %v, want nothing", kind, got)
+			}
+		}
+		// The end of another backend of the worker excuses nothing once the section's own backend is known.
+		h := evidence(build(
+			csSpec{"a", 0, "x", 1, false, -1, []int{0, 40, 80}, []bool{false, true, true}},
+			csSpec{"b", 1, "x", 2, true, -1, []int{30, 60, 100}, nil}),
+			Evidence{Kind: "session_end", At: at(35), Worker: 0, PID: 77})
+		h.CS["a"].Told, h.CS["a"].ToldBy, h.CS["a"].PID = at(85), "unlock", 5
+		if got := kinds(Check(h)); got[VOverlap] != 1 {
+			t.Errorf("another backend's end: got %v, want an overlap", got)
+		}
+		h.Evidence[0].PID = 5 // its own: excused
+		if got := kinds(Check(h)); got[VOverlap] != 0 {
+			t.Errorf("its own backend's end: got %v, want no overlap", got)
+		}
+		// A shared holder's section is not excused by the terminate of a sibling shared holder's backend.
+		h = evidence(build(
+			csSpec{"r2", 0, "s", 1, false, -1, []int{0, 100, 200}, nil},
+			csSpec{"b", 1, "x", 2, true, -1, []int{150, 250}, nil}),
+			Evidence{Kind: "terminate_holder", At: at(120), Worker: 0, PID: 5, Keys: []string{"k"}})
+		h.CS["r2"].Told, h.CS["r2"].ToldBy, h.CS["r2"].PID = at(210), "unlock", 6
+		h.Samples = []Sample{heldAt(50, Holder{"w0", 5, true}, Holder{"w0", 6, true})}
+		if got := kinds(Check(h)); got[VOverlap] != 1 {
+			t.Errorf("a sibling's backend terminated: got %v, want an overlap", got)
+		}
+		// The server logs a backend's end just after it released the key: the next holder's grant may come first.
+		h = evidence(begins(build(
+			csSpec{"old", 0, "x", 1, false, 2010, []int{0, 2005}, []bool{false, true}},
+			csSpec{"new", 1, "x", 2, true, -1, []int{1505, 1800}, nil}), map[string]int{"new": 1501}),
+			Evidence{Kind: "session_end", At: at(1525), Worker: 0, PID: 9})
+		h.Pauses = []Pause{{Worker: 0, From: at(10), To: at(2000)}}
+		h.Samples = []Sample{heldAt(5, Holder{"w0", 9, true})}
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Errorf("its backend's end logged 24 ms after the next grant: got %v, want nothing", got)
+		}
+	})
+	t.Run("grant order by token", func(t *testing.T) {
+		// Stopped between its grant (token 10) and its record of it: the server ended its session, another
+		// holder got the key (token 20), and the stopped one, resumed, wrote once (refused) before it was told.
+		h := evidence(begins(build(
+			csSpec{"new", 1, "x", 20, true, -1, []int{1520, 2000, 2500, 3000}, nil},
+			csSpec{"old", 0, "x", 10, false, 2010, []int{2005}, []bool{true}}), map[string]int{"new": 1510, "old": 2000}),
+			Evidence{Kind: "sigstop", At: at(0), Until: at(2000), Worker: 0},
+			Evidence{Kind: "session_end", At: at(1500), Worker: 0, PID: 9})
+		h.Pauses = []Pause{{Worker: 0, From: at(0), To: at(2000)}}
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Errorf("got %v, want nothing", got)
+		}
+	})
 	t.Run("leak during the run", func(t *testing.T) {
 		var samples []Sample
 		for ms := 0; ms <= 2000; ms += 100 {
@@ -326,6 +401,64 @@ func TestChecker(t *testing.T) {
 		h.Samples = samples // a client that gave up on its session behind a blackhole: the server keeps it a while
 		if got := kinds(Check(h)); len(got) != 0 {
 			t.Fatalf("held 1.7 s after a blackhole: got %v", got)
+		}
+		// A stopped worker records nothing: a lock it holds while stopped, and for a while after, is no leak.
+		h = build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 300}, nil})
+		h.Samples = samples
+		h.Pauses = []Pause{{Worker: 0, From: at(400), To: at(1800)}}
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("held by a stopped worker: got %v", got)
+		}
+		// A lock left on one backend is a leak even while the worker's other holders of that key (shared, on
+		// another backend) come and go.
+		var specs []csSpec
+		for i, start := 0, 0; start < 5000; i, start = i+1, start+800 {
+			specs = append(specs, csSpec{string(rune('a' + i)), 0, "s", int64(i + 1), true, -1, []int{start + 5, start + 100}, nil})
+		}
+		h = build(specs...)
+		for _, sp := range specs {
+			h.CS[sp.id].Begin, h.CS[sp.id].PID = at(sp.writes[0]-1), 8
+		}
+		for ms := 0; ms <= 5000; ms += 100 {
+			rows := []Holder{{"w0", 7, true}}
+			if ms%800 <= 100 {
+				rows = append(rows, Holder{"w0", 8, true})
+			}
+			h.Samples = append(h.Samples, heldAt(ms, rows...))
+		}
+		if got := kinds(Check(h)); got[VLeak] != 1 {
+			t.Errorf("pid 7 held k for 5 s, no holder of worker 0 held it there: got %v", got)
+		}
+	})
+	t.Run("Lead terms matched to their locks", func(t *testing.T) {
+		// Term 1's lock is lost and a sibling's term 2 granted before term 1's fn returns: both ends are recorded.
+		path := filepath.Join(t.TempDir(), "h.jsonl")
+		f, err := os.Create(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := &worker{hist: f}
+		w.terms.w = w
+		o := &w.terms
+		o.LockEnd(advlock.LockEnd{Key: leadKey, Token: 1, Cause: advlock.CauseLost, Err: advlock.ErrLockLost})
+		o.returned(1, event{T: "end", CS: "0.0.1", Told: 1, ToldBy: "done", Cause: "lost", Unlock: "ok"})
+		o.returned(2, event{T: "end", CS: "0.0.2", Unlock: "ok"})
+		o.LockEnd(advlock.LockEnd{Key: leadKey, Token: 2, Cause: advlock.CauseReleased, Err: advlock.ErrNotHeld})
+		f.Close()
+		raw, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ends := map[string]event{}
+		for _, line := range strings.Split(strings.TrimSpace(string(raw)), "\n") {
+			var e event
+			if err := json.Unmarshal([]byte(line), &e); err != nil {
+				t.Fatal(err)
+			}
+			ends[e.CS] = e
+		}
+		if len(ends) != 2 || ends["0.0.1"].Clean || !ends["0.0.2"].Clean {
+			t.Errorf("term ends recorded: %+v, want term 1 not clean and term 2 clean", ends)
 		}
 	})
 	t.Run("semaphore", func(t *testing.T) {

@@ -27,6 +27,7 @@ type CS struct {
 	Key     string
 	Mode    string
 	Token   int64
+	PID     uint32    // the server session that held it, as the library said (0: unknown)
 	Begin   time.Time // just after the grant (its holder's record; zero in old histories: its first write)
 	End     time.Time // just after the release returned; zero if its end was never recorded
 	Ended   bool      // its end was recorded (a SIGKILLed worker records none)
@@ -178,13 +179,20 @@ func (c *CS) until() time.Time {
 // The slack between an injected fault and its effect (the campaign records a fault just before it is applied, and
 // a holder records its grant just after the server made it).
 const (
-	faultSlack = 100 * time.Millisecond
-	logSlack   = 20 * time.Millisecond
+	faultSlack    = 100 * time.Millisecond
+	logSlack      = 20 * time.Millisecond
+	logLate       = 100 * time.Millisecond // how much later than the grant it explains a backend's end may be logged
+	survivedAfter = 50 * time.Millisecond  // a sample this long after a fault that still shows the backend: not ended
 )
 
-// pids lists the backends that pg_locks showed holding c's key for c's worker while c believed it held.
-func (h *History) pids(c *CS) map[int32]bool {
-	out := map[int32]bool{}
+// pids lists the backends that held c's lock: the one its holder was told of, else those pg_locks showed holding
+// c's key for c's worker while c believed it held. Each comes with the last time a sample showed it holding c's
+// key while c believed (zero if none did).
+func (h *History) pids(c *CS) map[int32]time.Time {
+	out := map[int32]time.Time{}
+	if c.PID != 0 {
+		out[int32(c.PID)] = time.Time{}
+	}
 	if h.AppName == nil {
 		return out
 	}
@@ -194,24 +202,36 @@ func (h *History) pids(c *CS) map[int32]bool {
 			continue
 		}
 		for _, r := range s.Held[c.Key] {
-			if r.Granted && r.App == h.AppName(c.Worker) {
-				out[r.PID] = true
+			if !r.Granted || r.App != h.AppName(c.Worker) {
+				continue
+			}
+			if _, known := out[r.PID]; c.PID != 0 && !known {
+				continue // another backend of that worker (a shared holder's)
+			}
+			if s.At.After(out[r.PID]) {
+				out[r.PID] = s.At
 			}
 		}
 	}
 	return out
 }
 
-// lostBy returns the first evidence at or before to that ended the session of c's lock: a restart, a fault that
-// ends every session of c's worker (cut, SIGKILL, its Locker closed), a terminate of the backend pg_locks showed
-// holding c's key, or the server's log of that backend's end. When no sample saw c's backend (a section shorter
-// than the sampling period), loose accepts the end of any backend of c's worker instead (a terminate must then
-// have found c's key on its backend).
-func (h *History) lostBy(c *CS, to time.Time, loose bool) (Evidence, bool) {
+// lostBy returns the first evidence between from (c's grant) and to that ended the session of c's lock: a restart,
+// a fault that ends every session of c's worker (cut, SIGKILL, its Locker closed), a terminate of c's backend, or
+// the server's log of that backend's end. c's backend is the one the library named at the grant, else the ones
+// pg_locks showed holding c's key; evidence after which a sample still showed that backend holding the key did not
+// end it. When c's backend is unknown (no pid from the library and no sample during the section), loose accepts
+// the end of any backend of c's worker instead (a terminate must then have found c's key on its backend).
+func (h *History) lostBy(c *CS, from, to time.Time, loose bool) (Evidence, bool) {
 	pids := h.pids(c)
-	from := c.begin()
 	for _, e := range h.Evidence {
-		if !e.ends() || e.At.After(to) {
+		if !e.ends() {
+			continue
+		}
+		_, own := pids[e.PID]
+		// The server logs a backend's end after it released its locks: the holder next in line may be granted
+		// first, so the log of c's own backend is allowed a little later than the grant it explains.
+		if e.At.After(to) && !(e.Kind == "session_end" && own && !e.At.After(to.Add(logLate))) {
 			continue
 		}
 		slack := faultSlack
@@ -224,19 +244,32 @@ func (h *History) lostBy(c *CS, to time.Time, loose bool) (Evidence, bool) {
 		if e.Worker != -1 && e.Worker != c.Worker {
 			continue
 		}
+		if survived(pids, e.At) {
+			continue // a later sample still showed c's backend holding c's key: e did not end it
+		}
 		switch e.Kind {
 		case "session_end":
-			if !pids[e.PID] && !(loose && len(pids) == 0) {
+			if !own && !(loose && len(pids) == 0) {
 				continue
 			}
 		case "terminate_holder", "terminate_waiter":
-			if !pids[e.PID] && !(len(pids) == 0 && c.Mode == "x" && contains(e.Keys, c.Key)) {
+			if !own && !(len(pids) == 0 && c.Mode == "x" && contains(e.Keys, c.Key)) {
 				continue
 			}
 		}
 		return e, true
 	}
 	return Evidence{}, false
+}
+
+// survived reports whether a sample taken well after at showed one of the backends holding the key.
+func survived(pids map[int32]time.Time, at time.Time) bool {
+	for _, seen := range pids {
+		if seen.After(at.Add(survivedAfter)) {
+			return true
+		}
+	}
+	return false
 }
 
 func contains(list []string, s string) bool {
@@ -280,14 +313,28 @@ func Check(h *History) []Violation {
 	// killed or its Locker closed. The earlier holder must then have been told in time (the notice rule below)
 	// and its fenced writes refused (the token rules). An earlier holder that released cleanly held throughout:
 	// nothing excuses an overlap with it.
+	//
+	// Which of two was granted first is told by their tokens (drawn in the grant statement, in the server's order
+	// of grants), or, without tokens, by their records of the grant (a holder stopped between the grant and its
+	// record would be misplaced by the record alone).
+	type span struct {
+		c          *CS
+		begin, end time.Time
+	}
 	for _, k := range keys {
-		list := byKey[k]
-		sort.Slice(list, func(i, j int) bool { return list[i].begin().Before(list[j].begin()) })
-		for i, a := range list {
-			aEnd := a.until()
-			for _, b := range list[i+1:] {
-				if !b.begin().Before(aEnd) {
-					break // sorted by grant: no later one overlaps a either
+		list := make([]span, 0, len(byKey[k]))
+		for _, c := range byKey[k] {
+			list = append(list, span{c, c.begin(), c.until()})
+		}
+		sort.Slice(list, func(i, j int) bool { return list[i].begin.Before(list[j].begin) })
+		for i, x := range list {
+			for _, y := range list[i+1:] {
+				if !y.begin.Before(x.end) {
+					break // sorted by grant record: no later one overlaps x either
+				}
+				a, b, aEnd := x.c, y.c, x.end
+				if a.Token > 0 && b.Token > 0 && b.Token < a.Token {
+					a, b, aEnd = y.c, x.c, y.end
 				}
 				if a.Mode == "s" && b.Mode == "s" {
 					continue
@@ -297,7 +344,12 @@ func Check(h *History) []Violation {
 						k, a.Op, a.ID, a.Token, ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
 					continue
 				}
-				if _, ok := h.lostBy(a, b.begin().Add(logSlack), true); ok {
+				// a was granted before b, so no later than b's record of its grant, whatever a's record says.
+				from := a.begin()
+				if b.begin().Before(from) {
+					from = b.begin()
+				}
+				if _, ok := h.lostBy(a, from, b.begin().Add(logSlack), true); ok {
 					h.ExcusedOverlaps++
 					continue
 				}
@@ -325,7 +377,7 @@ func Check(h *History) []Violation {
 		if c.Ended {
 			end = c.End
 		}
-		e, ok := h.lostBy(c, end, false)
+		e, ok := h.lostBy(c, c.begin(), end, false)
 		if !ok || !c.Told.IsZero() && c.Told.Before(e.At) && c.ToldBy == "done" {
 			continue // no loss the server shows, or the holder knew first
 		}
@@ -394,7 +446,8 @@ func Check(h *History) []Violation {
 	// Tokens follow grants: a clean holder's token is greater than the token of every holder whose writes all
 	// came before its own first one, and a clean exclusive holder is never refused.
 	for _, k := range keys {
-		list := byKey[k]
+		list := append([]*CS(nil), byKey[k]...)
+		sort.Slice(list, func(i, j int) bool { return list[i].believing()[0].At.Before(list[j].believing()[0].At) })
 		byLast := append([]*CS(nil), list...)
 		sort.Slice(byLast, func(i, j int) bool { return lastWrite(byLast[i]).Before(lastWrite(byLast[j])) })
 		var maxAll, maxX *CS
@@ -561,8 +614,11 @@ func (h *History) leaksDuringRun() []Violation {
 	for _, c := range h.CS {
 		byWorkerKey[fmt.Sprintf("%d/%s", c.Worker, c.Key)] = append(byWorkerKey[fmt.Sprintf("%d/%s", c.Worker, c.Key)], c)
 	}
-	believed := func(w int, key string, at time.Time) bool {
+	believed := func(w int, key string, pid int32, at time.Time) bool {
 		for _, c := range byWorkerKey[fmt.Sprintf("%d/%s", w, key)] {
+			if c.PID != 0 && int32(c.PID) != pid {
+				continue // held there by another backend of that worker
+			}
 			end := h.RunEnd
 			if c.Ended {
 				end = c.End
@@ -587,10 +643,16 @@ func (h *History) leaksDuringRun() []Violation {
 					continue
 				}
 				hk := holding{key, r.PID}
-				if believed(w, key, s.At) {
+				if believed(w, key, r.PID, s.At) {
 					continue
 				}
 				seen[hk] = true
+				if h.paused(w, s.At.Add(-leakBoundFault), s.At) {
+					// A stopped process records nothing: what it holds (a transaction lock taken just before
+					// the stop, not yet recorded) is judged from a while after it resumes.
+					since[hk] = s.At
+					continue
+				}
 				first, ok := since[hk]
 				if !ok {
 					since[hk] = s.At

@@ -62,6 +62,7 @@ type event struct {
 	Mode  string `json:"mode,omitempty"` // x or s
 	CS    string `json:"cs,omitempty"`
 	Token int64  `json:"token,omitempty"`
+	PID   uint32 `json:"pid,omitempty"` // begin: the server session that holds the lock (LockOutcome.PID)
 	// op
 	Result string `json:"result,omitempty"`
 	Err    string `json:"err,omitempty"`
@@ -102,14 +103,23 @@ type worker struct {
 }
 
 // leadTerms learns how each Lead term's lock ended (Lead releases it after fn returns, out of fn's sight) from the
-// Locker's observer hook, so that a term released cleanly counts as a clean section like any other. Terms of one
-// worker on leadKey never overlap (its Locker's gate), so the lock end that follows a term's return is that term's.
+// Locker's observer hook, so that a term released cleanly counts as a clean section like any other. Terms are
+// matched to their locks by fencing token (every grant has its own). The hook also tells each call, through its
+// context, which server session holds what it was granted.
 type leadTerms struct {
 	w       *worker
 	mu      sync.Mutex
-	pending *event            // the end of a term whose fn returned, waiting for its lock's end
-	ended   bool              // the current term's lock ended before its fn returned (a loss, or Close)
+	pending map[int64]event   // token -> the end of a term whose fn returned, waiting for its lock's end
+	ended   map[int64]string  // token -> where a lead lock that ended before its term's fn returned was held
 	session map[string]string // key -> where its last lock that ended was held
+}
+
+// pidBox, put in a lock call's context, receives the pid of the server session that holds what it was granted.
+type pidBox struct{}
+
+func withPIDBox(ctx context.Context) (context.Context, *atomic.Uint32) {
+	b := new(atomic.Uint32)
+	return context.WithValue(ctx, pidBox{}, b), b
 }
 
 // sessionOf says where the last lock of key that ended was held (one exclusive holder per key in a worker).
@@ -120,7 +130,12 @@ func (o *leadTerms) sessionOf(key string) string {
 }
 
 func (o *leadTerms) LockStart(ctx context.Context, _ advlock.LockCall) (context.Context, func(advlock.LockOutcome)) {
-	return ctx, func(advlock.LockOutcome) {}
+	b, _ := ctx.Value(pidBox{}).(*atomic.Uint32)
+	return ctx, func(r advlock.LockOutcome) {
+		if b != nil && r.Result == advlock.ResultAcquired {
+			b.Store(r.PID)
+		}
+	}
 }
 
 func (o *leadTerms) Session(advlock.SessionEvent) {}
@@ -129,18 +144,18 @@ func (o *leadTerms) LockEnd(e advlock.LockEnd) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	if o.session == nil {
-		o.session = map[string]string{}
+		o.session, o.pending, o.ended = map[string]string{}, map[int64]event{}, map[int64]string{}
 	}
 	o.session[canon(e.Key)] = e.Session
 	if e.Key != leadKey {
 		return
 	}
-	if o.pending == nil {
-		o.ended = true
+	end, ok := o.pending[e.Token]
+	if !ok {
+		o.ended[e.Token] = e.Session // its term's fn has not returned yet
 		return
 	}
-	end := *o.pending
-	o.pending = nil
+	delete(o.pending, e.Token)
 	end.Clean = end.Told == 0 && e.Cause == advlock.CauseReleased && errors.Is(e.Err, advlock.ErrNotHeld) // released by its holder, confirmed
 	end.Session = e.Session
 	if e.Cause != advlock.CauseReleased {
@@ -149,24 +164,21 @@ func (o *leadTerms) LockEnd(e advlock.LockEnd) {
 	o.w.emit(end)
 }
 
-// begin marks a new term.
-func (o *leadTerms) begin() {
-	o.mu.Lock()
-	o.ended, o.pending = false, nil
-	o.mu.Unlock()
-}
-
-// returned records the end of the term whose fn returns: at once when its lock has ended already, else when it
-// ends.
-func (o *leadTerms) returned(end event) {
+// returned records the end of the term (its token) whose fn returns: at once when its lock has ended already,
+// else when it ends.
+func (o *leadTerms) returned(token int64, end event) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.ended {
-		end.Session = o.session[canon(leadKey)]
+	if o.session == nil {
+		o.session, o.pending, o.ended = map[string]string{}, map[int64]event{}, map[int64]string{}
+	}
+	if s, ok := o.ended[token]; ok {
+		delete(o.ended, token)
+		end.Session = s
 		o.w.emit(end)
 		return
 	}
-	o.pending = &end
+	o.pending[token] = end
 }
 
 type opTrack struct {
@@ -539,12 +551,13 @@ func (w *worker) sessionLock(op string, key advlock.Key, mode string, planned ti
 	acquire func(context.Context) (*advlock.Lock, error)) error {
 	done := w.track(op, planned+time.Second)
 	defer done()
-	lk, err := acquire(context.Background())
+	actx, pid := withPIDBox(context.Background())
+	lk, err := acquire(actx)
 	if err != nil {
 		return err
 	}
 	cs := w.csID()
-	w.emit(event{T: "begin", Op: op, Key: canon(lk.Key()), Mode: mode, CS: cs, Token: lk.Token()})
+	w.emit(event{T: "begin", Op: op, Key: canon(lk.Key()), Mode: mode, CS: cs, Token: lk.Token(), PID: pid.Load()})
 	told := watchTold(lk.Done())
 	r := rngFor(cs)
 	if op == "hold" || op == "hold_try" { // 2.5 to 5 s
@@ -673,9 +686,10 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 	defer cancel()
 	var cs string
 	var t int64
+	ctx, pid := withPIDBox(ctx)
 	err := l.Do(ctx, key, func(fctx context.Context) error {
 		cs = w.csID()
-		w.emit(event{T: "begin", Op: "do", Key: canon(key), Mode: "x", CS: cs, Token: advlock.FenceToken(fctx)})
+		w.emit(event{T: "begin", Op: "do", Key: canon(key), Mode: "x", CS: cs, Token: advlock.FenceToken(fctx), PID: pid.Load()})
 		told := watchTold(fctx.Done())
 		r := rngFor(cs)
 		w.critical(canon(key), "x", advlock.FenceToken(fctx), cs, fctx.Done(), r, 2+r.IntN(3), 40*time.Millisecond)
@@ -721,10 +735,11 @@ func (w *worker) doTx(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error 
 	err := l.DoTx(ctx, key, func(ctx context.Context, tx pgx.Tx) error {
 		cs = w.csID()
 		var token int64
-		if err := tx.QueryRow(ctx, `SELECT nextval('public.advlock_fence')`).Scan(&token); err != nil {
+		var pid int32
+		if err := tx.QueryRow(ctx, `SELECT nextval('public.advlock_fence'), pg_backend_pid()`).Scan(&token, &pid); err != nil {
 			return err
 		}
-		w.emit(event{T: "begin", Op: "dotx", Key: canon(key), Mode: "x", CS: cs, Token: token})
+		w.emit(event{T: "begin", Op: "dotx", Key: canon(key), Mode: "x", CS: cs, Token: token, PID: uint32(pid)})
 		r := rngFor(cs)
 		for range 2 + r.IntN(2) {
 			if err := w.write(ctx, tx, canon(key), "x", token, cs); err != nil {
@@ -748,11 +763,11 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 	defer done()
 	ctx, cancel := context.WithTimeout(stop, d)
 	defer cancel()
+	ctx, pid := withPIDBox(ctx)
 	err := l.Lead(ctx, leadKey, func(fctx context.Context) error {
 		cs := w.csID()
 		token := advlock.FenceToken(fctx)
-		w.terms.begin()
-		w.emit(event{T: "begin", Op: "lead", Key: canon(leadKey), Mode: "x", CS: cs, Token: token})
+		w.emit(event{T: "begin", Op: "lead", Key: canon(leadKey), Mode: "x", CS: cs, Token: token, PID: pid.Load()})
 		told := watchTold(fctx.Done())
 		r := rngFor(cs)
 		termLen := time.Duration(50+r.IntN(300)) * time.Millisecond
@@ -792,7 +807,7 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 			cause = classify(context.Cause(fctx))
 		}
 		// Lead releases after fn returns: the term is clean when that release went through, never told of an end.
-		w.terms.returned(event{T: "end", CS: cs, Key: canon(leadKey), Told: t, ToldBy: toldBy(t), Cause: cause, Unlock: "ok"})
+		w.terms.returned(token, event{T: "end", CS: cs, Key: canon(leadKey), Told: t, ToldBy: toldBy(t), Cause: cause, Unlock: "ok"})
 		return nil
 	})
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

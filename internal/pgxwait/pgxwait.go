@@ -79,7 +79,10 @@ func (r *Reader) ClearDeadline() {
 	_ = r.PC.Conn().SetReadDeadline(time.Time{})
 }
 
-const verifiedKey = "advlock.verified"
+const (
+	verifiedKey = "advlock.verified"
+	pidKey      = "advlock.pid"
+)
 
 // Verified reports whether the connection was marked with MarkVerified, and as a direct one.
 func (r *Reader) Verified() (ok, direct bool) {
@@ -88,8 +91,17 @@ func (r *Reader) Verified() (ok, direct bool) {
 }
 
 // MarkVerified marks the physical connection as a proven server session of its own; direct says no pooler sits
-// between.
-func (r *Reader) MarkVerified(direct bool) { r.PC.CustomData()[verifiedKey] = direct }
+// between, and pid is the server session's pid (pg_backend_pid).
+func (r *Reader) MarkVerified(direct bool, pid uint32) {
+	r.PC.CustomData()[verifiedKey] = direct
+	r.PC.CustomData()[pidKey] = pid
+}
+
+// ServerPID is the pid MarkVerified recorded (0 before).
+func (r *Reader) ServerPID() uint32 {
+	pid, _ := r.PC.CustomData()[pidKey].(uint32)
+	return pid
+}
 
 // Cancel sends a cancel request for the connection's backend when it is a direct connection (see
 // session.Conn.Cancel).

@@ -38,6 +38,7 @@ import (
 // lost.
 type Mux struct {
 	conn      Conn
+	pid       uint32 // the server session's
 	nc        net.Conn
 	fe        *pgproto3.Frontend
 	bound     time.Duration // how long a round trip may stay unanswered, and how long the session may stay silent
@@ -155,7 +156,7 @@ func OpenMux(ctx context.Context, conn Conn, bound time.Duration, gone func(*Mux
 		conn.Release() // nothing was taken on it
 		return nil, ErrStandby
 	}
-	m := &Mux{conn: conn, bound: bound, ready: make(chan error, 1), stop: make(chan struct{}),
+	m := &Mux{conn: conn, pid: conn.ServerPID(), bound: bound, ready: make(chan error, 1), stop: make(chan struct{}),
 		exit: make(chan struct{}), gone: gone, held: map[*Held]struct{}{}, unlockKey: unlockKey, fenced: fenced}
 	go func() {
 		// The connection stays pinned (inside Wire) for the Mux's life; readers use it from their goroutines.
@@ -811,6 +812,9 @@ func (h *Held) Err() error {
 		return nil
 	}
 }
+
+// PID is the pid of the server session that holds the lock (0 when the driver does not tell).
+func (h *Held) PID() uint32 { return h.mux.pid }
 
 // AfterEnd arranges for f to run once the lock ends (at once if it has); stop cancels that.
 func (h *Held) AfterEnd(f func()) (stop func() bool) {

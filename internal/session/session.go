@@ -49,7 +49,10 @@ type Conn interface {
 	// is a direct one (no pooler between); MarkVerified records it. Adapters keep the mark with the physical
 	// connection.
 	Verified() (ok, direct bool)
-	MarkVerified(direct bool)
+	MarkVerified(direct bool, pid uint32)
+	// ServerPID is the server session's pid (pg_backend_pid) recorded by MarkVerified; 0 before. Through a pooler
+	// in session mode it is the server's, not the pooler's (ClientPID).
+	ServerPID() uint32
 	// Cancel makes sure, within ctx, that the server has dropped the statement this session was abandoned in (a
 	// wait given up, its connection already destroyed), so that no waiter is left queued in the server that is
 	// later granted the key: the server notices a closed socket only when it next writes to it or checks it. pgx
@@ -130,6 +133,7 @@ func settingsSQL(settings []Setting) string {
 
 // Session is one held lock on its own pinned connection.
 type Session struct {
+	pid       uint32 // the server session's
 	conn      Conn
 	target    Target
 	keepalive time.Duration
@@ -152,6 +156,9 @@ type Session struct {
 
 // Token is the grant's fencing token: 0 without fencing.
 func (s *Session) Token() int64 { return s.token }
+
+// PID is the pid of the server session that holds the lock (0 when the driver does not tell).
+func (s *Session) PID() uint32 { return s.pid }
 
 // Acquire pins a connection from pool and locks t on it. With wait it blocks in the server until granted or ctx
 // ends; without, it fails at once with ErrNotAcquired when the key is held elsewhere.
@@ -283,7 +290,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		token = r
 	}
 
-	s := &Session{conn: conn, target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{}), onEnd: onEnd,
+	s := &Session{conn: conn, pid: conn.ServerPID(), target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{}), onEnd: onEnd,
 		unlockKey: cfg.UnlockKey, token: token}
 	if s.keepalive <= 0 {
 		s.keepalive = DefaultKeepalive
@@ -417,7 +424,7 @@ func verify(ctx context.Context, pool Pool, conn Conn, settings []Setting) error
 			return fmt.Errorf("apply session settings: %w", err)
 		}
 	}
-	conn.MarkVerified(direct)
+	conn.MarkVerified(direct, uint32(p1))
 	return nil
 }
 
