@@ -31,6 +31,7 @@ func (c *wireConn) QueryInt(ctx context.Context, sql string, _ ...any) (int64, e
 	return strconv.ParseInt(string(res[len(res)-1].Rows[0][0]), 10, 64)
 }
 func (c *wireConn) Wire(f func(pc *pgconn.PgConn) error) error { return f(c.pc) }
+func (c *wireConn) ServerPID() uint32                          { return c.pc.PID() }
 func (c *wireConn) Destroy()                                   { c.once.Do(func() { _ = c.pc.Close(context.Background()) }) }
 func (c *wireConn) Release()                                   { c.Destroy() }
 
