@@ -375,6 +375,21 @@ func TestChecker(t *testing.T) {
 		if got := kinds(Check(h)); len(got) != 0 {
 			t.Errorf("got %v, want nothing", got)
 		}
+		// The same, stopped for 8 s: its backend (the one the library named) ended long before the next grant.
+		h = evidence(begins(build(
+			csSpec{"new", 1, "x", 20, true, -1, []int{8520, 9000, 9500}, nil},
+			csSpec{"old", 0, "x", 10, false, 8610, []int{8605}, []bool{true}}), map[string]int{"new": 8510, "old": 8600}),
+			Evidence{Kind: "sigstop", At: at(100), Until: at(8590), Worker: 0},
+			Evidence{Kind: "session_end", At: at(1700), Worker: 0, PID: 9})
+		h.CS["old"].PID = 9
+		h.Pauses = []Pause{{Worker: 0, From: at(100), To: at(8590)}}
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Errorf("stopped 8 s: got %v, want nothing", got)
+		}
+		h.Evidence[1].PID = 10 // another backend's end: nothing excuses it
+		if got := kinds(Check(h)); got[VOverlap] != 1 {
+			t.Errorf("stopped 8 s, another backend ended: got %v, want an overlap", got)
+		}
 	})
 	t.Run("leak during the run", func(t *testing.T) {
 		var samples []Sample

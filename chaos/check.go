@@ -238,7 +238,8 @@ func (h *History) lostBy(c *CS, from, to time.Time, loose bool) (Evidence, bool)
 		if e.Kind == "session_end" {
 			slack = logSlack
 		}
-		if e.At.Add(slack).Before(from) {
+		exact := c.PID != 0 && e.PID == int32(c.PID) // the very backend the library named: whenever it ended
+		if !exact && e.At.Add(slack).Before(from) {
 			continue // before c's grant: not c's session
 		}
 		if e.Worker != -1 && e.Worker != c.Worker {
@@ -344,10 +345,16 @@ func Check(h *History) []Violation {
 						k, a.Op, a.ID, a.Token, ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
 					continue
 				}
-				// a was granted before b, so no later than b's record of its grant, whatever a's record says.
+				// a was granted before b, so no later than b's record of its grant, whatever a's record says; and
+				// if its worker was stopped just before a's record, maybe before that stop.
 				from := a.begin()
 				if b.begin().Before(from) {
 					from = b.begin()
+				}
+				for _, p := range h.Pauses {
+					if p.Worker == a.Worker && p.From.Before(from) && !p.To.Before(from.Add(-faultSlack)) {
+						from = p.From
+					}
 				}
 				if _, ok := h.lostBy(a, from, b.begin().Add(logSlack), true); ok {
 					h.ExcusedOverlaps++
