@@ -240,9 +240,14 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		tcancel()
 	} else {
-		r, err = serverBound(ctx, conn, time.Now().Add(bound), sql, args...)
-		if err == nil && r == resultNotHeld {
-			r, err = queue(ctx, conn, t, cfg)
+		end, last, ms := slice(ctx, cfg)
+		sql, args := WaitFirstSQL(t, cfg.Fencing, ms)
+		r, err = serverBound(ctx, conn, end.Add(max(bound, margin(time.Until(end)))), sql, args...)
+		switch {
+		case err == nil && r == resultTimeouts:
+			r, err = queue(ctx, conn, t, cfg, false)
+		case SQLState(err) == "55P03" && !last && ctx.Err() == nil:
+			r, err = queue(ctx, conn, t, cfg, true)
 		}
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
@@ -314,27 +319,34 @@ const DefaultWaitSlice = time.Second
 // at the deadline: the server answers "not granted", SQLSTATE 55P03, and the session stays usable) or ctx is
 // cancelled otherwise (the statement is interrupted). Between two slices the key may be granted to another
 // waiter, as it may whenever its holder lets it go: the server's queue order is kept only within a slice.
-func queue(ctx context.Context, conn Conn, t Target, cfg Config) (int64, error) {
-	slice := cfg.WaitSlice
-	if slice <= 0 {
-		slice = DefaultWaitSlice
-	}
-	deadline, timed := ctx.Deadline()
-	for requeue := false; ; requeue = true {
-		end := time.Now().Add(slice)
-		last := timed && !deadline.After(end)
-		if last {
-			end = deadline
-		}
-		d := max(time.Until(end), time.Millisecond)
-		ms := int64((d + time.Millisecond - 1) / time.Millisecond)
-		r, err := serverBound(ctx, conn, end.Add(min(2*time.Second, 250*time.Millisecond+d/10)), WaitSQL(t, ms, cfg.Fencing, requeue))
+func queue(ctx context.Context, conn Conn, t Target, cfg Config, requeue bool) (int64, error) {
+	for ; ; requeue = true {
+		end, last, ms := slice(ctx, cfg)
+		r, err := serverBound(ctx, conn, end.Add(margin(time.Until(end))), WaitSQL(t, ms, cfg.Fencing, requeue))
 		if SQLState(err) == "55P03" && !last && ctx.Err() == nil {
 			continue
 		}
 		return r, err
 	}
 }
+
+// slice returns when the next slice of a wait ends (at most the wait slice away, at most ctx's deadline), whether
+// that is the deadline, and its length in whole milliseconds (at least 1: lock_timeout 0 would mean none).
+func slice(ctx context.Context, cfg Config) (end time.Time, last bool, ms int64) {
+	s := cfg.WaitSlice
+	if s <= 0 {
+		s = DefaultWaitSlice
+	}
+	end = time.Now().Add(s)
+	if deadline, timed := ctx.Deadline(); timed && !deadline.After(end) {
+		end, last = deadline, true
+	}
+	d := max(time.Until(end), time.Millisecond)
+	return end, last, int64((d + time.Millisecond - 1) / time.Millisecond)
+}
+
+// margin is how long past a server-bounded wait's end its answer may take before the server counts as gone.
+func margin(d time.Duration) time.Duration { return min(2*time.Second, 250*time.Millisecond+d/10) }
 
 // serverBound runs a statement that the server itself bounds (a try, or a wait under lock_timeout): ctx's deadline
 // does not cut it (which would cost the session, and could send a cancel request that reaches a later statement);

@@ -38,6 +38,7 @@ func (id ID) literal() string {
 
 // Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
+	resultTimeouts = -2 // WaitFirstSQL: held elsewhere, and the session has a statement_timeout: wait with WaitSQL
 	resultStandby  = -1
 	resultNotHeld  = 0
 	resultAcquired = 1
@@ -90,8 +91,14 @@ var keyArgs = [2]string{"$1::int8", "$1::int4, $2::int4"} // by pair
 // (CASE evaluates lazily), so the recovery check costs no extra round trip. A token, when fenced, is drawn only in
 // the branch that granted, after the grant, in the same statement: no extra round trip, and a later grant always
 // gets a larger token.
-var trySQL [2][2][2]string
+var trySQL, waitFirstSQL [2][2][2]string
 
+// waitFirstSQL is a wait's first statement, prepared: a try, then, when the session has no statement_timeout
+// (armed when the statement starts, which no setting inside it can lift), a wait in the server under a
+// lock_timeout set for this statement's implicit transaction alone (set_config(..., true), evaluated before the
+// lock function: CASE evaluates in order). One round trip for a free key and for the first slice of a wait alike.
+// The blocking functions return void; length(void::text) is 0, which turns the grant into a value without a
+// subquery.
 func init() {
 	for f := range 2 {
 		for p := range 2 {
@@ -99,9 +106,20 @@ func init() {
 				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
 				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
 					" THEN " + grant(fenced) + " ELSE 0 END"
+				waitFirstSQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
+					" THEN " + grant(fenced) + " WHEN current_setting('statement_timeout') <> '0' THEN -2" +
+					" WHEN set_config('lock_timeout', $" + strconv.Itoa(p+2) + "::text, true) IS NULL THEN -2" +
+					" ELSE length(" + lockFn(false, shared, args) + "::text) + " + grant(fenced) + " END"
 			}
 		}
 	}
+}
+
+// WaitFirstSQL returns a wait's first statement (see waitFirstSQL) and its arguments, lock_timeout ms last. It
+// yields a grant, -1 (standby; nothing taken), or -2 (held elsewhere, and the session's statement_timeout forbids a
+// wait in this statement: wait with WaitSQL); a wait not granted within ms fails with SQLSTATE 55P03.
+func WaitFirstSQL(t Target, fenced bool, ms int64) (string, []any) {
+	return waitFirstSQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], append(t.ID.args(), strconv.FormatInt(ms, 10))
 }
 
 var unlockSQL = [2][2]string{
