@@ -453,8 +453,8 @@ func TestChecker(t *testing.T) {
 			t.Fatal(err)
 		}
 		w := &worker{hist: f}
-		w.terms.w = w
-		o := &w.terms
+		w.obs.w = w
+		o := &w.obs
 		o.LockEnd(advlock.LockEnd{Key: leadKey, Token: 1, Cause: advlock.CauseLost, Err: advlock.ErrLockLost})
 		o.returned(1, event{T: "end", CS: "0.0.1", Told: 1, ToldBy: "done", Cause: "lost", Unlock: "ok"})
 		o.returned(2, event{T: "end", CS: "0.0.2", Unlock: "ok"})
@@ -487,26 +487,37 @@ func TestChecker(t *testing.T) {
 		for i := range h.Writes {
 			h.Writes[i].Key = "slot" + h.Writes[i].CS
 		}
-		h.SemKeys = map[string]bool{"slota": true, "slotb": true, "slotc": true}
+		h.SemSlots = map[string]int{"slota": 0, "slotb": 1, "slotc": 2}
 		h.SemN = 3
 		if got := kinds(Check(h)); len(got) != 0 {
 			t.Fatalf("3 of 3: got %v", got)
 		}
+		// Of 2: a holder of slot 2, by its own account.
 		h.SemN = 2
 		if got := kinds(Check(h)); got[VSemaphore] != 1 {
-			t.Fatalf("3 of 2: got %v", got)
-		}
-		// A holder of a slot the semaphore does not have (slot n or above), by operation, whatever the count.
-		h.SemKeys = map[string]bool{"slota": true, "slotb": true}
-		if got := kinds(Check(h)); got[VSemaphore] != 1 {
-			t.Fatalf("a third slot of 2: got %v", got)
+			t.Fatalf("a holder of slot 2 of 2: got %v", got)
 		}
 		h.CS["c"].Op = "lock" // the same key held by a plain lock is no semaphore holder
 		if got := kinds(Check(h)); len(got) != 0 {
 			t.Fatalf("2 slots and a plain lock: got %v", got)
 		}
+		// Three clean holders of slots at once (two of them on slot 0), whatever else is said of them.
+		h.CS["c"].Op, h.CS["c"].Key = "semaphore", "slota"
+		for i := range h.Writes {
+			if h.Writes[i].CS == "c" {
+				h.Writes[i].Key = "slota"
+			}
+		}
+		if got := kinds(Check(h)); got[VSemaphore] != 1 || got[VOverlap] == 0 {
+			t.Fatalf("3 holders of 2 slots: got %v", got)
+		}
+		h.CS["c"].Op, h.CS["c"].Key = "lock", "slotc"
+		for i := range h.Writes {
+			if h.Writes[i].CS == "c" {
+				h.Writes[i].Key = "slotc"
+			}
+		}
 		// By pg_locks: a backend holding slot 2 of a semaphore of 2, or three backends holding its slots.
-		h.SemSlots = map[string]int{"slota": 0, "slotb": 1, "slotc": 2}
 		h.AppName, h.WorkerOf = nil, nil // this sample alone is no record of who believed what
 		h.Samples = []Sample{{At: at(50), Held: map[string][]Holder{"slota": {{App: "w0", Granted: true}}, "slotb": {{App: "w1", Granted: true}}}}}
 		if got := kinds(Check(h)); len(got) != 0 {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"time"
 )
@@ -97,7 +98,6 @@ type History struct {
 	Leaked   []string    // advisory locks left after the workers stopped
 	Problems []Violation // worker panics, goroutine leaks, hangs, unexpected deaths
 	Bound    time.Duration
-	SemKeys  map[string]bool
 	SemSlots map[string]int // the semaphore's slot keys, numbered, including slots n and above
 	SemN     int
 	AppName  func(worker int) string
@@ -254,7 +254,7 @@ func (h *History) lostBy(c *CS, from, to time.Time, loose bool) (Evidence, bool)
 				continue
 			}
 		case "terminate_holder", "terminate_waiter":
-			if !own && !(len(pids) == 0 && c.Mode == "x" && contains(e.Keys, c.Key)) {
+			if !own && !(len(pids) == 0 && c.Mode == "x" && slices.Contains(e.Keys, c.Key)) {
 				continue
 			}
 		}
@@ -267,15 +267,6 @@ func (h *History) lostBy(c *CS, from, to time.Time, loose bool) (Evidence, bool)
 func survived(pids map[int32]time.Time, at time.Time) bool {
 	for _, seen := range pids {
 		if seen.After(at.Add(survivedAfter)) {
-			return true
-		}
-	}
-	return false
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
 			return true
 		}
 	}
@@ -300,11 +291,7 @@ func Check(h *History) []Violation {
 			byKey[c.Key] = append(byKey[c.Key], c)
 		}
 	}
-	keys := make([]string, 0, len(byKey))
-	for k := range byKey {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
+	keys := sortedKeys(byKey)
 
 	// Exclusion: each holder's interval runs from its grant to its last write before it was told of an end (its
 	// first write follows the grant and its last one precedes the release, so the ledger shows it whole). Two
@@ -370,11 +357,7 @@ func Check(h *History) []Violation {
 	// within the bound (from the evidence, or from the end of a pause that covered it): through the lock's Done,
 	// or by leaving its section in time (when Unlock is what says so). A holder told later is late_notice; one
 	// that stayed in its section past the bound and learned only at Unlock (or never) is never_told.
-	ids := make([]string, 0, len(h.CS))
-	for id := range h.CS {
-		ids = append(ids, id)
-	}
-	sort.Strings(ids)
+	ids := sortedKeys(h.CS)
 	for _, id := range ids {
 		c := h.CS[id]
 		if c.Clean || c.Op == "dotx" || c.Op == "broken" || c.begin().IsZero() {
@@ -534,17 +517,12 @@ func Check(h *History) []Violation {
 			d  int
 		}
 		var edges []edge
-		ids := make([]string, 0, len(h.CS))
-		for id := range h.CS {
-			ids = append(ids, id)
-		}
-		sort.Strings(ids)
 		for _, id := range ids {
 			c := h.CS[id]
 			if c.Op != "semaphore" {
 				continue
 			}
-			if !h.SemKeys[c.Key] {
+			if slot, ok := h.SemSlots[c.Key]; !ok || slot >= h.SemN {
 				add(VSemaphore, "%s %s holds key %s, none of the semaphore's %d slots", c.Op, c.ID, c.Key, h.SemN)
 				continue
 			}
@@ -619,7 +597,8 @@ func (h *History) leaksDuringRun() []Violation {
 	}
 	byWorkerKey := map[string][]*CS{}
 	for _, c := range h.CS {
-		byWorkerKey[fmt.Sprintf("%d/%s", c.Worker, c.Key)] = append(byWorkerKey[fmt.Sprintf("%d/%s", c.Worker, c.Key)], c)
+		wk := fmt.Sprintf("%d/%s", c.Worker, c.Key)
+		byWorkerKey[wk] = append(byWorkerKey[wk], c)
 	}
 	believed := func(w int, key string, pid int32, at time.Time) bool {
 		for _, c := range byWorkerKey[fmt.Sprintf("%d/%s", w, key)] {
@@ -714,12 +693,8 @@ func (h *History) killedAfter(worker int, from time.Time) (time.Time, bool) {
 
 // killed reports whether the worker's process was SIGKILLed between from and to.
 func (h *History) killed(worker int, from, to time.Time) bool {
-	for _, e := range h.Evidence {
-		if e.Kind == "sigkill" && e.Worker == worker && !e.At.Before(from) && !e.At.After(to) {
-			return true
-		}
-	}
-	return false
+	at, ok := h.killedAfter(worker, from)
+	return ok && !at.After(to)
 }
 
 func lastWrite(c *CS) time.Time {

@@ -64,10 +64,6 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	if err != nil {
 		return nil, fmt.Errorf("read the ledger: %w", err)
 	}
-	semKeys := map[string]bool{}
-	for i := range semN {
-		semKeys[semSlotKey(i)] = true
-	}
 	semSlots := map[string]int{}
 	for i := range semN + 2 {
 		semSlots[semSlotKey(i)] = i
@@ -80,7 +76,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		ev = append(ev, Evidence{Kind: f.Kind, At: f.At, Until: f.Until, Worker: f.Worker, PID: f.PID, Keys: f.Keys})
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
-		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemKeys: semKeys, SemSlots: semSlots,
+		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
 		SemN: semN, RunEnd: c.runEnd,
 		AppName: func(w int) string { return fmt.Sprintf("chaos-w%d", w) },
 		WorkerOf: func(app string) (int, bool) {

@@ -99,14 +99,14 @@ type worker struct {
 	ops   map[int64]opTrack
 	opSeq int64
 
-	terms leadTerms
+	obs lockObserver
 }
 
-// leadTerms learns how each Lead term's lock ended (Lead releases it after fn returns, out of fn's sight) from the
-// Locker's observer hook, so that a term released cleanly counts as a clean section like any other. Terms are
-// matched to their locks by fencing token (every grant has its own). The hook also tells each call, through its
-// context, which server session holds what it was granted.
-type leadTerms struct {
+// lockObserver is the worker's hook on its Locker. It learns how each Lead term's lock ended (Lead releases it
+// after fn returns, out of fn's sight), so that a term released cleanly counts as a clean section like any other;
+// terms are matched to their locks by fencing token (every grant has its own). It tells each call, through its
+// context, which server session holds what it was granted, and remembers where each key's last lock was held.
+type lockObserver struct {
 	w       *worker
 	mu      sync.Mutex
 	pending map[int64]event   // token -> the end of a term whose fn returned, waiting for its lock's end
@@ -122,14 +122,21 @@ func withPIDBox(ctx context.Context) (context.Context, *atomic.Uint32) {
 	return context.WithValue(ctx, pidBox{}, b), b
 }
 
+// maps makes the maps on first use; o.mu is held.
+func (o *lockObserver) maps() {
+	if o.session == nil {
+		o.session, o.pending, o.ended = map[string]string{}, map[int64]event{}, map[int64]string{}
+	}
+}
+
 // sessionOf says where the last lock of key that ended was held (one exclusive holder per key in a worker).
-func (o *leadTerms) sessionOf(key string) string {
+func (o *lockObserver) sessionOf(key string) string {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return o.session[key]
 }
 
-func (o *leadTerms) LockStart(ctx context.Context, _ advlock.LockCall) (context.Context, func(advlock.LockOutcome)) {
+func (o *lockObserver) LockStart(ctx context.Context, _ advlock.LockCall) (context.Context, func(advlock.LockOutcome)) {
 	b, _ := ctx.Value(pidBox{}).(*atomic.Uint32)
 	return ctx, func(r advlock.LockOutcome) {
 		if b != nil && r.Result == advlock.ResultAcquired {
@@ -138,14 +145,12 @@ func (o *leadTerms) LockStart(ctx context.Context, _ advlock.LockCall) (context.
 	}
 }
 
-func (o *leadTerms) Session(advlock.SessionEvent) {}
+func (o *lockObserver) Session(advlock.SessionEvent) {}
 
-func (o *leadTerms) LockEnd(e advlock.LockEnd) {
+func (o *lockObserver) LockEnd(e advlock.LockEnd) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.session == nil {
-		o.session, o.pending, o.ended = map[string]string{}, map[int64]event{}, map[int64]string{}
-	}
+	o.maps()
 	o.session[canon(e.Key)] = e.Session
 	if e.Key != leadKey {
 		return
@@ -166,12 +171,10 @@ func (o *leadTerms) LockEnd(e advlock.LockEnd) {
 
 // returned records the end of the term (its token) whose fn returns: at once when its lock has ended already,
 // else when it ends.
-func (o *leadTerms) returned(token int64, end event) {
+func (o *lockObserver) returned(token int64, end event) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.session == nil {
-		o.session, o.pending, o.ended = map[string]string{}, map[int64]event{}, map[int64]string{}
-	}
+	o.maps()
 	if s, ok := o.ended[token]; ok {
 		delete(o.ended, token)
 		end.Session = s
@@ -222,7 +225,7 @@ func runWorker(raw string) int {
 	}
 	defer h.Close()
 	w := &worker{cfg: cfg, hist: h, ops: map[int64]opTrack{}}
-	w.terms.w = w
+	w.obs.w = w
 	pcfg, err := pgxpool.ParseConfig(cfg.Ledger)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "chaos worker:", err)
@@ -336,7 +339,7 @@ func (w *worker) open(ctx context.Context) (*advlock.Locker, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	return advlock.Open(ctx, w.cfg.DSN+"&application_name="+w.cfg.Name, advlock.WithFencing(),
-		advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n), advlock.WithObserver(&w.terms))
+		advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n), advlock.WithObserver(&w.obs))
 }
 
 // heldByMe lists the advisory locks that backends named after this worker hold once every operation has ended:
@@ -581,7 +584,7 @@ func (w *worker) sessionLock(op string, key advlock.Key, mode string, planned ti
 		}
 	}
 	w.emit(event{T: "end", CS: cs, Key: canon(lk.Key()), Told: t, ToldBy: by, Cause: cause, Unlock: classify(uerr),
-		Clean: uerr == nil && t == 0, Session: w.terms.sessionOf(canon(lk.Key()))})
+		Clean: uerr == nil && t == 0, Session: w.obs.sessionOf(canon(lk.Key()))})
 	if uerr != nil {
 		return uerr
 	}
@@ -702,7 +705,7 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 			t, by = time.Now().UnixNano(), "unlock" // told by Do's release
 		}
 		w.emit(event{T: "end", CS: cs, Key: canon(key), Told: t, ToldBy: by, Cause: causeOf(t, err), Unlock: classify(err),
-			Session: w.terms.sessionOf(canon(key)),
+			Session: w.obs.sessionOf(canon(key)),
 			Clean:   err == nil && t == 0})
 	}
 	return err
@@ -807,7 +810,7 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 			cause = classify(context.Cause(fctx))
 		}
 		// Lead releases after fn returns: the term is clean when that release went through, never told of an end.
-		w.terms.returned(token, event{T: "end", CS: cs, Key: canon(leadKey), Told: t, ToldBy: toldBy(t), Cause: cause, Unlock: "ok"})
+		w.obs.returned(token, event{T: "end", CS: cs, Key: canon(leadKey), Told: t, ToldBy: toldBy(t), Cause: cause, Unlock: "ok"})
 		return nil
 	})
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

@@ -107,6 +107,7 @@ func (s *suite) run(t *testing.T) {
 		{"UnlockRacingClose", s.unlockRacingClose},
 		{"TimedWaitsKeepSessions", s.timedWaitsKeepSessions},
 		{"RequeueRace", s.requeueRace},
+		{"ObserverPID", s.observerPID},
 		{"WaitBound", s.waitBound},
 		{"NoPoolSurprises", s.noPoolSurprises},
 		{"Fencing", s.fencing},

@@ -10,13 +10,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/advlock/advlock/internal/mutant"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/advlock/advlock/internal/mutant"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -212,8 +212,8 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		return nil, WithContext(ctx, err)
 	}
-	// A try first: one prepared statement, all that a free key needs. A wait for a held key then queues in the
-	// server one slice at a time (queue), so that none of its statements holds a snapshot for long.
+	// One prepared statement: a try, or for a wait a try and then a wait in the server for one slice at most,
+	// after which the wait is sent again (queue), so that none of its statements holds a snapshot for long.
 	if wait && !cfg.Waits.add(conn) {
 		conn.Release() // nothing was sent
 		return nil, ErrClosed
@@ -230,9 +230,9 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		bound = DefaultKeepalive
 	}
 	bound = max(bound, time.Second) // only against a hang: a short keepalive must not fail tries on a busy machine
-	sql, args := TrySQL(t, cfg.Fencing)
 	var r int64
 	if !wait {
+		sql, args := TrySQL(t, cfg.Fencing)
 		tctx, tcancel := context.WithTimeout(ctx, bound)
 		r, err = conn.QueryInt(tctx, sql, args...)
 		if err != nil && ctx.Err() == nil && tctx.Err() != nil {
@@ -295,8 +295,8 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		token = r
 	}
 
-	s := &Session{conn: conn, pid: conn.ServerPID(), target: t, keepalive: cfg.Keepalive, watchDone: make(chan struct{}), onEnd: onEnd,
-		unlockKey: cfg.UnlockKey, token: token}
+	s := &Session{conn: conn, pid: conn.ServerPID(), target: t, keepalive: cfg.Keepalive,
+		watchDone: make(chan struct{}), onEnd: onEnd, unlockKey: cfg.UnlockKey, token: token}
 	if s.keepalive <= 0 {
 		s.keepalive = DefaultKeepalive
 	}
@@ -309,10 +309,10 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	return s, nil
 }
 
-// DefaultWaitSlice is the longest a wait statement runs. A statement waiting in the server holds a snapshot for as long
-// as it waits, and a snapshot pins the database's xmin horizon (VACUUM removes no row deleted since it was taken)
-// and holds up CREATE INDEX CONCURRENTLY, REINDEX CONCURRENTLY and their kin, which wait for every older snapshot;
-// so a wait ends at each slice (the server's lock_timeout) and is sent again at once on the same session.
+// DefaultWaitSlice is the longest a wait statement runs. A statement waiting in the server holds a snapshot for as
+// long as it waits, and a snapshot pins the database's xmin horizon (VACUUM removes no row deleted since it was
+// taken) and holds up CREATE INDEX CONCURRENTLY, REINDEX CONCURRENTLY and their kin, which wait for every older
+// snapshot; so a wait ends at each slice (the server's lock_timeout) and is sent again at once on the same session.
 const DefaultWaitSlice = time.Second
 
 // queue waits for t in the server, one slice at a time, until granted, ctx's deadline passes (the last slice ends

@@ -152,10 +152,10 @@ func UnlockSQL(t Target) (string, []any) {
 // SQLSTATE 55P03 and the session stays usable; the settings revert when the implicit transaction ends, while the
 // session-level lock stays. It yields a grant or -1 like TrySQL.
 //
-// A wait is sent again and again, one slice at a time (see DefaultWaitSlice), so that no snapshot lives long. A grant can
-// race lock_timeout (the server grants the key just as the timeout fires; the lock then survives the error), so a
-// wait sent again (requeue) first looks whether its own session already holds the key in that mode, and if so
-// takes that grant instead of queueing for the key a second time.
+// A wait is sent again and again, one slice at a time (see DefaultWaitSlice), so that no snapshot lives long. A
+// grant can race lock_timeout (the server grants the key just as the timeout fires; the lock then survives the
+// error), so a wait sent again (requeue) first looks whether its own session already holds the key in that mode,
+// and if so takes that grant instead of queueing for the key a second time.
 func WaitSQL(t Target, ms int64, fenced, requeue bool) string {
 	held := ""
 	if requeue {
