@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )

@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // Faults that need a server of their own: restarts, a standby, a full lock table, server-side timeouts.

@@ -1,11 +1,17 @@
 package advlock
 
-import "github.com/advlock/advlock/internal/session"
+import (
+	"context"
+	"errors"
+
+	"github.com/advlock/advlock/internal/session"
+)
 
 // Errors returned by this package. Match them with errors.Is; the server's own error (*pgconn.PgError) and the
 // context's error stay reachable through errors.As and errors.Is.
 var (
-	// ErrNotAcquired: a Try call found the key held by another session (or by another holder in this Locker).
+	// ErrNotAcquired: a Try call found the key held by another session (or by another holder in this Locker), or a
+	// Wait bound elapsed before the grant.
 	ErrNotAcquired = session.ErrNotAcquired
 	// ErrNotHeld: Unlock of a lock that was already unlocked.
 	ErrNotHeld = session.ErrNotHeld
@@ -21,8 +27,10 @@ var (
 	// ErrLockTableFull: SQLSTATE 53200, the server's shared lock table is full. Raise max_locks_per_transaction
 	// (needs a restart) or hold fewer locks; while it is full, new connections to the server fail too.
 	ErrLockTableFull = session.ErrLockTableFull
-	// ErrDeadlock: SQLSTATE 40P01. Session locks taken through a Locker each have their own session, so the server
-	// never sees a cycle between them; it arises with transaction-scoped locks.
+	// ErrDeadlock: a wait that closed a cycle of waits and gave up, having taken nothing; the caller should release
+	// what it holds and try again. Either the server found the cycle (SQLSTATE 40P01: transaction-scoped locks on
+	// one transaction), or advlock did (a *DeadlockError): the caller holds locks on other sessions (Do's fn, Lead's
+	// fn, Holding) or in this process's gate, which the server cannot see. See "Deadlocks" in docs/locks.md.
 	ErrDeadlock = session.ErrDeadlock
 	// ErrUnlockFailed: Unlock could not get the server to confirm the release (error, timeout, cancelled ctx), so
 	// the session was closed instead of being pooled; the server drops the lock when it sees the socket close.
@@ -56,3 +64,29 @@ func (e *notAcquiredError) Is(target error) bool { return target == ErrNotAcquir
 
 // errHeldInProcess: a Try call found the key held by another holder of the same Locker.
 var errHeldInProcess error = &notAcquiredError{why: "the key is held by another holder in this process (the same Locker)"}
+
+// lostError is Do's result when the loss of the lock cancelled fn's context: it matches ErrLockLost, and what fn
+// returned (through errors.Is and errors.As), except context.Canceled, which there only says that the loss
+// cancelled fn's context. It has no Unwrap, since errors.Is would find context.Canceled through it.
+type lostError struct {
+	fn   error // what fn returned, maybe nil
+	loss error // matches ErrLockLost
+}
+
+func (e *lostError) Error() string {
+	if e.fn == nil {
+		return e.loss.Error()
+	}
+	return e.loss.Error() + "; fn returned: " + e.fn.Error()
+}
+
+func (e *lostError) Is(target error) bool {
+	if target == context.Canceled {
+		return false
+	}
+	return errors.Is(e.loss, target) || e.fn != nil && errors.Is(e.fn, target)
+}
+
+func (e *lostError) As(target any) bool {
+	return errors.As(e.loss, target) || e.fn != nil && errors.As(e.fn, target)
+}

@@ -8,7 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -147,5 +148,54 @@ func TestFencedRoundTripFails(t *testing.T) {
 	t.Logf("%d grants, %d failed tries", ok.Load(), failed.Load())
 	if failed.Load() == 0 || ok.Load() == 0 {
 		t.Errorf("the round trips never failed (%d) or never worked (%d)", failed.Load(), ok.Load())
+	}
+}
+
+// FenceSQL's advlock_fence accepts a token at least as large as the largest accepted for its resource, refuses a
+// smaller one, and two holders racing never both pass while the first one's transaction is open.
+func TestFenceSQL(t *testing.T) {
+	c := pgtest.Conn(t, pgtest.FreshDB(t, pgtest.URL(t)))
+	ctx := ctxT(t, 30*time.Second)
+	for range 2 { // idempotent
+		if _, err := c.Exec(ctx, FenceSQL); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fence := func(q interface {
+		QueryRow(context.Context, string, ...any) pgx.Row
+	}, res string, token int64) bool {
+		var ok bool
+		if err := q.QueryRow(ctx, "SELECT advlock_fence($1, $2)", res, token).Scan(&ok); err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	for _, step := range []struct {
+		res   string
+		token int64
+		want  bool
+	}{{"a", 10, true}, {"a", 10, true}, {"a", 9, false}, {"a", 11, true}, {"b", 1, true}, {"a", 10, false}} {
+		if got := fence(c, step.res, step.token); got != step.want {
+			t.Errorf("advlock_fence(%q, %d) = %v, want %v", step.res, step.token, got, step.want)
+		}
+	}
+	// A later holder (token 20) passes first and keeps its transaction open; the earlier one (token 15) waits for
+	// it and is refused once it commits.
+	tx, err := c.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !fence(tx, "a", 20) {
+		t.Fatal("token 20 refused")
+	}
+	late := make(chan bool, 1)
+	c2 := pgtest.Conn(t, c.Config().ConnString())
+	go func() { late <- fence(c2, "a", 15) }()
+	time.Sleep(200 * time.Millisecond)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if <-late {
+		t.Error("token 15 accepted after token 20 committed")
 	}
 }

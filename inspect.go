@@ -3,13 +3,19 @@ package advlock
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"time"
 
+	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/puddle/v2"
 )
 
-// Querier is what Inspect needs: a *pgxpool.Pool, *pgx.Conn or pgx.Tx.
+// Querier is what Inspect, Leader and LockTable need: a *pgxpool.Pool, *pgx.Conn or pgx.Tx. The methods of the same
+// names on [Locker] read through the Locker's own pool, whichever its driver.
 type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
@@ -27,6 +33,25 @@ type LockInfo struct {
 	ClientAddr      string // IP address, or "local" for a Unix socket
 	BackendStart    time.Time
 	State           string // pg_stat_activity.state: idle, active, ...
+	// CallerHolds, for a wait of advlock whose caller holds locks (see [Holding]), is what that caller holds, as
+	// the wait publishes it for deadlock detection: each lock by the pid of the session that holds it.
+	CallerHolds []HeldLock
+	// InCycle marks a wait in a cycle of waits that can be seen from the server: it waits for a holder whose
+	// caller waits (through the CallerHolds of further waits) for what this wait's caller holds. The wait of the
+	// cycle that advlock ends (ErrDeadlock) does so within about 2 s; a cycle that lasts passes through a caller
+	// advlock cannot end (another tool's session, or a process that does not detect deadlocks).
+	InCycle bool
+	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
+	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
+	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
+	ClientSessions int
+}
+
+// HeldLock is one lock a waiting caller holds.
+type HeldLock struct {
+	PID    int32
+	Key    Key
+	Shared bool
 }
 
 // inspectSQL reads pg_locks once (the CTE, referenced twice, is materialized: one snapshot), and computes each
@@ -42,7 +67,8 @@ SELECT l.classid::text::int8, l.objid::text::int8, l.objsubid, l.mode = 'ShareLo
            AND h.objsubid = l.objsubid AND (l.mode = 'ExclusiveLock' OR h.mode = 'ExclusiveLock')
            AND (h.granted OR h.waitstart < l.waitstart) ORDER BY h.pid) END,
        l.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'), a.backend_start,
-       coalesce(a.state, ''), a.pid IS NOT NULL
+       coalesce(a.state, ''), a.pid IS NOT NULL,
+       coalesce(CASE WHEN NOT l.granted THEN substring(a.query from '^/\*advlock ([^*]*)\*/') END, '')
 FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid`
 
@@ -69,6 +95,94 @@ func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 	return out, nil
 }
 
+// Inspect is the package's [Inspect] through the Locker's own pool: its *pgxpool.Pool, or with advsql the *sql.DB
+// it locks through (either driver). It takes a connection for each query and gives it back. ErrNoPool for a Locker
+// without a pool, ErrClosed after Close (also when Close is called during it).
+func (l *Locker) Inspect(ctx context.Context) ([]LockInfo, error) {
+	var out []LockInfo
+	err := l.query(ctx, func(ctx context.Context, q Querier) error {
+		var err error
+		out, err = Inspect(ctx, q)
+		return err
+	})
+	return out, err
+}
+
+// LockTable is the package's [LockTable] through the Locker's own pool (see [Locker.Inspect]).
+func (l *Locker) LockTable(ctx context.Context) (LockTableUse, error) {
+	var use LockTableUse
+	err := l.query(ctx, func(ctx context.Context, q Querier) error {
+		var err error
+		use, err = LockTable(ctx, q)
+		return err
+	})
+	return use, err
+}
+
+// query runs f with what the Locker reads the server through (its backend's Querier, else its *pgxpool.Pool), as
+// a call that Close cuts short and waits for.
+func (l *Locker) query(ctx context.Context, f func(ctx context.Context, q Querier) error) error {
+	if l == nil || l.pool == nil {
+		return ErrNoPool
+	}
+	var q Querier
+	switch {
+	case l.opts.Querier != nil:
+		q = l.opts.Querier
+	case l.pgxPool != nil:
+		q = l.pgxPool
+	default:
+		return errNoQuerier
+	}
+	cctx, done, err := l.begin(ctx, true)
+	if err != nil {
+		return err
+	}
+	defer done()
+	if cp, ok := l.pool.(countingPool); ok {
+		q = countingQuerier{q: q, pool: cp}
+	}
+	err = f(cctx, q)
+	switch {
+	case err == nil:
+		return nil
+	case ctx.Err() == nil && errors.Is(context.Cause(cctx), ErrClosed):
+		return ErrClosed
+	case errors.Is(err, puddle.ErrClosedPool):
+		return fmt.Errorf("%w: its pool was closed (close the Locker before its pool): %w", ErrNoPool, err)
+	}
+	return session.WithContext(ctx, err)
+}
+
+var errNoQuerier = errors.New("advlock: this Locker's backend cannot run queries")
+
+// countingQuerier counts, in the Locker's Stats, the connection each query holds from when it answers until its
+// rows are closed (a query through a pool takes a connection and gives it back when its rows are closed).
+type countingQuerier struct {
+	q    Querier
+	pool countingPool
+}
+
+func (c countingQuerier) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	rows, err := c.q.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	c.pool.add(1)
+	return &countedRows{Rows: rows, pool: c.pool}, nil
+}
+
+type countedRows struct {
+	pgx.Rows
+	pool countingPool
+	once sync.Once
+}
+
+func (r *countedRows) Close() {
+	r.Rows.Close()
+	r.once.Do(func() { r.pool.add(-1) })
+}
+
 func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 	rows, err := q.Query(ctx, inspectSQL)
 	if err != nil {
@@ -81,9 +195,16 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		var sub int16
 		var start *time.Time
 		var live bool
+		var comment string
 		if err := r.Scan(&cls, &obj, &sub, &li.Shared, &li.Granted, &li.WaitStart, &li.BlockedBy, &li.PID,
-			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live); err != nil {
+			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment); err != nil {
 			return li, err
+		}
+		if wait, held, ok := parseComment(comment); ok && wait.ID == session.LockID(sub == 2, uint32(cls), uint32(obj)) &&
+			wait.Shared == li.Shared {
+			for _, h := range held {
+				li.CallerHolds = append(li.CallerHolds, HeldLock{PID: int32(h.PID), Key: keyOf(h.ID), Shared: h.Shared})
+			}
 		}
 		if !live || !li.Granted && li.State != "active" {
 			consistent = false
@@ -95,7 +216,73 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		li.Key = k
 		return li, err
 	})
+	markCycles(out)
+	countClients(out)
 	return out, consistent, err
+}
+
+// countClients sets ClientSessions on every row of out: the distinct pids of rows with its client address and
+// application name.
+func countClients(out []LockInfo) {
+	type client struct{ addr, app string }
+	pids := map[client]map[int32]bool{}
+	for _, li := range out {
+		c := client{li.ClientAddr, li.ApplicationName}
+		if pids[c] == nil {
+			pids[c] = map[int32]bool{}
+		}
+		pids[c][li.PID] = true
+	}
+	for i, li := range out {
+		out[i].ClientSessions = len(pids[client{li.ClientAddr, li.ApplicationName}])
+	}
+}
+
+// markCycles sets InCycle on the waits of out that are in a cycle: a wait leads to the waits whose caller holds a
+// lock that blocks it (a holder of its key in a conflicting mode).
+func markCycles(out []LockInfo) {
+	type hk struct {
+		pid int32
+		key Key
+	}
+	owners := map[hk][]int{}
+	for i, li := range out {
+		for _, h := range li.CallerHolds {
+			owners[hk{h.PID, h.Key}] = append(owners[hk{h.PID, h.Key}], i)
+		}
+	}
+	next := make([][]int, len(out))
+	for i, w := range out {
+		if w.Granted {
+			continue
+		}
+		for _, h := range out {
+			if h.Granted && h.PID != w.PID && h.Key.Equal(w.Key) && conflicts(w.Shared, h.Shared) {
+				next[i] = append(next[i], owners[hk{h.PID, keyOf(h.Key.id)}]...)
+			}
+		}
+	}
+	for i := range out {
+		seen := map[int]bool{}
+		stack := slices.Clone(next[i])
+		for len(stack) > 0 && !out[i].InCycle {
+			j := stack[len(stack)-1]
+			stack = stack[:len(stack)-1]
+			if j == i {
+				out[i].InCycle = true
+			}
+			if !seen[j] {
+				seen[j] = true
+				stack = append(stack, next[j]...)
+			}
+		}
+	}
+}
+
+type heldJSON struct {
+	Key  string `json:"key"`
+	Mode string `json:"mode"`
+	PID  int32  `json:"pid"`
 }
 
 // Mode is "shared" or "exclusive".
@@ -116,6 +303,10 @@ func (li LockInfo) MarshalJSON() ([]byte, error) {
 	if !li.BackendStart.IsZero() {
 		start = &li.BackendStart
 	}
+	var holds []heldJSON
+	for _, h := range li.CallerHolds {
+		holds = append(holds, heldJSON{Key: h.Key.String(), Mode: modeName(h.Shared), PID: h.PID})
+	}
 	return json.Marshal(struct {
 		Key             string     `json:"key"`
 		Mode            string     `json:"mode"`
@@ -127,8 +318,11 @@ func (li LockInfo) MarshalJSON() ([]byte, error) {
 		ClientAddr      string     `json:"client_addr"`
 		BackendStart    *time.Time `json:"backend_start"`
 		State           string     `json:"state"`
+		CallerHolds     []heldJSON `json:"caller_holds,omitempty"`
+		InCycle         bool       `json:"in_cycle,omitempty"`
+		ClientSessions  int        `json:"client_sessions"`
 	}{li.Key.String(), li.Mode(), li.Granted, li.WaitStart, blocked, li.PID, li.ApplicationName, li.ClientAddr,
-		start, li.State})
+		start, li.State, holds, li.InCycle, li.ClientSessions})
 }
 
 // LockTableUse is how full the server's shared lock table is. Every advisory lock takes an entry, in a table that

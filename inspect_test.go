@@ -1,13 +1,15 @@
 package advlock
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"slices"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // Inspect reports holders and waiters as the server sees them, with who they are.
@@ -66,7 +68,7 @@ func TestInspect(t *testing.T) {
 	var m map[string]any
 	_ = json.Unmarshal(js, &m)
 	for _, f := range []string{"key", "mode", "granted", "wait_start", "blocked_by", "pid", "application_name",
-		"client_addr", "backend_start", "state"} {
+		"client_addr", "backend_start", "state", "client_sessions"} {
 		if _, ok := m[f]; !ok {
 			t.Errorf("JSON lacks %q: %s", f, js)
 		}
@@ -176,4 +178,154 @@ func TestInspectConsistent(t *testing.T) {
 		t.Error("no waiter seen: the test did not exercise the race")
 	}
 	t.Logf("%d waiting rows checked", waiting)
+}
+
+// The Locker's Inspect, Leader and LockTable read through its own pool (over a pool given to New, and Open's) and
+// see what the package functions see through another connection: a shared holder and a waiter blocked by it, an
+// exclusive holder as leader, the lock table's use. A Locker without a pool says ErrNoPool, a closed one ErrClosed.
+func TestLockerInspect(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 30*time.Second)
+	obs := pgtest.Conn(t, url)
+	opened, err := Open(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer opened.Close()
+	for name, l := range map[string]*Locker{"New": New(pgtest.Pool(t, url, nil)), "Open": opened} {
+		t.Run(name, func(t *testing.T) {
+			defer l.Close()
+			waiter := New(pgtest.Pool(t, url, nil))
+			defer waiter.Close()
+			k := key(t)
+			lk, err := l.RLock(ctx, k)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := make(chan error, 1)
+			go func() {
+				w, err := waiter.Lock(ctx, k)
+				if err == nil {
+					err = w.Unlock(ctx)
+				}
+				got <- err
+			}()
+			var mine []LockInfo
+			for deadline := time.Now().Add(10 * time.Second); len(mine) < 2; time.Sleep(5 * time.Millisecond) {
+				mine = rowsOf(t, l.Inspect, ctx, k)
+				if time.Now().After(deadline) {
+					t.Fatalf("Locker.Inspect: want a holder and a waiter, got %+v", mine)
+				}
+			}
+			h, w := mine[0], mine[1]
+			if !h.Granted || !h.Shared || w.Granted || !slices.Equal(w.BlockedBy, []int32{h.PID}) || w.WaitStart == nil {
+				t.Errorf("Locker.Inspect: holder %+v, waiter %+v", h, w)
+			}
+			v, _ := k.Int64()
+			if pids, err := pgtest.Holders(ctx, obs, v); err != nil || len(pids) != 1 || int32(pids[0]) != h.PID {
+				t.Errorf("pg_locks shows holders %v (%v), Locker.Inspect %d", pids, err, h.PID)
+			}
+			theirs := rowsOf(t, func(ctx context.Context) ([]LockInfo, error) { return Inspect(ctx, obs) }, ctx, k)
+			sameRows(t, mine, theirs)
+
+			use, err := l.LockTable(ctx)
+			if err != nil || use.Advisory < 2 || use.Capacity < 64*100 {
+				t.Errorf("Locker.LockTable = %+v, %v; want at least this test's 2 advisory locks", use, err)
+			}
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-got; err != nil {
+				t.Fatal(err)
+			}
+
+			led := key(t)
+			if _, ok, err := l.Leader(ctx, led); ok || err != nil {
+				t.Errorf("Locker.Leader of a free key: %v, %v", ok, err)
+			}
+			lk, err = l.Lock(ctx, led)
+			if err != nil {
+				t.Fatal(err)
+			}
+			who, ok, err := l.Leader(ctx, led)
+			lv, _ := led.Int64()
+			pids, perr := pgtest.Holders(ctx, obs, lv)
+			if err != nil || !ok || perr != nil || len(pids) != 1 || int32(pids[0]) != who.PID || !who.Key.Equal(led) ||
+				who.Observed.IsZero() {
+				t.Errorf("Locker.Leader = %+v, %v, %v; pg_locks shows %v (%v)", who, ok, err, pids, perr)
+			}
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			l.Close()
+			if _, err := l.Inspect(ctx); !errors.Is(err, ErrClosed) {
+				t.Errorf("Inspect after Close: %v, want ErrClosed", err)
+			}
+			if _, _, err := l.Leader(ctx, led); !errors.Is(err, ErrClosed) {
+				t.Errorf("Leader after Close: %v, want ErrClosed", err)
+			}
+			if _, err := l.LockTable(ctx); !errors.Is(err, ErrClosed) {
+				t.Errorf("LockTable after Close: %v, want ErrClosed", err)
+			}
+		})
+	}
+	var nilLocker *Locker
+	for name, l := range map[string]*Locker{"New(nil)": New(nil), "nil": nilLocker} {
+		if _, err := l.Inspect(ctx); !errors.Is(err, ErrNoPool) {
+			t.Errorf("Inspect of %s: %v, want ErrNoPool", name, err)
+		}
+		if _, _, err := l.Leader(ctx, key(t)); !errors.Is(err, ErrNoPool) {
+			t.Errorf("Leader of %s: %v, want ErrNoPool", name, err)
+		}
+		if _, err := l.LockTable(ctx); !errors.Is(err, ErrNoPool) {
+			t.Errorf("LockTable of %s: %v, want ErrNoPool", name, err)
+		}
+	}
+	pool := pgtest.Pool(t, url, nil)
+	l := New(pool)
+	defer l.Close()
+	pool.Close()
+	if _, err := l.Inspect(ctx); !errors.Is(err, ErrNoPool) {
+		t.Errorf("Inspect over a closed pool: %v, want ErrNoPool", err)
+	}
+	live := New(pgtest.Pool(t, url, nil))
+	defer live.Close()
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := live.Inspect(cctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("Inspect with a cancelled ctx: %v, want context.Canceled", err)
+	}
+}
+
+// rowsOf returns the rows of k that inspect reports.
+func rowsOf(t *testing.T, inspect func(context.Context) ([]LockInfo, error), ctx context.Context, k Key) []LockInfo {
+	t.Helper()
+	rows, err := inspect(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []LockInfo
+	for _, r := range rows {
+		if r.Key.Equal(k) {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// sameRows compares two reads of the same locks, field by field (times with Equal: drivers differ in location).
+func sameRows(t *testing.T, a, b []LockInfo) {
+	t.Helper()
+	if len(a) != len(b) {
+		t.Fatalf("%d rows, and %d through another connection", len(a), len(b))
+	}
+	for i := range a {
+		x, y := a[i], b[i]
+		sameWait := x.WaitStart == nil && y.WaitStart == nil || x.WaitStart != nil && y.WaitStart != nil && x.WaitStart.Equal(*y.WaitStart)
+		if !x.Key.Equal(y.Key) || x.Shared != y.Shared || x.Granted != y.Granted || !sameWait ||
+			!slices.Equal(x.BlockedBy, y.BlockedBy) || x.PID != y.PID || x.ApplicationName != y.ApplicationName ||
+			x.ClientAddr != y.ClientAddr || !x.BackendStart.Equal(y.BackendStart) || x.State != y.State {
+			t.Errorf("row %d: %+v, and through another connection %+v", i, x, y)
+		}
+	}
 }

@@ -13,6 +13,9 @@ import (
 // Key names an advisory lock. PostgreSQL has two key spaces that never overlap: one int8 ([Int64Key], and
 // [NameKey], which hashes a name into it) and a pair of int4 ([PairKey]). The zero Key is invalid.
 //
+// A key's text form ([Key.String], [ParseKey], the advlock command's KEY) writes integers as PostgreSQL users do:
+// "42" is the lock pg_advisory_lock(42) takes. A name that is a number is therefore written "name:42".
+//
 // Keys are comparable, but == also compares how a key was made; [Key.Equal] says whether two keys name the same
 // server lock.
 type Key struct {
@@ -71,8 +74,9 @@ func (k Key) Pair() (a, b int32, ok bool) {
 // Name returns the name of a NameKey, or "" and false.
 func (k Key) Name() (string, bool) { return k.name, k.kind == kindName }
 
-// String renders the key in the syntax [ParseKey] reads: "int:42", "pair:1,2", or the name of a NameKey (prefixed
-// "name:" when the name itself starts with one of those prefixes, so that it reads back the same).
+// String renders the key in the syntax [ParseKey] reads: "int:42", "pair:1,2", or the name of a NameKey, prefixed
+// "name:" when the name would not read back as itself: an empty name, a name that is an integer ("name:42"), or
+// one that starts with a scheme in any letter case ("name:int:5", "name:Pair:x").
 func (k Key) String() string {
 	switch k.kind {
 	case kindInt64:
@@ -81,7 +85,7 @@ func (k Key) String() string {
 		a, b, _ := k.Pair()
 		return "pair:" + strconv.FormatInt(int64(a), 10) + "," + strconv.FormatInt(int64(b), 10)
 	case kindName:
-		if k.name == "" || hasKeyPrefix(k.name) {
+		if _, scheme := schemePrefix(k.name); k.name == "" || scheme || isInteger(k.name) {
 			return "name:" + k.name
 		}
 		return k.name
@@ -91,21 +95,60 @@ func (k Key) String() string {
 	return "<invalid key>"
 }
 
-func hasKeyPrefix(s string) bool {
-	for _, p := range []string{"int:", "pair:", "name:", "migrate:", "rails:", "dotnet:", "hashtext:", "hashtextextended:"} {
-		if strings.HasPrefix(s, p) {
-			return true
+// schemes are the prefixes ParseKey reads; they are lower case.
+var schemes = []string{"int:", "pair:", "name:", "migrate:", "rails:", "dotnet:", "hashtext:", "hashtextextended:"}
+
+// schemePrefix returns the scheme s starts with, compared without regard to letter case.
+func schemePrefix(s string) (string, bool) {
+	for _, p := range schemes {
+		if len(s) >= len(p) && strings.EqualFold(s[:len(p)], p) {
+			return p, true
 		}
 	}
-	return false
+	return "", false
 }
 
-// ParseKey reads the syntax [Key.String] writes: "int:N" is Int64Key(N), "pair:A,B" is PairKey(A, B), "name:S" or
-// any other non-empty text is NameKey; the keys of other tools: "migrate:DB[/SCHEMA[/TABLE]]" is
-// [GolangMigrateKey] (schema public and table schema_migrations unless given), "rails:DB" is [RailsMigrationKey],
-// "dotnet:NAME" is [DistributedLockKey] (hashing allowed); "hashtext:NAME" and "hashtextextended:SEED:NAME" need
-// the server ([ResolveKey]). Errors match [ErrInvalidKey] and name the bad part.
+// isInteger reports whether s is a decimal integer with an optional sign ("42", "-7", "+3"), of any size.
+func isInteger(s string) bool {
+	if s != "" && (s[0] == '+' || s[0] == '-') {
+		s = s[1:]
+	}
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// ParseKey reads the syntax [Key.String] writes, which is also the advlock command's KEY:
+//   - an integer, decimal with an optional sign ("42", "-7", "+3") and within int64, is Int64Key(N), the lock
+//     pg_advisory_lock(42) takes; so is "int:N";
+//   - "pair:A,B" is PairKey(A, B), the lock pg_advisory_lock(A, B) takes;
+//   - "name:S" is NameKey(S), and so is any other non-empty text that is neither an integer nor starts with a
+//     scheme: a name that is an integer must be written "name:42" (a bare 42 is Int64Key(42)), and so must a name
+//     that starts with a scheme;
+//   - the keys of other tools: "migrate:DB[/SCHEMA[/TABLE]]" is [GolangMigrateKey] (schema public and table
+//     schema_migrations unless given), "rails:DB" is [RailsMigrationKey], "dotnet:NAME" is [DistributedLockKey]
+//     (hashing allowed); "hashtext:NAME" and "hashtextextended:SEED:NAME" need the server ([ResolveKey]).
+//
+// Schemes are lower case: "Int:42" or "PAIR:1,2" is an error that names the key meant ("did you mean int:42?"),
+// not a name. An integer beyond int64 is an error too. Errors match [ErrInvalidKey] and name the bad part.
 func ParseKey(s string) (Key, error) {
+	if p, ok := schemePrefix(s); ok && s[:len(p)] != p {
+		return Key{}, fmt.Errorf("%w %q: schemes are lower case; did you mean %s? (name:%s for a name)", ErrInvalidKey,
+			s, p+s[len(p):], s)
+	}
+	if isInteger(s) {
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			return Key{}, fmt.Errorf("%w %q: the integer is not within 64 bits (name:%s for a name)", ErrInvalidKey, s, s)
+		}
+		return Int64Key(n), nil
+	}
 	if k, ok, err := parseScheme(s); ok {
 		return k, err
 	}
@@ -133,7 +176,7 @@ func ParseKey(s string) (Key, error) {
 	case strings.HasPrefix(s, "name:"):
 		return NameKey(s[len("name:"):]), nil
 	case s == "":
-		return Key{}, fmt.Errorf("%w: empty key (use name:, int:N or pair:A,B)", ErrInvalidKey)
+		return Key{}, fmt.Errorf("%w: empty key (use N, name:NAME, int:N or pair:A,B)", ErrInvalidKey)
 	}
 	return NameKey(s), nil
 }

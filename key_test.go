@@ -42,6 +42,12 @@ func TestKeyString(t *testing.T) {
 		{NameKey("billing-sync"), "billing-sync"},
 		{NameKey("int:5"), "name:int:5"},
 		{NameKey(""), "name:"},
+		{NameKey("42"), "name:42"},
+		{NameKey("-7"), "name:-7"},
+		{NameKey("99999999999999999999"), "name:99999999999999999999"},
+		{NameKey("Int:5"), "name:Int:5"},
+		{NameKey("PAIR:1,2"), "name:PAIR:1,2"},
+		{NameKey("4 2"), "4 2"},
 		{Key{}, "<invalid key>"},
 	} {
 		if got := tc.k.String(); got != tc.want {
@@ -57,8 +63,46 @@ func TestKeyString(t *testing.T) {
 	}
 }
 
+// A bare integer is the int8 key PostgreSQL users mean by it (pg_advisory_lock(42)), not a name.
+func TestParseKeyInteger(t *testing.T) {
+	for in, want := range map[string]Key{
+		"42":                   Int64Key(42),
+		"-7":                   Int64Key(-7),
+		"+3":                   Int64Key(3),
+		"0":                    Int64Key(0),
+		"007":                  Int64Key(7),
+		"9223372036854775807":  Int64Key(1<<63 - 1),
+		"-9223372036854775808": Int64Key(-1 << 63),
+		"int:+3":               Int64Key(3),
+		"name:42":              NameKey("42"),
+		"42a":                  NameKey("42a"),
+		"4 2":                  NameKey("4 2"),
+		"-":                    NameKey("-"),
+		"1.5":                  NameKey("1.5"),
+	} {
+		got, err := ParseKey(in)
+		if err != nil || got != want {
+			t.Errorf("ParseKey(%q) = %s (%#v), %v; want %s", in, got, got, err, want)
+		}
+	}
+}
+
 func TestParseKeyErrors(t *testing.T) {
 	for in, part := range map[string]string{
+		"Int:42":                  "did you mean int:42?",
+		"INT:42":                  "did you mean int:42?",
+		"PAIR:1,2":                "did you mean pair:1,2?",
+		"Name:x":                  "did you mean name:x?",
+		"Migrate:app":             "did you mean migrate:app?",
+		"RAILS:app":               "did you mean rails:app?",
+		"DotNet:x":                "did you mean dotnet:x?",
+		"HashText:x":              "did you mean hashtext:x?",
+		"hashTextExtended:1:x":    "did you mean hashtextextended:1:x?",
+		"9223372036854775808":     "not within 64 bits (name:9223372036854775808 for a name)",
+		"-9223372036854775809":    "not within 64 bits",
+		"hashtextextended:x":      "needs SEED:NAME",
+		"hashtextextended:seed:x": "needs SEED:NAME",
+		"hashtextextended:1:x":    "use ResolveKey",
 		"":                        "empty key",
 		"int:":                    `"" after int:`,
 		"int:x1":                  `"x1" after int:`,
@@ -83,7 +127,8 @@ func contains(s, sub string) bool {
 }
 
 func FuzzParseKey(f *testing.F) {
-	for _, s := range []string{"int:1", "pair:1,2", "name:x", "billing", "int:-9223372036854775808", "pair:,"} {
+	for _, s := range []string{"int:1", "pair:1,2", "name:x", "billing", "int:-9223372036854775808", "pair:,", "42", "-7",
+		"+3", "name:42", "Int:1", "name:PAIR:1"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {

@@ -183,15 +183,24 @@ func ResolveKey(ctx context.Context, q Querier, s string) (Key, error) {
 	if name, ok := strings.CutPrefix(s, "hashtext:"); ok {
 		return HashTextKey(ctx, q, name)
 	}
-	if rest, ok := strings.CutPrefix(s, "hashtextextended:"); ok {
-		seedText, name, ok := strings.Cut(rest, ":")
-		seed, err := strconv.ParseInt(seedText, 10, 64)
-		if !ok || err != nil {
-			return Key{}, fmt.Errorf("%w %q: hashtextextended: needs SEED:NAME (SEED a 64-bit integer)", ErrInvalidKey, s)
+	if strings.HasPrefix(s, "hashtextextended:") {
+		name, seed, err := parseHashTextExtended(s)
+		if err != nil {
+			return Key{}, err
 		}
 		return HashTextExtendedKey(ctx, q, name, seed)
 	}
 	return ParseKey(s)
+}
+
+// parseHashTextExtended reads "hashtextextended:SEED:NAME".
+func parseHashTextExtended(s string) (name string, seed int64, err error) {
+	seedText, name, ok := strings.Cut(strings.TrimPrefix(s, "hashtextextended:"), ":")
+	seed, err = strconv.ParseInt(seedText, 10, 64)
+	if !ok || err != nil {
+		return "", 0, fmt.Errorf("%w %q: hashtextextended: needs SEED:NAME (SEED a 64-bit integer)", ErrInvalidKey, s)
+	}
+	return name, seed, nil
 }
 
 // NeedsServer reports whether s is a key that only ResolveKey can make (computed by the server).
@@ -219,6 +228,11 @@ func parseScheme(s string) (k Key, ok bool, err error) {
 		k, err := DistributedLockKey(s[len("dotnet:"):], true)
 		return k, true, err
 	case NeedsServer(s):
+		if strings.HasPrefix(s, "hashtextextended:") {
+			if _, _, err := parseHashTextExtended(s); err != nil {
+				return Key{}, true, err
+			}
+		}
 		return Key{}, true, fmt.Errorf("%w %q: computed by the server; use ResolveKey (the command does)", ErrInvalidKey, s)
 	}
 	return Key{}, false, nil

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/advlock/advlock/internal/mutant"
@@ -23,10 +24,12 @@ import (
 //
 // A campaign that fails for any other reason (the database down or restarting, a connection terminated, a
 // standby that is not promoted yet, no connection free to check a new one, a full lock table) is tried again with
-// a backoff that grows to 2 s, logged by [WithLogger] and counted in [Stats] (CampaignRetries). Only what an
+// a backoff that grows to 1 s (0.5 to 1.5 s with jitter), logged by [WithLogger] and counted in [Stats] (CampaignRetries). Only what an
 // operator must fix ends Lead: ErrClosed, ErrNoPool (also a pool closed under the Locker), ErrInvalidKey,
-// ErrTxPooling, ErrFencing (which is only ever a missing privilege), and the server refusing the role or knowing no
-// such database (SQLSTATE class 28, 3D000).
+// ErrTxPooling, ErrFencing (which is only ever a missing privilege), the server refusing the role or knowing no
+// such database (SQLSTATE class 28, 3D000), and ErrDeadlock: a campaign run where its caller holds locks (inside
+// Do's fn, or with [Holding]) whose wait closed a cycle of waits gives up, so that its caller can release what it
+// holds; campaigning again while holding them would close the cycle again.
 //
 // fn gets the leader's fencing token through [FenceToken] when the Locker has [WithFencing]: every term's token
 // is greater than the last, so a deposed leader that was paused can be refused by what it writes to. Lead suits
@@ -60,7 +63,7 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 			if !sleep(ctx, wait) {
 				return ctx.Err()
 			}
-			backoff = min(2*backoff, 2*time.Second)
+			backoff = min(2*backoff, maxCampaignBackoff)
 			continue
 		}
 		backoff = 50 * time.Millisecond
@@ -83,7 +86,7 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 // had ended by then (then the caller returns ctx's error).
 func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context) error) (ferr error, lost bool) {
 	l.leading.Add(1)
-	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, lockKey{}, lk))
+	fctx, cancel := context.WithCancelCause(Holding(ctx, lk))
 	stop := lk.h.AfterEnd(func() { cancel(lk.Err()) })
 	defer func() { // also when fn panics: nobody else would ever lead
 		stop()
@@ -108,13 +111,23 @@ func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context
 	if errors.Is(ferr, ErrLockLost) {
 		lost = true // fn says it lost leadership (a write refused by its fencing token, say): campaign again
 	}
+	if h := testHookTermJudged.Load(); h != nil {
+		(*h)(lost)
+	}
 	return ferr, lost
 }
+
+// testHookTermJudged, in tests only, is told what a term judged as fn returned, before the step down.
+var testHookTermJudged atomic.Pointer[func(lost bool)]
+
+// maxCampaignBackoff caps the pause between failed campaigns: a database that is down or failing over is tried
+// about once a second (0.5 to 1.5 s with jitter), so a leader is back soon after the server is.
+const maxCampaignBackoff = time.Second
 
 // leadEnds reports whether a campaign's error is one an operator must fix: trying again cannot help. Besides the
 // sentinels, the server refusing the role or naming no such database (SQLSTATE class 28, 3D000).
 func leadEnds(err error) bool {
-	for _, fatal := range []error{ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, ErrFencing} {
+	for _, fatal := range []error{ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, ErrFencing, ErrDeadlock} {
 		if errors.Is(err, fatal) {
 			return true
 		}
@@ -142,6 +155,19 @@ func sleep(ctx context.Context, d time.Duration) bool {
 type Leadership struct {
 	LockInfo           // the leader's lock: its session's PID, ApplicationName, ClientAddr, BackendStart
 	Observed time.Time // when the server was asked (its clock)
+}
+
+// Leader is the package's [Leader] through the Locker's own pool: its *pgxpool.Pool, or with advsql the *sql.DB it
+// locks through (see [Locker.Inspect]).
+func (l *Locker) Leader(ctx context.Context, key Key) (Leadership, bool, error) {
+	var who Leadership
+	var ok bool
+	err := l.query(ctx, func(ctx context.Context, q Querier) error {
+		var err error
+		who, ok, err = Leader(ctx, q, key)
+		return err
+	})
+	return who, ok, err
 }
 
 // Leader reports who leads key now (holds it exclusively), from any process, through conn (a *pgxpool.Pool,

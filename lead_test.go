@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -208,16 +208,23 @@ func TestLeadPanicStepsDown(t *testing.T) {
 // fn's own error ends Lead when its context was live as it returned, even when the session is terminated at that
 // very moment (the unlock then finds it lost): the loss is judged from fn's context, not afterwards. When fn's
 // context had already been cancelled by the loss, Lead takes fn's error as the loss's doing and leads again.
+//
+// fn looks at its context just before it returns; the loss's cancellation may land between that look and the
+// term's own (the moment Lead judges). So Lead's outcome is checked against the term's judgment, and the judgment
+// against fn's look: a context fn saw cancelled is never judged live.
 func TestLeadErrorRacingLoss(t *testing.T) {
 	errOwn, errSecond := errors.New("fn's own error"), errors.New("second term")
 	for _, shared := range []int{4, 0} {
 		b := setup(t, WithSharedSessions(shared))
 		ctx := ctxT(t, 60*time.Second)
-		live, dead := 0, 0
+		live, dead, between := 0, 0, 0
 		for i := range 30 {
 			k := key(t)
 			runs := 0
 			var wasLive bool
+			var judged []bool
+			hook := func(lost bool) { judged = append(judged, lost) } // Lead runs its terms one at a time
+			testHookTermJudged.Store(&hook)
 			err := b.l.Lead(ctx, k, func(fctx context.Context) error {
 				runs++
 				if runs > 1 {
@@ -230,21 +237,32 @@ func TestLeadErrorRacingLoss(t *testing.T) {
 				wasLive = fctx.Err() == nil
 				return errOwn
 			})
-			switch {
-			case wasLive:
+			testHookTermJudged.Store(nil)
+			if len(judged) == 0 {
+				t.Fatalf("shared %d, iteration %d: Lead = %v, and no term was judged", shared, i, err)
+			}
+			switch lost := judged[0]; {
+			case !lost && !wasLive:
+				t.Fatalf("shared %d, iteration %d: fn saw its context cancelled by the loss, and its term was judged live", shared, i)
+			case !lost:
 				live++
 				if !errors.Is(err, errOwn) || runs != 1 {
 					t.Fatalf("shared %d, iteration %d: fn returned its own error with its context live: Lead = %v after %d runs, want fn's error after 1", shared, i, err, runs)
 				}
 			default:
-				dead++
+				if wasLive {
+					between++ // the cancellation landed between fn's look and its return
+				} else {
+					dead++
+				}
 				if !errors.Is(err, errSecond) || runs != 2 {
 					t.Fatalf("shared %d, iteration %d: fn returned after the loss cancelled its context: Lead = %v after %d runs, want a second term", shared, i, err, runs)
 				}
 			}
 			b.waitFree(t, k)
 		}
-		t.Logf("shared %d: fn's context live at its return %d times, already cancelled by the loss %d times", shared, live, dead)
+		t.Logf("shared %d: fn's context live at its return %d times, already cancelled by the loss %d times, cancelled between fn's look and its return %d times",
+			shared, live, dead, between)
 		if live == 0 {
 			t.Errorf("shared %d: the race was never met with fn's context live", shared)
 		}

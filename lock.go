@@ -40,6 +40,9 @@ const (
 // 0 when the Locker has no fencing.
 func (lk *Lock) Token() int64 { return lk.h.Token() }
 
+// PID is the pid of the server session that holds the lock (pg_locks.pid; 0 when the driver does not tell).
+func (lk *Lock) PID() uint32 { return lk.h.PID() }
+
 // Key returns the key this lock holds.
 func (lk *Lock) Key() Key { return lk.key }
 

@@ -13,13 +13,17 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Locker takes PostgreSQL session-level advisory locks, each on its own connection pinned from a pool until the
-// lock is released. It is safe for concurrent use.
+// Locker takes PostgreSQL session-level advisory locks on sessions it pins from a pool: shared sessions that each
+// hold many locks ([WithSharedSessions]), and a session of its own for a lock that had to wait in the server (or
+// for every lock, with WithSharedSessions(0)). A session goes back to the pool only once the server confirmed it
+// holds nothing. It is safe for concurrent use.
 //
-// Within one Locker there is at most one exclusive holder per key, or any number of shared holders, each on its
-// own session: a second Lock of a key this Locker holds waits in-process (no second connection) until the first
-// is unlocked, and TryLock fails at once with ErrNotAcquired. This is what keeps PostgreSQL's per-session
-// re-entrancy from granting one key twice.
+// Within one Locker there is at most one exclusive holder per key, or any number of shared holders, each with a
+// hold of its own: a second Lock of a key this Locker holds waits in-process (no second connection) until the
+// first is unlocked, and TryLock fails at once with ErrNotAcquired. This is what keeps PostgreSQL's per-session
+// re-entrancy from granting one key twice. A Lock whose caller holds locks (inside Do's fn, or with [Holding])
+// waits in the server instead, on a session of its own that the server keeps apart from the holder's, so that
+// deadlock detection sees it.
 type Locker struct {
 	pool     session.Pool
 	shared   *session.Shared // nil: every lock has a session of its own
@@ -37,14 +41,25 @@ type Locker struct {
 	campaigning     atomic.Int64 // Lead calls running
 	leading         atomic.Int64 // of them, those whose fn runs now
 	campaignRetries atomic.Int64 // Lead campaigns that failed and were tried again
+	graphReadings   atomic.Int64 // readings of the lock graph (deadlock.go)
+	deadlocks       atomic.Int64 // waits ended with ErrDeadlock
 
 	fenceSem chan struct{} // one fence check at a time (a buffered channel of 1: waiting for it honours ctx)
 	fenceOK  atomic.Bool   // the fencing sequence exists and may be used
 
-	mu     sync.Mutex
-	closed bool
-	gates  map[session.ID]*gate
-	held   map[*Lock]struct{}
+	slots       *ownSlots    // sessions of their own, when the pool is the Locker's own (budget.go); nil: no limit
+	waitingSlot atomic.Int64 // waits queued for a slot
+	connsNow    atomic.Int64 // connections taken from the pool now (countingPool)
+	connsPeak   atomic.Int64 // the most at once
+
+	mu        sync.Mutex
+	closed    bool
+	gates     map[session.ID]*gate
+	held      map[*Lock]struct{}
+	waiters   map[*waiter]struct{} // watched waits (deadlock.go)
+	dlSeq     int64
+	detecting bool           // a detector goroutine runs
+	detectWG  sync.WaitGroup // the detector
 }
 
 // New returns a Locker over a pool the caller owns and closes (after [Locker.Close]). A nil pool gives a Locker
@@ -73,15 +88,33 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 			OpenBound: o.OpenBound, WaitSlice: o.WaitSlice},
 		gates:    make(map[session.ID]*gate),
 		held:     make(map[*Lock]struct{}),
+		waiters:  make(map[*waiter]struct{}),
 		obs:      observers(o),
 		fenceSem: make(chan struct{}, 1),
 	}
 	l.cfg.Events = sessionEvents(l.obs)
+	if pool != nil {
+		pool = countingPool{Pool: pool, now: &l.connsNow, peak: &l.connsPeak}
+	}
 	l.pool, l.pgxPool = pool, pgxp
+	if pool != nil && o.OwnPool && !o.SharedSet {
+		o.SharedSessions = ownPoolShared(pool.Stats().Max)
+		l.opts.SharedSessions = o.SharedSessions
+	}
 	if pool != nil && o.SharedSessions > 0 && pool.Wires() {
 		cfg := l.cfg
 		cfg.Keepalive = min(o.Keepalive, o.ReleaseTimeout) // also how long a round trip may stay unanswered
 		l.shared = session.NewShared(o.SharedSessions, pool, cfg, o.Keepalive)
+	}
+	if pool != nil && o.OwnPool {
+		if m := pool.Stats().Max; m > 0 {
+			shared := 0
+			if l.shared != nil {
+				shared = o.SharedSessions
+			}
+			_, _, own := share(m, shared)
+			l.slots = &ownSlots{max: own}
+		}
 	}
 	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
 	return l
@@ -89,7 +122,8 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 
 // TryLock takes key exclusively if no other session holds it, or fails at once with ErrNotAcquired. It never waits
 // for a connection: with shared sessions it needs none once one is open, and with a session per lock it fails with
-// ErrPoolExhausted when the pool has no free connection.
+// ErrPoolExhausted when the pool has no free connection (with [Open], when its sessions of their own are all in
+// use).
 func (l *Locker) TryLock(ctx context.Context, key Key) (*Lock, error) {
 	return l.lock(ctx, key, false, false, nil)
 }
@@ -97,7 +131,10 @@ func (l *Locker) TryLock(ctx context.Context, key Key) (*Lock, error) {
 // Lock takes key exclusively, waiting inside PostgreSQL (no polling) until it is granted or ctx ends. When ctx
 // ends first the error wraps ctx.Err(), and the key is not held: if the server granted it as the wait was
 // cancelled, the session is closed so that the server drops it. [Wait] bounds the wait apart from ctx: when it
-// elapses Lock returns ErrNotAcquired.
+// elapses Lock returns ErrNotAcquired. When ctx says its caller holds locks (Do's fn, Lead's fn, [Holding]) and
+// the wait closes a cycle of waits that the server cannot see, one wait of the cycle ends with ErrDeadlock. With a
+// Locker from [Open], a Lock that must wait in the server while all of its sessions of their own are in use waits
+// in this process for one (trying its key meanwhile), never failing for want of a connection.
 func (l *Locker) Lock(ctx context.Context, key Key, opts ...CallOption) (*Lock, error) {
 	return l.lock(ctx, key, false, true, opts)
 }
@@ -155,7 +192,7 @@ func ownDeadline(ctx context.Context, d time.Duration) bool {
 
 var errWaitElapsed = errors.New("advlock: the Wait bound elapsed")
 
-func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, error) {
+func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Lock, err error) {
 	if l == nil || l.pool == nil {
 		return nil, ErrNoPool
 	}
@@ -175,14 +212,29 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (*Lock, 
 		}
 	}
 	t := session.Target{ID: key.id, Shared: shared}
-	if err := l.enter(ctx, t, wait); err != nil {
+	var w *waiter
+	if wait && ctx.Value(noDetectKey{}) == nil {
+		if held := heldRefs(ctx); len(held) > 0 {
+			parent := ctx
+			w, ctx = l.watchWait(ctx, key, t, held)
+			defer l.endWait(w)
+			defer func() {
+				if derr := deadlockErr(parent, ctx); derr != nil && err != nil {
+					lk, err = nil, derr
+					l.deadlocks.Add(1)
+				}
+			}()
+		}
+	}
+	passed, err := l.enter(ctx, t, wait, w)
+	if err != nil {
 		return nil, err
 	}
-	lk := &Lock{l: l, key: key, shared: shared}
+	lk = &Lock{l: l, key: key, shared: shared}
 	// The in-process slot is given back when the lock ends, however it ends: a lost lock's session is gone, so
 	// nothing can be shared, and a holder that re-acquires without calling Unlock on the lost handle must not wait
 	// on itself.
-	h, err := l.take(ctx, t, wait, func() { l.lockEnded(lk); l.forget(lk) })
+	h, err := l.take(ctx, t, wait, passed, w, func() { l.lockEnded(lk); l.forget(lk) })
 	if err != nil {
 		// forget, not leave: a handle that existed for a moment (granted, then handed back because ctx ended)
 		// may have ended already and freed the slot; freeing it twice would free another holder's. Errors from a
@@ -238,9 +290,11 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 }
 
 // take holds t: on a shared session if it can be granted at once, else (when wait) on a session of its own that
-// waits in the server.
-func (l *Locker) take(ctx context.Context, t session.Target, wait bool, onEnd func()) (handle, error) {
-	if l.shared != nil {
+// waits in the server. A caller that passed by its gate (another caller of this Locker holds the key, maybe on a
+// shared session) takes a session of its own at once, and never tries on a shared session. w is the wait's
+// deadlock watch, if any.
+func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, w *waiter, onEnd func()) (handle, error) {
+	if l.shared != nil && !passed {
 		for attempt := 0; ; attempt++ {
 			m, err := l.shared.Get(ctx, wait)
 			if errors.Is(err, session.ErrNoShared) {
@@ -267,8 +321,27 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait bool, onEnd fu
 			break
 		}
 	}
+	if w != nil { // from now on detection counts it as a wait for the key's holders until it waits in the server
+		l.mu.Lock()
+		w.ownPath = true
+		l.mu.Unlock()
+	}
+	h, give, err := l.ownSession(ctx, t, wait, passed, onEnd)
+	if h != nil || err != nil {
+		return h, err
+	}
+	if give != nil {
+		end := onEnd
+		onEnd = func() {
+			end()
+			give() // after the session went back to the pool or was destroyed
+		}
+	}
 	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, onEnd)
 	if err != nil {
+		if give != nil {
+			give()
+		}
 		return nil, err
 	}
 	return s, nil
@@ -345,9 +418,7 @@ func (l *Locker) Close() {
 		l.shared.Stop() // ends shared sessions being opened, and wakes the calls waiting for them
 	}
 	l.mu.Lock()
-	for _, g := range l.gates { // in-process waiters see closed and give up
-		g.changed()
-	}
+	l.closeGates() // in-process waiters see closed and give up
 	l.mu.Unlock()
 	var wg sync.WaitGroup
 	for _, lk := range held {
@@ -362,6 +433,7 @@ func (l *Locker) Close() {
 	wg.Wait()
 	l.heldWG.Wait() // also those a concurrent Unlock is releasing
 	l.inflight.Wait()
+	l.detectWG.Wait()
 	if l.shared != nil {
 		l.shared.Close()
 	}
@@ -377,27 +449,53 @@ func (l *Locker) Close() {
 // when fn panics. The context given to fn is ctx, cancelled with cause ErrLockLost as soon as the lock is lost.
 // Do returns fn's error together with the unlock's, on one line, each matchable with errors.Is; when the lock was
 // lost at any point the result matches ErrLockLost, since fn may have overlapped with another holder.
+//
+// When the loss is what cancelled fn's context (judged when fn returns, from the context's cause), the result
+// matches ErrLockLost and never context.Canceled, whatever fn returned: a loss does not read as a caller that went
+// away. fn's error stays reachable with errors.Is (for anything but context.Canceled) and errors.As, and its text
+// shows ("...: lock lost: ...; fn returned: context canceled"). When ctx itself was cancelled first, fn's context
+// ended because of it, and the result matches context.Canceled as fn's error does.
+//
+// fn's context says that its caller holds key: a Lock, Do or Lead inside fn whose wait closes a cycle of waits
+// (another caller holds what it waits for and waits for key) may end with ErrDeadlock, having taken nothing; a Do
+// that gets ErrDeadlock for its own key does not run fn. fn should return it: Do releases key, and its caller may
+// take the keys again.
 func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...CallOption) (err error) {
 	lk, err := l.Lock(ctx, key, opts...)
 	if err != nil {
 		return err
 	}
-	fctx, cancel := context.WithCancelCause(context.WithValue(ctx, lockKey{}, lk))
+	fctx, cancel := context.WithCancelCause(Holding(ctx, lk))
 	stop := lk.h.AfterEnd(func() { cancel(lk.Err()) })
+	var lostCause error // what cancelled fn's context, when it was the loss
 	defer func() {
 		stop()
 		cancel(nil)
 		uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.ReleaseTimeout)
 		defer ucancel()
-		if uerr := lk.Unlock(uctx); uerr != nil {
-			if err == nil {
-				err = uerr
-			} else {
-				err = fmt.Errorf("%w; and %w", err, uerr)
+		uerr := lk.Unlock(uctx)
+		switch {
+		case lostCause != nil:
+			loss := uerr
+			if !errors.Is(uerr, ErrLockLost) {
+				loss = &keyError{op: "do", key: key, err: lostCause}
+				if uerr != nil {
+					loss = fmt.Errorf("%w; and %w", loss, uerr)
+				}
 			}
+			err = &lostError{fn: err, loss: loss}
+		case uerr == nil:
+		case err == nil:
+			err = uerr
+		default:
+			err = fmt.Errorf("%w; and %w", err, uerr)
 		}
 	}()
-	return fn(fctx)
+	err = fn(fctx)
+	if fctx.Err() != nil && errors.Is(context.Cause(fctx), ErrLockLost) { // judged now, before anything else moves
+		lostCause = context.Cause(fctx)
+	}
+	return err
 }
 
 // TryDo is Do that does not wait: it takes key if no other session holds it (else ErrNotAcquired), runs fn with a
@@ -438,7 +536,27 @@ type Stats struct {
 	Campaigning      int   // Lead calls running (campaigning or leading)
 	Leading          int   // of them, those leading now (their fn runs)
 	CampaignRetries  int64 // Lead campaigns that failed for a passing reason and were tried again, since New or Open
-	Pool             PoolStats
+	// Deadlock detection, since New or Open: readings of the server's lock graph (about one a second while a wait
+	// whose caller holds a lock waits; none otherwise), and waits this Locker ended with ErrDeadlock.
+	GraphReadings int64
+	Deadlocks     int64
+	// The connections this Locker takes from its pool. Conns is how many it has now: its shared sessions, its
+	// sessions of their own, and those it takes for a moment (deadlock detection's readings, Ping, Inspect,
+	// Leader, LockTable, the checks of a new connection); PeakConns is the most at once since New or Open. With
+	// Open (and advsql.Open) the pool is the Locker's alone and Pool.Max is its budget, which Conns never exceeds;
+	// with New the application's queries share Pool.Max.
+	Conns     int
+	PeakConns int
+	// MaxOwnSessions is how many sessions of their own (Lock calls waiting in the server, and the locks they got)
+	// a Locker from Open (or advsql.Open) has at most at once: its pool's connections less the shared sessions and
+	// one kept for its own reads (see [DefaultOpenConns]); 0 with New, where the pool is the only limit.
+	// WaitingForSession counts the Lock calls waiting in this process because all of those are in use: they get
+	// the sessions given back in the order they came, and meanwhile try their key again on a shared session
+	// every 20 ms (less often when many wait). With New, waits that find the pool empty wait in the pool's own
+	// queue instead.
+	MaxOwnSessions    int
+	WaitingForSession int
+	Pool              PoolStats
 }
 
 // PoolStats are the figures of the pool a Locker takes sessions from (pgxpool, or database/sql's pool).
@@ -459,7 +577,7 @@ func (l *Locker) Stats() Stats {
 		}
 	}
 	for _, g := range l.gates {
-		st.WaitingInProcess += g.waiting
+		st.WaitingInProcess += g.queue.Len()
 	}
 	l.mu.Unlock()
 	st.WaitingInServer = l.cfg.Waits.Count()
@@ -469,17 +587,21 @@ func (l *Locker) Stats() Stats {
 	st.OwnSessions = st.Held - st.HeldShared + st.WaitingInServer
 	st.Campaigning, st.Leading = int(l.campaigning.Load()), int(l.leading.Load())
 	st.CampaignRetries = l.campaignRetries.Load()
+	st.GraphReadings, st.Deadlocks = l.graphReadings.Load(), l.deadlocks.Load()
+	st.Conns, st.PeakConns = int(l.connsNow.Load()), int(l.connsPeak.Load())
+	if l.slots != nil {
+		st.MaxOwnSessions = l.slots.max
+		st.WaitingForSession = int(l.waitingSlot.Load())
+	}
 	st.Pool = l.pool.Stats()
 	return st
 }
 
-type lockKey struct{}
-
-// FenceToken returns the fencing token of the lock that Do (or TryDo) holds while running the fn that got ctx, or
-// 0 (no such lock, or no fencing: [WithFencing]).
+// FenceToken returns the fencing token of the lock that Do (or TryDo) holds while running the fn that got ctx (the
+// innermost, when Do runs inside Do or [Holding] adds locks), or 0 (no such lock, or no fencing: [WithFencing]).
 func FenceToken(ctx context.Context) int64 {
-	if lk, ok := ctx.Value(lockKey{}).(*Lock); ok {
-		return lk.Token()
+	if h, ok := ctx.Value(holdingKey{}).(*holding); ok {
+		return h.lk.Token()
 	}
 	return 0
 }

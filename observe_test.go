@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // logRecords parses a JSON slog stream.

@@ -3,7 +3,8 @@ package advlock_test
 import (
 	"context"
 	"errors"
-	"github.com/advlock/advlock/internal/faults"
+	"fmt"
+	"net"
 	neturl "net/url"
 	"strconv"
 	"strings"
@@ -12,9 +13,10 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/conformance"
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/conformance"
+	"github.com/advlock/advlock/internal/testkit/faults"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -201,27 +203,217 @@ func TestOpenConnectTimeout(t *testing.T) {
 	u.Host = p.Addr()
 	done := make(chan error, 1)
 	start := time.Now()
-	go func() {
-		l, err := advlock.Open(context.Background(), u.String())
-		if err == nil {
-			l.Close()
-		}
-		done <- err
-	}()
+	l, err := advlock.Open(context.Background(), u.String())
+	if err != nil {
+		t.Fatalf("Open does not connect, yet failed: %v", err)
+	}
+	defer l.Close()
+	go func() { done <- l.Ping(context.Background()) }()
 	select {
 	case err := <-done:
 		took := time.Since(start)
 		if err == nil {
-			t.Fatal("Open succeeded through a blackhole")
+			t.Fatal("Ping succeeded through a blackhole")
 		}
 		if took < advlock.DefaultConnectTimeout-time.Second {
-			t.Fatalf("Open failed after %v, before the connect timeout: %v", took, err)
+			t.Fatalf("Ping failed after %v, before the connect timeout: %v", took, err)
 		}
-		t.Logf("Open failed after %v: %v", took.Round(time.Millisecond), err)
+		t.Logf("Ping failed after %v: %v", took.Round(time.Millisecond), err)
 	case <-time.After(advlock.DefaultConnectTimeout + 20*time.Second):
 		p.Blackhole(false)
 		p.Cut()
 		<-done
-		t.Fatal("Open hung in a blackhole")
+		t.Fatal("Ping hung in a blackhole")
+	}
+}
+
+// timeout returns a context that ends after d or with the test.
+func timeout(t *testing.T, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// closedPort returns 127.0.0.1:port where nothing listens (a port just freed).
+func closedPort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// withHost returns url with its host:port replaced.
+func withHost(t *testing.T, url, host string) string {
+	t.Helper()
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Host = host
+	return u.String()
+}
+
+// Open does not connect: against a port where nothing listens it succeeds, and Ping, TryLock, Lock, Do, Inspect,
+// Leader and LockTable each fail at once with the refused connection in their error (not a context error, not a missing pool). Only a
+// malformed dsn or an invalid pool configuration fails Open.
+func TestOpenDatabaseDown(t *testing.T) {
+	ctx := timeout(t, 30*time.Second)
+	down := withHost(t, pgtest.URL(t), closedPort(t))
+	for _, shared := range []int{4, 0} {
+		t.Run(fmt.Sprintf("shared %d", shared), func(t *testing.T) {
+			l, err := advlock.Open(ctx, down, advlock.WithSharedSessions(shared))
+			if err != nil {
+				t.Fatalf("Open of a database that is down: %v, want a Locker", err)
+			}
+			defer l.Close()
+			k := conformance.Key(t)
+			start := time.Now()
+			calls := map[string]error{"Ping": l.Ping(ctx)}
+			_, calls["TryLock"] = l.TryLock(ctx, k)
+			_, calls["Lock"] = l.Lock(ctx, k)
+			calls["Do"] = l.Do(ctx, k, func(context.Context) error { t.Error("fn ran"); return nil })
+			_, calls["Inspect"] = l.Inspect(ctx)
+			_, _, calls["Leader"] = l.Leader(ctx, k)
+			_, calls["LockTable"] = l.LockTable(ctx)
+			for name, err := range calls {
+				if err == nil {
+					t.Errorf("%s against a closed port succeeded", name)
+					continue
+				}
+				if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) ||
+					errors.Is(err, advlock.ErrNoPool) || errors.Is(err, advlock.ErrNotAcquired) {
+					t.Errorf("%s: %v, want the connection error", name, err)
+				}
+				if !strings.Contains(err.Error(), "connection refused") {
+					t.Errorf("%s: %q does not say the connection was refused", name, err)
+				}
+				t.Logf("%s: %v", name, err)
+			}
+			if took := time.Since(start); took > 5*time.Second {
+				t.Errorf("the calls took %v against a closed port, want at once", took)
+			}
+		})
+	}
+	for _, bad := range []string{"postgres://postgres@127.0.0.1:5432/test?sslmode=bogus", "host=127.0.0.1 port=notaport"} {
+		if l, err := advlock.Open(ctx, bad); err == nil {
+			l.Close()
+			t.Errorf("Open(%q) succeeded, want a parse error", bad)
+		}
+	}
+	if l, err := advlock.Open(ctx, down, advlock.WithPoolConfig(func(c *pgxpool.Config) { c.MaxConns = 0 })); err == nil {
+		l.Close()
+		t.Error("Open with MaxConns 0 succeeded, want the pool configuration refused")
+	}
+}
+
+// A Locker opened while its database refuses connections works once the database accepts them: Open succeeds,
+// Ping and TryLock fail while it refuses, and once it accepts, Ping, Lock and TryLock succeed and pg_locks shows
+// the lock. Then a refusal again (connections cut, new ones refused) fails Ping, and the Locker recovers again.
+// Open used to ping and fail, which left a Locker made once at start (var locks, _ = advlock.Open(...)) without a
+// pool for ever.
+func TestOpenWhileDown(t *testing.T) {
+	url := pgtest.URL(t)
+	obs := pgtest.Conn(t, url)
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, shared := range []int{4, 0} {
+		t.Run(fmt.Sprintf("shared %d", shared), func(t *testing.T) {
+			ctx := timeout(t, 30*time.Second)
+			p := faults.Start(t, u.Host)
+			p.Refuse(true)
+			l, err := advlock.Open(ctx, withHost(t, url, p.Addr()), advlock.WithSharedSessions(shared))
+			if err != nil {
+				t.Fatalf("Open while the database refuses: %v", err)
+			}
+			defer l.Close()
+			k := conformance.Key(t)
+			if err := l.Ping(ctx); err == nil {
+				t.Fatal("Ping succeeded while the database refuses")
+			} else {
+				t.Logf("Ping while down: %v", err)
+			}
+			if _, err := l.TryLock(ctx, k); err == nil || errors.Is(err, advlock.ErrNotAcquired) {
+				t.Fatalf("TryLock while the database refuses: %v, want a connection error", err)
+			}
+			for round := range 2 {
+				p.Refuse(false)
+				if err := l.Ping(ctx); err != nil {
+					t.Fatalf("round %d: Ping once the database accepts: %v", round, err)
+				}
+				lk, err := l.Lock(ctx, k)
+				if err != nil {
+					t.Fatalf("round %d: Lock once the database accepts: %v", round, err)
+				}
+				v, _ := k.Int64()
+				if pids, err := pgtest.Holders(ctx, obs, v); err != nil || len(pids) != 1 {
+					t.Errorf("round %d: pg_locks shows holders %v (%v), want one", round, pids, err)
+				}
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
+				}
+				lk, err = l.TryLock(ctx, k)
+				if err != nil {
+					t.Fatalf("round %d: TryLock once the database accepts: %v", round, err)
+				}
+				if err := lk.Unlock(ctx); err != nil {
+					t.Fatal(err)
+				}
+				// Down again: every connection cut, new ones refused.
+				p.Refuse(true)
+				p.Cut()
+				if err := l.Ping(ctx); err == nil {
+					t.Fatalf("round %d: Ping succeeded while the database refuses", round)
+				}
+			}
+		})
+	}
+}
+
+// Ping makes one round trip; a Locker without a pool says ErrNoPool, a closed one ErrClosed.
+func TestPing(t *testing.T) {
+	ctx := timeout(t, 10*time.Second)
+	url := pgtest.URL(t)
+	l, err := advlock.Open(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Ping(ctx); err != nil {
+		t.Errorf("Ping: %v", err)
+	}
+	l.Close()
+	if err := l.Ping(ctx); !errors.Is(err, advlock.ErrClosed) {
+		t.Errorf("Ping after Close: %v, want ErrClosed", err)
+	}
+	var nilLocker *advlock.Locker
+	for name, l := range map[string]*advlock.Locker{"New(nil)": advlock.New(nil), "nil": nilLocker} {
+		if err := l.Ping(ctx); !errors.Is(err, advlock.ErrNoPool) {
+			t.Errorf("Ping of %s: %v, want ErrNoPool", name, err)
+		}
+	}
+	pool := pgtest.Pool(t, url, nil)
+	over := advlock.New(pool)
+	defer over.Close()
+	if err := over.Ping(ctx); err != nil {
+		t.Errorf("Ping over a pool: %v", err)
+	}
+	pool.Close()
+	if err := over.Ping(ctx); !errors.Is(err, advlock.ErrNoPool) {
+		t.Errorf("Ping over a closed pool: %v, want ErrNoPool", err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	l2, err := advlock.Open(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Close()
+	if err := l2.Ping(cctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("Ping with a cancelled ctx: %v, want context.Canceled", err)
 	}
 }

@@ -34,9 +34,22 @@ func WithReleaseTimeout(d time.Duration) Option {
 }
 
 // WithPoolConfig lets [Open] adjust the pool configuration after advlock applied its defaults, for example to
-// set MaxConns (each held lock and each waiting Lock uses one connection). New ignores it.
+// set MaxConns: the Locker's budget of connections, which it shares out between shared sessions, one kept for its
+// own reads and sessions of their own for waits (see [Open] and [DefaultOpenConns]). New ignores it.
 func WithPoolConfig(f func(*pgxpool.Config)) Option {
 	return func(o *config.Options) { o.PoolConfig = f }
+}
+
+// WithMaxConns sets the size of the pool a Locker owns ([Open], advsql.Open): its budget of connections, which it
+// shares out between shared sessions, one kept for its own reads and sessions of their own for waits (see
+// [DefaultOpenConns], the default). With Open a pool_max_conns in the DSN, and WithPoolConfig, come after it. New
+// and advsql.New ignore it: their pool is the application's. Values <= 0 keep the default.
+func WithMaxConns(n int) Option {
+	return func(o *config.Options) {
+		if n > 0 {
+			o.MaxConns = n
+		}
+	}
 }
 
 // WithSharedSessions sets how many shared sessions a Locker may open: sessions that each hold many locks, so that
@@ -45,12 +58,14 @@ func WithPoolConfig(f func(*pgxpool.Config)) Option {
 // lock there. Requests from many goroutines share round trips. A shared session that is lost (terminated, network
 // loss, server restart) ends every lock on it at once, each reporting ErrLockLost.
 //
-// Default 4. 0 gives every lock a session of its own. With database/sql and lib/pq, which gives no access to its
+// Default 4; for a Locker from [Open] (or advsql.Open), a quarter of its pool, at least 1 and at most 4 (1 with
+// [DefaultOpenConns]). Never more than half of the pool's connections are shared sessions. 0 gives every lock a
+// session of its own. With database/sql and lib/pq, which gives no access to its
 // connection, it has no effect: every lock has a session of its own.
 func WithSharedSessions(n int) Option {
 	return func(o *config.Options) {
 		if n >= 0 {
-			o.SharedSessions = n
+			o.SharedSessions, o.SharedSet = n, true
 		}
 	}
 }
@@ -65,9 +80,15 @@ func WithSharedSessions(n int) Option {
 // ErrFencing saying so; any other failure of that check (a connection lost, no answer within 10 s) is returned as
 // it is, and the next call checks again. Many processes may create the sequence at once. Default off: Token is 0.
 //
+// A token is the server's timeline in its high bits and the sequence's value in its low 48 (timeline<<48 +
+// nextval): a promotion starts a greater timeline, so a promoted standby whose sequence lost the old primary's last
+// values still hands out only greater tokens, and a deposed primary that keeps running only lower ones. Two servers
+// promoted onto the same timeline (a split brain among standbys) hand out tokens that do not order.
+//
 // A protected resource checks the token and refuses a stale holder, for example UPDATE ... SET fence = $token
 // WHERE id = $1 AND fence < $token: a holder that was paused past the loss of its lock (a GC pause, SIGSTOP) and
-// then writes is refused once a later holder has written.
+// then writes is refused once a later holder has written. [FenceSQL] creates a function that does this check for
+// resources written in SQL.
 func WithFencing() Option {
 	return func(o *config.Options) { o.Fencing = true }
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/advlock/advlock/internal/pgxwait"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/puddle/v2"
@@ -29,6 +30,29 @@ func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 
 func (pgxPool) Wires() bool { return true }
 
+// Dial opens a connection outside the pool, with the pool's connection configuration.
+func (a pgxPool) Dial(ctx context.Context) (session.TextConn, error) {
+	c, err := pgx.ConnectConfig(ctx, a.p.Config().ConnConfig)
+	if err != nil {
+		return nil, err
+	}
+	return pgxTextConn{c}, nil
+}
+
+type pgxTextConn struct{ c *pgx.Conn }
+
+func (t pgxTextConn) QueryText(ctx context.Context, sql string) (string, error) {
+	var v string
+	err := t.c.QueryRow(ctx, sql).Scan(&v)
+	return v, session.TranslateErr(err)
+}
+
+func (t pgxTextConn) Close() {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_ = t.c.Close(ctx)
+}
+
 func (a pgxPool) Stats() session.PoolStats {
 	st := a.p.Stat()
 	return session.PoolStats{Max: int(st.MaxConns()), Open: int(st.TotalConns()), InUse: int(st.AcquiredConns()),
@@ -47,6 +71,13 @@ func (a *pgxConn) QueryInt(ctx context.Context, sql string, args ...any) (int64,
 	}
 	var v int64
 	err := a.c.QueryRow(ctx, sql, args...).Scan(&v)
+	return v, a.Translate(err)
+}
+
+// QueryText runs sql and returns the text in the first column of its one row.
+func (a *pgxConn) QueryText(ctx context.Context, sql string) (string, error) {
+	var v string
+	err := a.c.QueryRow(ctx, sql).Scan(&v)
 	return v, a.Translate(err)
 }
 

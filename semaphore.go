@@ -69,6 +69,11 @@ func (s *Semaphore) TryAcquire(ctx context.Context) (*Lock, error) {
 // elsewhere is found within that bound. It waits for a connection too: a try of the slots that finds the pool with
 // no connection free (ErrPoolExhausted, which TryAcquire returns), or none to prove a new one with (ErrUnverified),
 // counts as "no slot yet", and the wait on a slot waits for a connection as Lock does.
+//
+// Acquire never ends with ErrDeadlock: its wait moves from slot to slot, and any slot that frees ends it, so it is
+// not a wait for one holder. A cycle through a semaphore (its caller holds a lock that every slot's holder waits
+// for) lasts until ctx or [Wait]'s bound ends; bound the wait when the caller holds locks. A slot held and passed
+// to [Holding] counts like any held lock for the waits of its holder.
 func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, error) {
 	co := callOptions(opts)
 	var deadline time.Time
@@ -90,7 +95,9 @@ func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, err
 			wait = min(wait, left)
 		}
 		slot = (slot + 1) % len(s.keys)
-		lk, err = s.l.Lock(ctx, s.keys[slot], Wait(wait))
+		// A wait on one of n slots is not part of deadlock detection: the slot waited on changes every
+		// semaphorePoll, and another slot may free while this one stays held.
+		lk, err = s.l.Lock(context.WithValue(ctx, noDetectKey{}, true), s.keys[slot], Wait(wait))
 		if err == nil || !errors.Is(err, ErrNotAcquired) {
 			return lk, err
 		}

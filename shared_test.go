@@ -11,9 +11,9 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
-	"github.com/advlock/advlock/internal/faults"
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/faults"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 

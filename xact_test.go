@@ -7,8 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/faults"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/faults"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
 

@@ -15,7 +15,8 @@
 // [New] locks through the application's *sql.DB (shared sessions take at most half of its connections; waits in
 // the server, and with lib/pq every held lock, take one each); [Open] gives locks a *sql.DB of their own.
 //
-//	db, _ := sql.Open("pgx", dsn) // or "postgres" with lib/pq
+//	db, err := sql.Open("pgx", dsn) // or "postgres" with lib/pq
+//	if err != nil { ... }
 //	l := advsql.New(db)
 //	defer l.Close()
 //	err := l.Do(ctx, advlock.NameKey("billing-sync"), func(ctx context.Context) error { ... })
@@ -44,47 +45,55 @@ import (
 )
 
 // New returns a Locker over db, which the caller owns and closes after [advlock.Locker.Close]. A nil db gives a
-// Locker whose every call returns advlock.ErrNoPool. Locker.DoTx is not available on it; use [DoTx].
+// Locker whose every call returns advlock.ErrNoPool. Locker.DoTx is not available on it; use [DoTx]. Its Inspect,
+// Leader and LockTable read through db.
 func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 	if db == nil {
 		return advlock.New(nil, opts...)
 	}
 	backend := &pool{db: db, verified: map[any]*mark{}}
-	return advlock.New(nil, append(opts, func(o *config.Options) { o.Backend = backend })...)
+	return advlock.New(nil, append(opts, func(o *config.Options) { o.Backend, o.Querier = backend, querier{db} })...)
 }
 
 // Open opens a *sql.DB for locking only, with driverName ("pgx" for github.com/jackc/pgx/v5/stdlib, "postgres"
-// for github.com/lib/pq) and dsn as that driver reads it, checks that the server answers (one round trip under
-// ctx), and returns a Locker that owns it: [advlock.Locker.Close] closes it. It is to database/sql what
+// for github.com/lib/pq) and dsn as that driver reads it, and returns a Locker that owns it: [advlock.Locker.Close] closes it. It is to database/sql what
 // [advlock.Open] is to pgxpool: locks never compete with the application's own queries for connections, since
-// they have a pool of their own, of at most advlock.DefaultOpenConns connections (all kept idle when free), and
-// each lock session gets the settings advlock.Open sets (no statement or lock timeout, idle_session_timeout of 3
+// they have a pool of their own, of at most advlock.DefaultOpenConns connections ([advlock.WithMaxConns] sets
+// another size; all kept idle when free), shared out as advlock.Open's are (with lib/pq, which allows no shared
+// sessions: one kept for the Locker's reads, the rest for sessions of their own, a lock each, so at most 4 locks
+// held at once with the default; size it for the locks a process holds at once), and each lock session gets the
+// settings advlock.Open sets (no statement or lock timeout, idle_session_timeout of 3
 // keepalive intervals, server keepalives, client_connection_check_interval, and application_name=advlock unless
 // dsn names one), once per connection, after it is proved to be a server session of its own. The driver must be
 // registered (import it). Needs PostgreSQL 14 or later.
+//
+// Like advlock.Open it does not connect: it fails only when the driver is not registered or refuses dsn, never
+// because the server is down; the first call that needs the server reports that, and the Locker works once the
+// server answers. [advlock.Locker.Ping] checks at start. ctx bounds nothing here.
 func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (*advlock.Locker, error) {
 	db, err := sql.Open(driverName, dsn)
 	if err != nil {
 		return nil, fmt.Errorf("advlock: open: %w", err)
 	}
-	db.SetMaxOpenConns(advlock.DefaultOpenConns)
-	db.SetMaxIdleConns(advlock.DefaultOpenConns)
-	// The server ends a lock session silent for FrozenAfter(keepalive) (idle_session_timeout, set below), idle
-	// pooled ones too, and lib/pq would hand such a dead connection out unchecked: database/sql closes them first.
 	o := config.Defaults()
 	for _, opt := range opts {
 		opt(&o)
 	}
-	db.SetConnMaxIdleTime(session.FrozenAfter(o.Keepalive) * 2 / 3)
-	if err := db.PingContext(ctx); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("advlock: connect: %w", err)
+	conns := advlock.DefaultOpenConns
+	if o.MaxConns > 0 {
+		conns = o.MaxConns
 	}
-	backend := &pool{db: db, verified: map[any]*mark{}}
+	db.SetMaxOpenConns(conns)
+	db.SetMaxIdleConns(conns)
+	// The server ends a lock session silent for FrozenAfter(keepalive) (idle_session_timeout, set below), idle
+	// pooled ones too, and lib/pq would hand such a dead connection out unchecked: database/sql closes them first.
+	db.SetConnMaxIdleTime(session.FrozenAfter(o.Keepalive) * 2 / 3)
+	backend := &pool{db: db, verified: map[any]*mark{}, dial: &dialSpec{driverName: driverName, dsn: dsn}}
 	named := appNameRE.MatchString(dsn)
 	return advlock.New(nil, append(opts, func(o *config.Options) {
-		o.Backend = backend
+		o.Backend, o.Querier = backend, querier{db}
 		o.Settings = session.OpenSettings(o.Keepalive)
+		o.OwnPool = true
 		if !named {
 			o.Settings = append(o.Settings, session.Setting{Name: "application_name", Value: "advlock"})
 		}
@@ -97,6 +106,7 @@ var appNameRE = regexp.MustCompile(`(^|[\s?&])application_name=`)
 
 type pool struct {
 	db       *sql.DB
+	dial     *dialSpec // what Open opened db with, for Dial; nil for New's db
 	mu       sync.Mutex
 	verified map[any]*mark // driver connections proved to be sessions of their own (drivers without a pid)
 	uses     uint64        // a clock for mark.used
@@ -125,6 +135,44 @@ func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
 		return nil
 	})
 	return a, nil
+}
+
+// dialSpec is the driver and dsn a *sql.DB was opened with.
+type dialSpec struct{ driverName, dsn string }
+
+// Dial opens a connection outside the pool (a *sql.DB of one connection, on Open's driver and dsn) for deadlock
+// detection's readings when every connection of the pool is taken: they may be the very cycle to find. A *sql.DB
+// given to New offers none, its dsn being unknown.
+func (p *pool) Dial(ctx context.Context) (session.TextConn, error) {
+	if p.dial == nil {
+		return nil, errors.New("advlock: a *sql.DB given to advsql.New cannot open a connection outside itself")
+	}
+	db, err := sql.Open(p.dial.driverName, p.dial.dsn)
+	if err != nil {
+		return nil, err
+	}
+	db.SetMaxOpenConns(1)
+	c, err := (&pool{db: db, verified: map[any]*mark{}}).Acquire(ctx)
+	if err != nil {
+		_ = db.Close()
+		return nil, err
+	}
+	return &dialed{c: c.(*conn), db: db}, nil
+}
+
+// dialed is Dial's connection; it closes its *sql.DB with it.
+type dialed struct {
+	c  *conn
+	db *sql.DB
+}
+
+func (d *dialed) QueryText(ctx context.Context, q string) (string, error) {
+	return d.c.QueryText(ctx, q)
+}
+
+func (d *dialed) Close() {
+	d.c.Destroy()
+	_ = d.db.Close()
 }
 
 // Wires reports whether db's driver is pgx's (lib/pq gives no access to its connection).
@@ -179,6 +227,15 @@ func (a *conn) QueryInt(ctx context.Context, q string, args ...any) (int64, erro
 		var v int64
 		err := a.c.QueryRowContext(ctx, q, args...).Scan(&v)
 		return v, err
+	})
+	return v, session.TranslateErr(err)
+}
+
+// QueryText runs q and returns the text in the first column of its one row.
+func (a *conn) QueryText(ctx context.Context, q string) (string, error) {
+	var v string
+	_, err := a.bounded(ctx, func(ctx context.Context) (int64, error) {
+		return 0, a.c.QueryRowContext(ctx, q).Scan(&v)
 	})
 	return v, session.TranslateErr(err)
 }

@@ -11,9 +11,9 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/advsql"
-	"github.com/advlock/advlock/internal/conformance"
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/conformance"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	_ "github.com/jackc/pgx/v5/stdlib"
 	_ "github.com/lib/pq"
 )

@@ -15,12 +15,14 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/advsql"
-	"github.com/advlock/advlock/internal/conformance"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/conformance"
+	"github.com/advlock/advlock/internal/testkit/faults"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // advsql.Open: a pool of its own, whose lock sessions carry Open's settings (application_name=advlock among them,
-// unless the DSN names one); Close closes the pool; a database that is down fails Open.
+// unless the DSN names one); Close closes the pool; Open does not connect: a database that is down fails Ping and
+// the lock calls, not Open.
 func TestOpen(t *testing.T) {
 	base := pgtest.URL(t)
 	obs := pgtest.Conn(t, base)
@@ -97,8 +99,66 @@ func TestOpen(t *testing.T) {
 			ln.Close()
 			cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 			defer cancel()
-			if _, err := advsql.Open(cctx, driver, u.String()); err == nil || !strings.Contains(err.Error(), "connect") {
-				t.Errorf("Open of a database that is down: %v, want a connect error", err)
+			l, err = advsql.Open(cctx, driver, u.String())
+			if err != nil {
+				t.Fatalf("Open of a database that is down: %v, want a Locker (Open does not connect)", err)
+			}
+			defer l.Close()
+			if err := l.Ping(cctx); err == nil || !strings.Contains(err.Error(), "connection refused") {
+				t.Errorf("Ping of a database that is down: %v, want the refused connection", err)
+			}
+			if _, err := l.TryLock(cctx, conformance.Key(t)); err == nil || !strings.Contains(err.Error(), "connection refused") {
+				t.Errorf("TryLock on a database that is down: %v, want the refused connection", err)
+			}
+			if cctx.Err() != nil {
+				t.Error("the calls on a database that is down waited for their ctx")
+			}
+		})
+	}
+}
+
+// A Locker from advsql.Open while the database refuses connections works once it accepts them (Open used to ping
+// and fail).
+func TestOpenWhileDown(t *testing.T) {
+	base := pgtest.URL(t)
+	obs := pgtest.Conn(t, base)
+	u, err := url.Parse(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			ctx := ctxT(t, 30*time.Second)
+			p := faults.Start(t, u.Host)
+			p.Refuse(true)
+			down := *u
+			down.Host = p.Addr()
+			l, err := advsql.Open(ctx, driver, down.String())
+			if err != nil {
+				t.Fatalf("Open while the database refuses: %v", err)
+			}
+			defer l.Close()
+			k := conformance.Key(t)
+			if err := l.Ping(ctx); err == nil {
+				t.Fatal("Ping succeeded while the database refuses")
+			}
+			if _, err := l.TryLock(ctx, k); err == nil || errors.Is(err, advlock.ErrNotAcquired) {
+				t.Fatalf("TryLock while the database refuses: %v, want a connection error", err)
+			}
+			p.Refuse(false)
+			if err := l.Ping(ctx); err != nil {
+				t.Fatalf("Ping once the database accepts: %v", err)
+			}
+			lk, err := l.Lock(ctx, k)
+			if err != nil {
+				t.Fatalf("Lock once the database accepts: %v", err)
+			}
+			v, _ := k.Int64()
+			if pids, err := pgtest.Holders(ctx, obs, v); err != nil || len(pids) != 1 {
+				t.Errorf("pg_locks shows holders %v (%v), want one", pids, err)
+			}
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatal(err)
 			}
 		})
 	}
@@ -352,4 +412,29 @@ func TestSemaphoreUnverifiedPasses(t *testing.T) {
 	}
 	t.Logf("Acquire took a slot after %v", time.Since(start).Round(time.Millisecond))
 	_ = lk.Unlock(ctx)
+}
+
+// advlock.WithMaxConns sizes Open's *sql.DB: with lib/pq (no shared sessions) every connection but the one kept
+// for the Locker's reads holds a lock.
+func TestOpenMaxConns(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		driver   string
+		opts     []advlock.Option
+		max, own int
+	}{
+		{"postgres", nil, advlock.DefaultOpenConns, advlock.DefaultOpenConns - 1},
+		{"postgres", []advlock.Option{advlock.WithMaxConns(24)}, 24, 23},
+		{"pgx", []advlock.Option{advlock.WithMaxConns(24)}, 24, 19},
+	} {
+		l, err := advsql.Open(ctx, tc.driver, pgtest.URL(t), tc.opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := l.Stats()
+		l.Close()
+		if st.Pool.Max != tc.max || st.MaxOwnSessions != tc.own {
+			t.Errorf("%s, %d options: pool %d, %d sessions of their own; want %d and %d", tc.driver, len(tc.opts), st.Pool.Max, st.MaxOwnSessions, tc.max, tc.own)
+		}
+	}
 }

@@ -8,7 +8,7 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/config"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // The marks of verified driver connections stay bounded by the connections that can be alive: database/sql closes

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -24,7 +25,22 @@ import (
 type client interface {
 	// lock blocks until key is held and returns its release.
 	lock(ctx context.Context, key string) (func(context.Context) error, error)
+	// cycle takes key (blocking), runs during (when not nil) while it is held, and releases it, the way a caller of
+	// this client's API does it: lock and unlock, or for advlock Do one call of Do.
+	cycle(ctx context.Context, key string, during func()) error
 	close()
+}
+
+// lockCycle is cycle through lock and its release.
+func lockCycle(ctx context.Context, c client, key string, during func()) error {
+	un, err := c.lock(ctx, key)
+	if err != nil {
+		return err
+	}
+	if during != nil {
+		during()
+	}
+	return un(ctx)
 }
 
 // contender makes clients of one kind.
@@ -34,11 +50,32 @@ type contender struct {
 	blocking bool
 	pg       bool // PostgreSQL-based (has a server session to terminate)
 	shares   bool // advlock with shared sessions: holds thousands of locks on a few connections
+	optIn    bool // runs only when -only names it
 	new      func(ctx context.Context) (client, error)
 }
 
 // sessionPerLock is advlock with WithSharedSessions(0): every lock on a session of its own.
 const sessionPerLock = "advlock Lock, session per lock"
+
+// The Open contenders: a Locker from advlock.Open with its own pool, of the default size (DefaultOpenConns) or of
+// the 24 connections that were the default before. The second runs only when -only names it: with every other
+// contender connected at once, its clients would take the server past max_connections=100.
+const (
+	openDefault = "advlock Open"
+	open24      = "advlock Open, pool of 24"
+)
+
+// openURL is url with pool_max_conns=n added (n 0: url as it is).
+func openURL(url string, n int) string {
+	if n == 0 {
+		return url
+	}
+	sep := "?"
+	if strings.Contains(url, "?") {
+		sep = "&"
+	}
+	return fmt.Sprintf("%s%spool_max_conns=%d", url, sep, n)
+}
 
 func pgKey(key string) int64 { v, _ := advlock.NameKey("bench-" + key).Int64(); return v }
 
@@ -90,6 +127,14 @@ func contenders(e *env) []contender {
 			p, err := e.newPool(ctx)
 			return &advClient{p: p, l: advlock.New(p), do: true}, err
 		}},
+		{name: openDefault, blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {
+			l, err := advlock.Open(ctx, e.pgURL)
+			return &advClient{l: l}, err
+		}},
+		{name: open24, blocking: true, pg: true, shares: true, optIn: true, new: func(ctx context.Context) (client, error) {
+			l, err := advlock.Open(ctx, openURL(e.pgURL, 24))
+			return &advClient{l: l}, err
+		}},
 		{name: "advlock database/sql", blocking: true, pg: true, shares: true, new: func(ctx context.Context) (client, error) {
 			db, err := sql.Open("pgx", e.pgURL)
 			return &advClient{db: db, l: advsql.New(db)}, err
@@ -128,6 +173,10 @@ func (r *rawPgx) lock(ctx context.Context, key string) (func(context.Context) er
 	}, nil
 }
 
+func (r *rawPgx) cycle(ctx context.Context, key string, during func()) error {
+	return lockCycle(ctx, r, key, during)
+}
+
 func (r *rawPgx) close() { r.c.Close(context.Background()) }
 
 type rawPool struct{ p *pgxpool.Pool }
@@ -152,6 +201,10 @@ func (r *rawPool) lock(ctx context.Context, key string) (func(context.Context) e
 	}, nil
 }
 
+func (r *rawPool) cycle(ctx context.Context, key string, during func()) error {
+	return lockCycle(ctx, r, key, during)
+}
+
 func (r *rawPool) close() { r.p.Close() }
 
 type advClient struct {
@@ -163,34 +216,30 @@ type advClient struct {
 
 func (a *advClient) lock(ctx context.Context, key string) (func(context.Context) error, error) {
 	k := advlock.NameKey("bench-" + key)
-	if a.do {
-		// Do holds the lock only while fn runs: run fn until release is called.
-		got, release, done := make(chan struct{}), make(chan struct{}), make(chan error, 1)
-		go func() {
-			done <- a.l.Do(ctx, k, func(context.Context) error {
-				close(got)
-				<-release
-				return nil
-			})
-		}()
-		select {
-		case <-got:
-		case err := <-done:
-			return nil, err
-		}
-		return func(context.Context) error { close(release); return <-done }, nil
-	}
 	var lk *advlock.Lock
 	var err error
 	if a.try {
 		lk, err = a.l.TryLock(ctx, k)
 	} else {
-		lk, err = a.l.Lock(ctx, k)
+		lk, err = a.l.Lock(ctx, k) // also the Do contenders' holder in the handoff workload
 	}
 	if err != nil {
 		return nil, err
 	}
 	return lk.Unlock, nil
+}
+
+// cycle is one call of Do for the Do contenders (fn runs during), else lock and unlock.
+func (a *advClient) cycle(ctx context.Context, key string, during func()) error {
+	if !a.do {
+		return lockCycle(ctx, a, key, during)
+	}
+	return a.l.Do(ctx, advlock.NameKey("bench-"+key), func(context.Context) error {
+		if during != nil {
+			during()
+		}
+		return nil
+	})
 }
 
 func (a *advClient) close() {
@@ -219,6 +268,10 @@ func (r *redsyncClient) lock(ctx context.Context, key string) (func(context.Cont
 	}, nil
 }
 
+func (r *redsyncClient) cycle(ctx context.Context, key string, during func()) error {
+	return lockCycle(ctx, r, key, during)
+}
+
 func (r *redsyncClient) close() {}
 
 type etcdClient struct {
@@ -232,6 +285,10 @@ func (e *etcdClient) lock(ctx context.Context, key string) (func(context.Context
 		return nil, err
 	}
 	return m.Unlock, nil
+}
+
+func (e *etcdClient) cycle(ctx context.Context, key string, during func()) error {
+	return lockCycle(ctx, e, key, during)
 }
 
 func (e *etcdClient) close() {
@@ -268,6 +325,21 @@ func (r *rawConns) cycle(ctx context.Context, g int, key int64) error {
 	if err := r.conns[i].QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", key).Scan(&ok); err != nil || !ok {
 		return fmt.Errorf("lock: %v %v", ok, err)
 	}
+	if err := r.conns[i].QueryRow(ctx, "SELECT pg_advisory_unlock($1)", key).Scan(&ok); err != nil || !ok {
+		return fmt.Errorf("unlock: %v %v", ok, err)
+	}
+	return nil
+}
+
+// cycleWait locks key on connection g mod n, waiting in the server, and unlocks it.
+func (r *rawConns) cycleWait(ctx context.Context, g int, key int64) error {
+	i := g % len(r.conns)
+	r.mu[i].Lock()
+	defer r.mu[i].Unlock()
+	if _, err := r.conns[i].Exec(ctx, "SELECT pg_advisory_lock($1)", key); err != nil {
+		return fmt.Errorf("lock: %v", err)
+	}
+	var ok bool
 	if err := r.conns[i].QueryRow(ctx, "SELECT pg_advisory_unlock($1)", key).Scan(&ok); err != nil || !ok {
 		return fmt.Errorf("unlock: %v %v", ok, err)
 	}

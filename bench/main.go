@@ -3,6 +3,11 @@
 // raw pgx on a dedicated connection), plus results.csv, results.json and chart.svg in -out.
 //
 //	cd bench && go run .
+//
+// With -service it runs the service measurement instead (service.go): two processes of the request-scoped
+// pattern, with a ledger that checks exclusion, and the server connections they use.
+//
+//	cd bench && go run . -service
 package main
 
 import (
@@ -32,7 +37,7 @@ var (
 	flagDur      = flag.Duration("dur", time.Second, "how long each throughput measurement runs")
 	flagOut      = flag.String("out", "results", "directory for results.csv, results.json and chart.svg")
 	flagCPU      = flag.String("cpuprofile", "", "write a CPU profile of the whole run to this file")
-	flagOnly     = flag.String("only", "", "run only the contenders whose name matches this regular expression (raw pgx always runs)")
+	flagOnly     = flag.String("only", "", "run only the contenders whose name matches this regular expression (raw pgx always runs; \"advlock Open, pool of 24\" runs only when named)")
 	flagHandoffs = flag.Int("handoffs", 100, "handoff samples per round for PostgreSQL contenders (redsync and etcd take 20)")
 )
 
@@ -50,19 +55,27 @@ func main() {
 		defer pprof.StopCPUProfile()
 	}
 	ctx := context.Background()
+	if *flagService || *flagServiceChild >= 0 {
+		if err := runService(ctx); err != nil {
+			log.Fatal(err)
+		}
+		return
+	}
 	e, cleanup, err := setup(ctx)
 	if err != nil {
 		log.Fatal(err)
 	}
 	defer cleanup()
 	cs := contenders(e)
+	re := regexp.MustCompile("^$")
 	if *flagOnly != "" {
-		re, err := regexp.Compile(*flagOnly)
-		if err != nil {
+		if re, err = regexp.Compile(*flagOnly); err != nil {
 			log.Fatal(err)
 		}
-		cs = slices.DeleteFunc(cs, func(c contender) bool { return c.name != rawName && !re.MatchString(c.name) })
 	}
+	cs = slices.DeleteFunc(cs, func(c contender) bool {
+		return c.name != rawName && (*flagOnly != "" || c.optIn) && !re.MatchString(c.name)
+	})
 	res := run(ctx, e, cs)
 	res.print(os.Stdout)
 	if err := res.write(*flagOut); err != nil {

@@ -30,6 +30,7 @@ const (
 	wLoss        = "5. loss noticed"
 	wMemory      = "6. client memory"
 	wMany        = "7. 256 goroutines, one process, distinct keys"
+	wManyOneKey  = "8. 256 goroutines, one process, one key"
 )
 
 const rawName = "raw pgx (dedicated conn)"
@@ -93,6 +94,10 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 		loss(ctx, e, col, round)
 		for name, ops := range many(ctx, e, cs, 256, tag+"-m") {
 			col.add(wMany, name, "throughput", "cycles/s", ops, manyNotes[name])
+		}
+		for name, tp := range oneKeyMany(ctx, e, cs, 256, tag+"-o") {
+			col.add(wManyOneKey, name, "throughput", "cycles/s", tp.ops, oneKeyNotes[name])
+			col.add(wManyOneKey, name, "fairness (max/min per goroutine)", "x", tp.fair, "")
 		}
 	}
 	held(ctx, e, cs, col)
@@ -177,13 +182,7 @@ func throughput(ctx context.Context, cs []contender, n int, sameKey bool, tag st
 		}
 		return fmt.Sprintf("%s-%s-%d", tag, r.c.name, g)
 	}
-	cycle := func(r *runner, g int) error {
-		un, err := r.cl[g].lock(ctx, key(r, g))
-		if err == nil {
-			err = un(ctx)
-		}
-		return err
-	}
+	cycle := func(r *runner, g int) error { return r.cl[g].cycle(ctx, key(r, g), nil) }
 	for _, r := range rs { // warm up: connections, prepared statements
 		for g := range r.cl {
 			for range 3 {
@@ -241,13 +240,13 @@ func handoff(ctx context.Context, c contender, samples int, tag string) ([]time.
 		}
 		type grant struct {
 			at  time.Time
-			un  func(context.Context) error
 			err error
 		}
 		got := make(chan grant, 1)
-		go func() {
-			wun, err := waiter.lock(ctx, key)
-			got <- grant{time.Now(), wun, err}
+		go func() { // the waiter takes the key as its API is called (one Do for advlock Do) and releases it
+			var at time.Time
+			err := waiter.cycle(ctx, key, func() { at = time.Now() })
+			got <- grant{at, err}
 		}()
 		time.Sleep(10 * time.Millisecond) // the waiter is queued (or polling) by now
 		t0 := time.Now()
@@ -259,9 +258,6 @@ func handoff(ctx context.Context, c contender, samples int, tag string) ([]time.
 			return nil, g.err
 		}
 		lat = append(lat, g.at.Sub(t0))
-		if err := g.un(ctx); err != nil {
-			return nil, err
-		}
 	}
 	return lat, nil
 }
@@ -277,13 +273,7 @@ func memory(ctx context.Context, c contender, tag string) (float64, float64, err
 	if !c.pg {
 		n = 300
 	}
-	cycle := func() error {
-		un, err := cl[0].lock(ctx, tag)
-		if err != nil {
-			return err
-		}
-		return un(ctx)
-	}
+	cycle := func() error { return cl[0].cycle(ctx, tag, nil) }
 	for range 20 {
 		if err := cycle(); err != nil {
 			return 0, 0, err
@@ -543,6 +533,8 @@ var manyNotes = map[string]string{
 	"raw pgxpool":     "pool of 32",
 	"advlock TryLock": "shared sessions (default 4), pool of 32",
 	sessionPerLock:    "TryLock, pool of 32",
+	openDefault:       "TryLock, Open's default pool",
+	open24:            "TryLock, Open with a pool of 24",
 }
 
 // many measures one process whose n goroutines each take and release a lock on a key of their own (a lock per
@@ -568,7 +560,8 @@ func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[st
 		return raw.cycle(ctx, g, pgKey(fmt.Sprintf("%s-raw-%d", tag, g)))
 	}})
 	for _, c := range cs {
-		if c.name != "raw pgxpool" && c.name != "advlock TryLock" && c.name != sessionPerLock {
+		if c.name != "raw pgxpool" && c.name != "advlock TryLock" && c.name != sessionPerLock && c.name != openDefault &&
+			c.name != open24 {
 			continue
 		}
 		// Pools of 32 here: every contender is connected at once, within max_connections (100 by default).
@@ -638,6 +631,100 @@ func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[st
 			continue
 		}
 		out[r.name] = float64(r.count.Load()) / r.spent.Seconds()
+	}
+	return out
+}
+
+var oneKeyNotes = map[string]string{
+	rawName:        "8 dedicated connections shared by the goroutines, pg_advisory_lock",
+	"raw pgxpool":  "pool of 32, pg_advisory_lock",
+	"advlock Lock": "Lock, pool of 32",
+	"advlock Do":   "Do, pool of 32",
+	openDefault:    "Lock, Open's default pool",
+	open24:         "Lock, Open with a pool of 24",
+}
+
+// oneKeyMany measures one process whose n goroutines all take and release one key, waiting for it, through one
+// client: raw pgx over 8 dedicated connections (the baseline: each goroutine waits for its connection, then in
+// the server), raw pgxpool, and the blocking advlock contenders that share sessions (in-process hand-off
+// behind the Locker's gate). The contenders take turns in 50 ms slices until each has run *flagDur. It returns
+// cycles/s and max/min cycles per goroutine.
+func oneKeyMany(ctx context.Context, e *env, cs []contender, n int, tag string) map[string]tput {
+	type runner struct {
+		name   string
+		cycle  func(g int) error
+		close  func()
+		counts []atomic.Int64
+		spent  time.Duration
+		err    error
+	}
+	var rs []*runner
+	raw, err := newRawConns(ctx, e.pgURL, 8)
+	if err != nil {
+		log.Printf("%s: %v", wManyOneKey, err)
+		return nil
+	}
+	rawKey := pgKey(tag + "-raw")
+	rs = append(rs, &runner{name: rawName, close: raw.close, cycle: func(g int) error { return raw.cycleWait(ctx, g, rawKey) }})
+	for _, c := range cs {
+		if _, ok := oneKeyNotes[c.name]; !ok || c.name == rawName {
+			continue
+		}
+		cl, err := c.new(context.WithValue(ctx, poolSizeKey{}, 32))
+		if !check(c, wManyOneKey, err) {
+			continue
+		}
+		k := tag + "-" + c.name
+		rs = append(rs, &runner{name: c.name, close: cl.close, cycle: func(g int) error { return cl.cycle(ctx, k, nil) }})
+	}
+	defer func() {
+		for _, r := range rs {
+			r.close()
+		}
+	}()
+	for _, r := range rs {
+		r.counts = make([]atomic.Int64, n)
+		var wg sync.WaitGroup
+		for g := range n { // warm up
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := r.cycle(g); err != nil && r.err == nil {
+					r.err = err
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	turns := make([]turn, len(rs))
+	for i, r := range rs {
+		turns[i] = turn{n: n, spent: &r.spent, err: &r.err, cycle: func(g int) error {
+			err := r.cycle(g)
+			if err == nil {
+				r.counts[g].Add(1)
+			}
+			return err
+		}}
+	}
+	takeTurns(turns)
+	out := map[string]tput{}
+	for _, r := range rs {
+		if r.err != nil {
+			log.Printf("%s / %s: %v", wManyOneKey, r.name, r.err)
+			continue
+		}
+		var total int64
+		lo, hi := r.counts[0].Load(), r.counts[0].Load()
+		for i := range r.counts {
+			v := r.counts[i].Load()
+			total += v
+			lo, hi = min(lo, v), max(hi, v)
+		}
+		fair := 0.0
+		if lo > 0 {
+			fair = float64(hi) / float64(lo)
+		}
+		out[r.name] = tput{float64(total) / r.spent.Seconds(), fair}
 	}
 	return out
 }

@@ -21,9 +21,9 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/faults"
 	"github.com/advlock/advlock/internal/mutant"
 	"github.com/advlock/advlock/internal/pgcluster"
+	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -92,7 +92,8 @@ type campaign struct {
 
 	errors map[string]int // what the operations that failed with "error" said, by class
 
-	runEnd time.Time // when the workers were told to stop
+	runEnd time.Time   // when the workers were told to stop
+	waits  []*PairWait // read by history: the pair operations' waits
 
 	mu      sync.Mutex
 	faults  []fault
@@ -702,6 +703,7 @@ func (c *campaign) sessionEnds() []Evidence {
 // history reads the workers' files.
 func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Violation, int64, error) {
 	c.errors = map[string]int{}
+	c.waits = nil
 	css := map[string]*CS{}
 	ops := map[string]map[string]int{}
 	var probs []Violation
@@ -716,6 +718,7 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 		}
 		sc := bufio.NewScanner(f)
 		sc.Buffer(make([]byte, 1<<20), 1<<24)
+		waits := map[string]*PairWait{}
 		for sc.Scan() {
 			var e event
 			if json.Unmarshal(sc.Bytes(), &e) != nil {
@@ -730,6 +733,9 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 				if e.Result == "error" {
 					c.errors[errClass(e.Err)]++
 				}
+				if e.Result == "deadlock" && e.Op != "pair" {
+					probs = append(probs, Violation{VFalseDeadlock, fmt.Sprintf("worker %d: %s, which never waits while holding, ended with ErrDeadlock: %s", e.W, e.Op, e.Err)})
+				}
 			case "begin":
 				css[e.CS] = &CS{ID: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Token: e.Token, Begin: time.Unix(0, e.At),
 					PID: e.PID}
@@ -741,6 +747,13 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 					if e.Told != 0 {
 						cs.Told = time.Unix(0, e.Told)
 					}
+				}
+			case "wait":
+				waits[e.CS] = &PairWait{CS: e.CS, Worker: e.W, Key: e.Key, Start: time.Unix(0, e.At)}
+				c.waits = append(c.waits, waits[e.CS])
+			case "waited":
+				if pw := waits[e.CS]; pw != nil {
+					pw.End, pw.Result, pw.Err = time.Unix(0, e.At), e.Result, e.Err
 				}
 			case "hang":
 				probs = append(probs, Violation{VHang, fmt.Sprintf("worker %d: %s did not return within its bound", e.W, e.Op)})

@@ -104,11 +104,15 @@ type History struct {
 	WorkerOf func(app string) (int, bool) // the inverse of AppName
 	Shared   map[int]bool                 // workers whose Locker runs shared sessions (a loss is then learned by the reader)
 	RunEnd   time.Time
+	// The pair operations' waits for their second key (a cycle of them must end within DeadlockBound).
+	Waits         []*PairWait
+	DeadlockBound time.Duration
 
 	// Filled in by Check: how much it compared (a check that compared nothing proves nothing).
 	Confirmed       int      // (sample, holder) pairs where pg_locks showed the believing holder
 	ExcusedOverlaps int      // overlaps with a holder whose session the server's evidence shows ended first
 	Notices         []Notice // losses inside sections, judged against the bound
+	Cycles          []*Cycle // cycles of waits among the pair operations
 }
 
 // Violation is one broken guarantee.
@@ -571,6 +575,7 @@ func Check(h *History) []Violation {
 	}
 
 	out = append(out, h.leaksDuringRun()...)
+	out = append(out, h.deadlocks()...)
 	for _, l := range h.Leaked {
 		add(VLeak, "%s", l)
 	}

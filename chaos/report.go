@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -45,9 +46,17 @@ type Report struct {
 	ViolationsByKind map[string]int            `json:"violations_by_kind"`
 	Examples         map[string][]string       `json:"examples"`
 	LeakedLocks      int                       `json:"leaked_locks"`
-	Errors           map[string]int            `json:"errors"`                  // operations that failed with an error, by message
-	NotExercised     []string                  `json:"not_exercised,omitempty"` // why a run under faults proves nothing
-	Dir              string                    `json:"dir,omitempty"`           // kept when something was found
+	Errors           map[string]int            `json:"errors"` // operations that failed with an error, by message
+	// Cycles of waits among the pair operations: how many formed, how each was broken (deadlock: one wait ended
+	// with ErrDeadlock; other: a fault, a loss or a timeout ended one first), and how long after forming the
+	// victim's wait returned.
+	Cycles          int            `json:"cycles"`
+	CyclesBroken    map[string]int `json:"cycles_broken"`
+	DeadlockMS      Percentiles    `json:"deadlock_ms"`
+	DeadlockMaxMS   float64        `json:"deadlock_max_ms"`
+	DeadlockBoundMS float64        `json:"deadlock_bound_ms"`
+	NotExercised    []string       `json:"not_exercised,omitempty"` // why a run under faults proves nothing
+	Dir             string         `json:"dir,omitempty"`           // kept when something was found
 }
 
 // OK is true with zero violations and zero leaks.
@@ -77,6 +86,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
 		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
+		Waits: c.waits, DeadlockBound: DeadlockBound,
 		SemN: semN, RunEnd: c.runEnd,
 		AppName: func(w int) string { return fmt.Sprintf("chaos-w%d", w) },
 		WorkerOf: func(app string) (int, bool) {
@@ -92,7 +102,29 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		LossNotice: map[string]map[string]int{}, ViolationsByKind: map[string]int{},
 		Examples: map[string][]string{}, Writes: len(writes), Samples: len(h.Samples), Errors: c.errors,
 		Confirmed: h.Confirmed, ExcusedOverlaps: h.ExcusedOverlaps, SessionEnds: len(ends),
-		BoundMS: float64(h.Bound.Milliseconds())}
+		BoundMS: float64(h.Bound.Milliseconds()), CyclesBroken: map[string]int{},
+		DeadlockBoundMS: float64(h.DeadlockBound.Milliseconds())}
+	var took []float64
+	for _, cy := range h.Cycles {
+		r.Cycles++
+		if cy.Excused {
+			r.CyclesBroken["excused"]++ // past the bound while a fault kept its Lockers from reading
+		}
+		switch {
+		case len(cy.Victims) > 0:
+			r.CyclesBroken["deadlock"]++
+			took = append(took, float64(cy.Victims[0].End.Sub(cy.Formed).Microseconds())/1000)
+		case cy.Broken == forever:
+			r.CyclesBroken["never"]++
+		default:
+			r.CyclesBroken["other"]++
+		}
+	}
+	if len(took) > 0 {
+		sort.Float64s(took)
+		r.DeadlockMS = Percentiles{P50: pct(took, 0.5), P99: pct(took, 0.99), N: len(took)}
+		r.DeadlockMaxMS = pct(took, 1)
+	}
 	for _, m := range ops {
 		for _, n := range m {
 			r.Operations += n
@@ -142,6 +174,11 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		sort.Float64s(ds)
 		r.LossNoticeMS[kind] = Percentiles{P50: pct(ds, 0.50), P99: pct(ds, 0.99), N: len(ds)}
 	}
+	// A run whose pair operations never formed a cycle proves nothing about deadlocks.
+	if n := sum(ops["pair"]); n > 0 && r.Cycles == 0 && (len(c.opt.Ops) == 0 || slices.Contains(c.opt.Ops, "pair")) &&
+		c.opt.Duration >= 10*time.Second {
+		r.NotExercised = append(r.NotExercised, fmt.Sprintf("%d pair operations formed no cycle of waits", n))
+	}
 	// A run under faults that refused no write, told no holder of a loss inside its section, or had a kind of
 	// fault that never hit a holder did not exercise what the checker's excusing rules are about: it proves less
 	// than it seems, and fails.
@@ -171,6 +208,14 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	return r, nil
 }
 
+func sum(m map[string]int) int {
+	n := 0
+	for _, v := range m {
+		n += v
+	}
+	return n
+}
+
 func pct(sorted []float64, p float64) float64 {
 	i := int(p*float64(len(sorted)-1) + 0.5)
 	return float64(int(sorted[i]*10+0.5)) / 10
@@ -197,6 +242,12 @@ func (r *Report) Print(w io.Writer) {
 	}
 	tw.Flush()
 	fmt.Fprintln(w)
+
+	if r.Cycles > 0 {
+		fmt.Fprintf(w, "cycles of waits: %d formed; broken by one ErrDeadlock %d (after p50 %.0f ms, p99 %.0f ms, max %.0f ms; bound %v), by a fault, loss or timeout first %d, never %d; past the bound during a fault that kept a Locker from reading %d\n\n",
+			r.Cycles, r.CyclesBroken["deadlock"], r.DeadlockMS.P50, r.DeadlockMS.P99, r.DeadlockMaxMS,
+			time.Duration(r.DeadlockBoundMS)*time.Millisecond, r.CyclesBroken["other"], r.CyclesBroken["never"], r.CyclesBroken["excused"])
+	}
 
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "fault\tinjected\thit a holder\tlosses in sections\tlearned by\tnotice p50 ms\tp99 ms\tpast the bound (%v)\n",

@@ -44,7 +44,14 @@ type workerConfig struct {
 var (
 	lockKeys = []advlock.Key{advlock.Int64Key(71001), advlock.Int64Key(71002), advlock.Int64Key(71003)}
 	leadKey  = advlock.Int64Key(71100)
+	// pairKeys are taken two at a time in a random order (the pair operation): cycles of waits form, across
+	// processes and inside one, which the Lockers must break with exactly one ErrDeadlock each.
+	pairKeys = []advlock.Key{advlock.Int64Key(71201), advlock.Int64Key(71202), advlock.Int64Key(71203)}
 )
+
+// pairWait bounds a pair operation's wait for its second key: far longer than a cycle may last (History's
+// DeadlockBound), so that only the Locker's detection, or a fault, ends a cycle in time.
+const pairWait = 8 * time.Second
 
 const (
 	semName = "chaos"
@@ -53,7 +60,7 @@ const (
 
 // event is one line of a worker's history file.
 type event struct {
-	T     string `json:"t"` // op, begin, end, exit, hang
+	T     string `json:"t"` // op, begin, end, wait, waited, exit, hang
 	W     int    `json:"w"`
 	Inc   int    `json:"inc"`
 	At    int64  `json:"at,omitempty"` // unix ns when written (this machine's clock, which is the server's)
@@ -431,6 +438,8 @@ func classify(err error) string {
 		return "ok"
 	case errors.Is(err, advlock.ErrNotAcquired):
 		return "not_acquired"
+	case errors.Is(err, advlock.ErrDeadlock):
+		return "deadlock"
 	case errors.Is(err, advlock.ErrLockLost):
 		return "lost"
 	case errors.Is(err, advlock.ErrClosed):
@@ -459,6 +468,8 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 	var err error
 	start := time.Now()
 	switch op {
+	case "pair":
+		err = w.pair(l, rng)
 	case "hold":
 		// A holder that stays in its section for seconds: the faults (aimed at holders) land inside sections.
 		err = w.sessionLock(op, key, "x", 6*time.Second, within(time.Second, func(ctx context.Context) (*advlock.Lock, error) {
@@ -515,8 +526,8 @@ type opWeight struct {
 }
 
 // opWeights is the workers' mix of operations (percent).
-var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 13}, {"lock_deadline", 18}, {"lock_cancel", 12}, {"rlock", 12}, {"do", 12}, {"dotx", 10},
-	{"semaphore", 8}, {"lead", 10}}
+var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 12}, {"lock_deadline", 16}, {"lock_cancel", 11}, {"rlock", 11}, {"do", 11}, {"dotx", 9},
+	{"semaphore", 7}, {"pair", 10}, {"lead", 8}}
 
 // pick draws the next operation: from the mix, or evenly from the worker's own list.
 func (w *worker) pick(rng *rand.Rand) string {
@@ -552,9 +563,16 @@ func errString(err error) string {
 // sessionLock takes a session lock with acquire, runs a critical section on it, and unlocks.
 func (w *worker) sessionLock(op string, key advlock.Key, mode string, planned time.Duration,
 	acquire func(context.Context) (*advlock.Lock, error)) error {
+	return w.sessionLockIn(context.Background(), op, key, mode, planned, acquire)
+}
+
+// sessionLockIn is sessionLock with acquire's context derived from parent (the pair operation's inner lock waits
+// under its outer lock's context, which says what it holds).
+func (w *worker) sessionLockIn(parent context.Context, op string, key advlock.Key, mode string, planned time.Duration,
+	acquire func(context.Context) (*advlock.Lock, error)) error {
 	done := w.track(op, planned+time.Second)
 	defer done()
-	actx, pid := withPIDBox(context.Background())
+	actx, pid := withPIDBox(parent)
 	lk, err := acquire(actx)
 	if err != nil {
 		return err
@@ -565,6 +583,18 @@ func (w *worker) sessionLock(op string, key advlock.Key, mode string, planned ti
 	r := rngFor(cs)
 	if op == "hold" || op == "hold_try" { // 2.5 to 5 s
 		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 20+r.IntN(20), 250*time.Millisecond)
+		if mode == "x" && r.IntN(2) == 0 {
+			select {
+			case <-lk.Done():
+				// Told of the loss, half the time it writes once more a moment later, as a holder paused past the
+				// loss would before it knew: the resource must refuse it once a later holder wrote.
+				time.Sleep(time.Duration(200+r.IntN(500)) * time.Millisecond)
+				ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+				_ = w.write(ctx, w.ledger, canon(lk.Key()), mode, lk.Token(), cs)
+				cancel()
+			default:
+			}
+		}
 	} else {
 		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 2+r.IntN(3), 40*time.Millisecond)
 	}
@@ -711,6 +741,59 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 	return err
 }
 
+// pair takes two of the pair keys in a random order: Do on the first, and inside it a Lock of the second under
+// Do's context (which says that its caller holds the first), so that two callers taking them in opposite orders
+// form a cycle of waits that the server cannot see. The wait is recorded as it starts and as it returns, with the
+// outer section's id: the checker rebuilds every cycle from these records and requires exactly one ErrDeadlock
+// per cycle within its bound, and none without a cycle. An ErrDeadlock is returned from fn, so that Do lets go of
+// the first key and the others go on.
+func (w *worker) pair(l *advlock.Locker, rng *rand.Rand) error {
+	i := rng.IntN(len(pairKeys))
+	first, next := pairKeys[i], pairKeys[(i+1+rng.IntN(len(pairKeys)-1))%len(pairKeys)]
+	done := w.track("pair", pairWait+4*time.Second)
+	defer done()
+	ctx, cancel := context.WithTimeout(context.Background(), pairWait+3*time.Second)
+	defer cancel()
+	var cs string
+	var t int64
+	var ierr error // the inner lock's
+	ctx, pid := withPIDBox(ctx)
+	err := l.Do(ctx, first, func(fctx context.Context) error {
+		cs = w.csID()
+		token := advlock.FenceToken(fctx)
+		w.emit(event{T: "begin", Op: "pair", Key: canon(first), Mode: "x", CS: cs, Token: token, PID: pid.Load()})
+		told := watchTold(fctx.Done())
+		r := rngFor(cs)
+		w.critical(canon(first), "x", token, cs, fctx.Done(), r, 1+r.IntN(2), 40*time.Millisecond)
+		var werr error
+		ierr = w.sessionLockIn(fctx, "pair_inner", next, "x", 200*time.Millisecond, func(actx context.Context) (*advlock.Lock, error) {
+			w.emit(event{T: "wait", Op: "pair", CS: cs, Key: canon(next)})
+			lk, err := within(pairWait, func(ctx context.Context) (*advlock.Lock, error) { return l.Lock(ctx, next) })(actx)
+			w.emit(event{T: "waited", Op: "pair", CS: cs, Key: canon(next), Result: classify(err), Err: errString(err)})
+			werr = err
+			return lk, err
+		})
+		if werr == nil {
+			w.critical(canon(first), "x", token, cs, fctx.Done(), r, 1, time.Millisecond) // the last write, then Do releases
+		}
+		t = lockEnded(told(), ctx, fctx)
+		return nil // Do's error is then its own lock's and release's alone
+	})
+	if cs != "" {
+		by := toldBy(t)
+		if t == 0 && errors.Is(err, advlock.ErrLockLost) {
+			t, by = time.Now().UnixNano(), "unlock"
+		}
+		w.emit(event{T: "end", CS: cs, Key: canon(first), Told: t, ToldBy: by, Cause: causeOf(t, err), Unlock: classify(err),
+			Session: w.obs.sessionOf(canon(first)),
+			Clean:   err == nil && t == 0})
+	}
+	if err == nil {
+		return ierr
+	}
+	return err
+}
+
 // lockEnded is told unless fn's ctx ended because the caller's own ctx did (a deadline, not the lock's end).
 func lockEnded(told int64, ctx, fctx context.Context) int64 {
 	if told != 0 && ctx.Err() != nil && !errors.Is(context.Cause(fctx), advlock.ErrLockLost) &&
@@ -727,8 +810,8 @@ func causeOf(told int64, err error) string {
 	return classify(err)
 }
 
-// doTx takes a transaction lock; its token is the fencing sequence's next value, read inside the transaction after
-// the grant, and its writes commit with the release.
+// doTx takes a transaction lock; its token is drawn as a grant's is (advlock.FenceTokenSQL), inside the transaction
+// after the grant, and its writes commit with the release.
 func (w *worker) doTx(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 	done := w.track("dotx", 2*time.Second)
 	defer done()
@@ -739,7 +822,7 @@ func (w *worker) doTx(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error 
 		cs = w.csID()
 		var token int64
 		var pid int32
-		if err := tx.QueryRow(ctx, `SELECT nextval('public.advlock_fence'), pg_backend_pid()`).Scan(&token, &pid); err != nil {
+		if err := tx.QueryRow(ctx, `SELECT `+advlock.FenceTokenSQL+`, pg_backend_pid()`).Scan(&token, &pid); err != nil {
 			return err
 		}
 		w.emit(event{T: "begin", Op: "dotx", Key: canon(key), Mode: "x", CS: cs, Token: token, PID: uint32(pid)})

@@ -5,7 +5,7 @@
 //	advlock break [--yes] KEY
 //	advlock demo
 //
-// See advlock help, and the README, for exit codes.
+// See advlock help, and docs/command.md, for every flag and exit status.
 package main
 
 import (

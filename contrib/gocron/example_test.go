@@ -25,7 +25,7 @@ func Example() {
 		log.Fatal(err)
 	}
 	defer locks.Close()
-	elector := advlockgocron.NewElector(ctx, locks, "example-reports")
+	elector := advlockgocron.NewElector(ctx, locks, "example-reports") // campaigns until Close
 	defer elector.Close()
 	s, err := gocron.NewScheduler(gocron.WithDistributedElector(elector))
 	if err != nil {
@@ -45,4 +45,24 @@ func Example() {
 	_ = s.Shutdown()
 	fmt.Println("the job ran on the leader")
 	// Output: the job ran on the leader
+}
+
+// Every scheduler runs its jobs, and each run takes the job's key without waiting: a scheduler that finds the key
+// taken skips that run, so no two runs of one job overlap across the processes.
+func ExampleNewLocker() {
+	ctx := context.Background()
+	locks, err := advlock.Open(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer locks.Close()
+	s, err := gocron.NewScheduler(gocron.WithDistributedLocker(advlockgocron.NewLocker(locks)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	if _, err := s.NewJob(gocron.DurationJob(time.Minute), gocron.NewTask(func() { fmt.Println("report") })); err != nil {
+		log.Fatal(err)
+	}
+	s.Start()
+	defer func() { _ = s.Shutdown() }()
 }

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/go-co-op/gocron/v2"
 )
 

@@ -3,10 +3,12 @@ package advlockotel_test
 import (
 	"context"
 	"fmt"
+	"log"
 	"os"
 
 	"github.com/advlock/advlock"
 	advlockotel "github.com/advlock/advlock/contrib/otel"
+	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/exporters/stdout/stdoutmetric"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 )
@@ -36,4 +38,18 @@ func Example() {
 		return
 	}
 	_ = lk.Unlock(ctx)
+}
+
+// A Locker that reports to the global OpenTelemetry providers: metrics for every lock call and session, a span
+// for each call that may wait.
+func ExampleWithTracerProvider() {
+	ctx := context.Background()
+	dsn := os.Getenv("DATABASE_URL")
+	l, err := advlock.Open(ctx, dsn,
+		advlockotel.WithMeterProvider(otel.GetMeterProvider()),
+		advlockotel.WithTracerProvider(otel.GetTracerProvider()))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer l.Close()
 }

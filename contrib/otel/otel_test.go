@@ -9,7 +9,7 @@ import (
 
 	"github.com/advlock/advlock"
 	advlockotel "github.com/advlock/advlock/contrib/otel"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"go.opentelemetry.io/otel/attribute"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"

@@ -1,5 +1,5 @@
 // Command slog shows what advlock.WithLogger writes: a TryLock and its Unlock, then a Lock whose backend another
-// session terminates (the README's Observability output comes from it).
+// session terminates (the output in docs/observability.md comes from it).
 package main
 
 import (

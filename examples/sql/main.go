@@ -1,4 +1,4 @@
-// Command sql is the README's database/sql example: the same locks over *sql.DB, with lib/pq or pgx's driver,
+// Command sql is the database/sql example of docs/locks.md: the same locks over *sql.DB, with lib/pq or pgx's driver,
 // and a transaction-scoped lock.
 package main
 
@@ -22,7 +22,7 @@ func main() {
 	}
 	defer db.Close()
 
-	l := advsql.New(db) // session locks: each held lock pins one *sql.Conn
+	l := advsql.New(db) // session locks; with lib/pq each held lock pins one *sql.Conn
 	defer l.Close()
 	err = l.Do(ctx, advlock.NameKey("nightly-report"), func(ctx context.Context) error {
 		fmt.Println("session lock held: running the nightly report")

@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"os"
 	"strings"
 	"time"
 
@@ -15,10 +17,12 @@ import (
 const breakSynopsis = "[--yes] [--dsn DSN] KEY"
 
 func breakCmd(ctx context.Context, args []string, std Stdio) int {
-	fs := newFlags("break", breakSynopsis, std, `
+	fs := newFlags("break", breakSynopsis, `
 Shows the sessions holding KEY, asks for confirmation (unless --yes), and terminates them with
-pg_terminate_backend. Exit status: 0 terminated (or nobody held KEY); 1 not confirmed; 77 no privilege to
-terminate a holder; 69 database unreachable; 2 usage error.
+pg_terminate_backend. Any answer but y or yes, or none (end of input), terminates nobody and says so.
+
+Exit status: 0 terminated (or nobody held KEY); 1 not confirmed; 77 no privilege to terminate a holder;
+69 database unreachable; 2 usage error.
 `)
 	yes := fs.Bool("yes", false, "do not ask for confirmation")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
@@ -58,8 +62,11 @@ terminate a holder; 69 database unreachable; 2 usage error.
 	printTable(std.Out, holders, time.Now())
 	if !*yes {
 		fmt.Fprintf(std.Out, "terminate %d backend(s)? [y/N] ", len(holders))
-		line, _ := bufio.NewReader(std.In).ReadString('\n')
+		line, err := bufio.NewReader(std.In).ReadString('\n')
 		if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
+			if err != nil || !echoes(std.In) { // no Enter echoed after the prompt: end its line first
+				fmt.Fprintln(std.Out)
+			}
 			fmt.Fprintln(std.Out, "not confirmed; nothing terminated")
 			return exitFailure
 		}
@@ -88,4 +95,14 @@ terminate a holder; 69 database unreachable; 2 usage error.
 		}
 	}
 	return exitOK
+}
+
+// echoes reports whether r is a terminal, which echoes the answer typed at a prompt and the Enter that ends it.
+func echoes(r io.Reader) bool {
+	f, ok := r.(*os.File)
+	if !ok {
+		return false
+	}
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
 }

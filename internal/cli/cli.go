@@ -12,6 +12,7 @@ import (
 	"os"
 	"runtime/debug"
 	"strings"
+	"time"
 
 	"github.com/advlock/advlock"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -25,6 +26,7 @@ const (
 	exitUsage       = 2  // bad flags, bad KEY
 	exitUnavailable = 69 // database unreachable or refused the connection
 	exitLost        = 70 // the lock was lost while COMMAND ran
+	exitDeadlock    = 71 // the wait for KEY closed a cycle of waits (nested advlock run in opposite orders)
 	exitNotAcquired = 75 // --no-wait, or --wait elapsed
 	exitNoPerm      = 77 // break without the privilege to terminate the holder
 	exitCannotExec  = 126
@@ -42,32 +44,39 @@ const usage = `advlock: PostgreSQL advisory locks from the shell
 Usage:
   advlock run [--wait DURATION | --no-wait] [--shared] [--fence] [--grace DURATION] [--keepalive DURATION]
               [--dsn DSN] KEY [--] COMMAND [ARGS...]
-  advlock ls [--json | --tree] [--watch [--interval D]] [--dsn DSN] [KEY]
+  advlock ls [--json | --tree] [--watch [--interval DURATION]] [--dsn DSN] [KEY]
   advlock break [--yes] [--dsn DSN] KEY
   advlock demo
   advlock help | --version
 
 KEY:
-  NAME        a name, hashed to a 64-bit key (first 8 bytes of SHA-256); also name:NAME
-  int:N       a 64-bit key, as pg_advisory_lock(N)
+  N, int:N    a 64-bit key, as pg_advisory_lock(N): decimal, optionally signed (42, -7, +3); a negative N goes
+              after -- (advlock run -- -7 COMMAND) or as int:-7
   pair:A,B    two 32-bit keys, as pg_advisory_lock(A, B)
+  NAME        a name, hashed to a 64-bit key (first 8 bytes of SHA-256); also name:NAME, which a name that is
+              a number (name:42) or starts with a scheme below needs
   migrate:DB[/SCHEMA[/TABLE]]   golang-migrate's migration lock (schema public, table schema_migrations)
   rails:DB    Rails' migration lock for database DB
   dotnet:NAME the .NET DistributedLock library's key for NAME
   hashtext:NAME, hashtextextended:SEED:NAME
               pg_advisory_lock(hashtext(NAME)) and (hashtextextended(NAME, SEED)), computed by the server
+  Schemes are lower case (Int:42 is an error). Every KEY is checked before connecting.
+
+DURATION (--wait, --grace, --keepalive, --interval): seconds (5, 0.5, as with flock -w) or a Go duration
+(1m30s, 500ms).
 
 Connection: --dsn (before or after the command), else $DATABASE_URL, else the libpq PG* variables and defaults.
 
 Exit status:
-  run     COMMAND's status (128+N if it died of signal N); 75 not acquired (--no-wait, or --wait elapsed);
-          69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND got SIGTERM, then
-          SIGKILL after --grace); 126 COMMAND not executable; 127 COMMAND not found; 2 usage error;
-          128+N if advlock got signal N before COMMAND started
+  run     COMMAND's status (128+N if it died of signal N); 75 not acquired (--no-wait, --wait 0, or --wait
+          elapsed); 71 deadlock (the wait for KEY closed a cycle of waits); 69 database unreachable or
+          refused; 70 lock lost while COMMAND ran (COMMAND got SIGTERM, then SIGKILL after --grace); 126
+          COMMAND could not be run; 127 COMMAND not found; 2 usage error; 128+N if advlock got signal N before
+          COMMAND started
   ls      0; 69 database unreachable; 2 usage error
   break   0 holders terminated (or none held KEY); 1 not confirmed; 77 no privilege to terminate;
           69 database unreachable; 2 usage error
-  demo    0; 1 if a step failed
+  demo    0; 1 a step failed; 69 the server refused (no such database or role) or none answered and none could be started; 2 usage error
 `
 
 // Main runs the advlock command and returns its exit status.
@@ -131,10 +140,11 @@ func version() string {
 	return "devel"
 }
 
-// newFlags makes a subcommand's flag set; -h prints its usage line and flags to stdout.
-func newFlags(name, synopsis string, std Stdio, more ...string) *flag.FlagSet {
+// newFlags makes a subcommand's flag set; -h prints its usage line and flags to stdout (see parsed). It writes
+// nothing while it parses: its messages, and its usage, would bury the line that says what was wrong.
+func newFlags(name, synopsis string, more ...string) *flag.FlagSet {
 	fs := flag.NewFlagSet("advlock "+name, flag.ContinueOnError)
-	fs.SetOutput(std.Err)
+	fs.SetOutput(io.Discard)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: advlock %s %s\n", name, synopsis)
 		fs.PrintDefaults()
@@ -146,22 +156,94 @@ func newFlags(name, synopsis string, std Stdio, more ...string) *flag.FlagSet {
 }
 
 // parse parses flags; it returns a status to exit with when parsing ends the command: -h prints the usage to
-// stdout (exit 0), a bad flag prints the error and the usage to stderr (exit 2).
+// stdout (exit 0), a bad flag prints one line to stderr (exit 2; see flagError).
 func parse(fs *flag.FlagSet, args []string, std Stdio) (int, bool) {
-	usage := fs.Usage
-	fs.Usage = func() {}
-	err := fs.Parse(args)
-	fs.Usage = usage
-	if errors.Is(err, flag.ErrHelp) {
+	return parsed(fs, std, fs.Parse(args))
+}
+
+// parsed ends the command when parsing its flags (by fs.Parse, or by run's runArgs) failed with err, or the flags
+// asked for help.
+func parsed(fs *flag.FlagSet, std Stdio, err error) (int, bool) {
+	switch {
+	case errors.Is(err, flag.ErrHelp):
 		fs.SetOutput(std.Out)
 		fs.Usage()
 		return exitOK, true
-	}
-	if err != nil {
-		fs.Usage()
+	case err != nil:
+		fmt.Fprintln(std.Err, flagError(fs, err))
 		return exitUsage, true
 	}
 	return 0, false
+}
+
+// flagError renders a flag that did not parse as one line that names the flag, for a duration the forms it takes,
+// and points to the command's help: advlock run: invalid --wait "abc": want seconds (5, 0.5) or a duration (1m30s);
+// see advlock run --help.
+func flagError(fs *flag.FlagSet, err error) string {
+	msg := err.Error()
+	fs.VisitAll(func(f *flag.Flag) {
+		if v, ok := f.Value.(*durationValue); ok && v.refused != nil {
+			msg = fmt.Sprintf("invalid --%s %q: want seconds (5, 0.5) or a duration (1m30s)", f.Name, *v.refused)
+		}
+	})
+	return fmt.Sprintf("%s: %s; see %s --help", fs.Name(), msg, fs.Name())
+}
+
+// badValue reports a flag value that parsed but is out of range, as flagError does (exit 2).
+func badValue(fs *flag.FlagSet, std Stdio, name, why string) int {
+	fmt.Fprintf(std.Err, "%s: invalid --%s %s: %s; see %s --help\n", fs.Name(), name, fs.Lookup(name).Value, why, fs.Name())
+	return exitUsage
+}
+
+// durationFlag defines a duration flag that also takes a plain number of seconds, as flock -w does: 5 is 5s, 0.5
+// is 500ms; 1m30s, 500ms and the other forms of time.ParseDuration work too.
+func durationFlag(fs *flag.FlagSet, name string, value time.Duration, usage string) *time.Duration {
+	d := value
+	fs.Var(&durationValue{d: &d}, name, usage)
+	return &d
+}
+
+type durationValue struct {
+	d       *time.Duration
+	refused *string // the text Set refused, for flagError
+}
+
+func (v *durationValue) String() string {
+	if v.d == nil { // the zero value flag.PrintDefaults makes
+		return time.Duration(0).String()
+	}
+	return v.d.String()
+}
+
+func (v *durationValue) Set(s string) error {
+	d, err := parseDuration(s)
+	if err != nil {
+		v.refused = &s
+		return err
+	}
+	*v.d = d
+	return nil
+}
+
+// parseDuration reads a plain decimal number (5, 0.5, .5, -1) as seconds, anything else as time.ParseDuration
+// does.
+func parseDuration(s string) (time.Duration, error) {
+	digits, dots := 0, 0
+	for i, c := range s {
+		switch {
+		case c >= '0' && c <= '9':
+			digits++
+		case c == '.':
+			dots++
+		case (c == '-' || c == '+') && i == 0:
+		default:
+			return time.ParseDuration(s)
+		}
+	}
+	if digits > 0 && dots <= 1 {
+		return time.ParseDuration(s + "s")
+	}
+	return time.ParseDuration(s)
 }
 
 func usageError(std Stdio, format string, a ...any) int {
@@ -207,7 +289,8 @@ func hostHasAt(c pgconn.Config) bool {
 	return false
 }
 
-// open connects a Locker for the command, named in pg_stat_activity by app.
+// open connects a Locker for the command, named in pg_stat_activity by app: advlock.Open does not connect, so a
+// Ping proves the server answers (a database down or refusing is exit 69 before anything else is tried).
 func open(ctx context.Context, conn, app string, opts ...advlock.Option) (*advlock.Locker, error) {
 	if len(app) > 63 {
 		app = app[:63]
@@ -216,8 +299,16 @@ func open(ctx context.Context, conn, app string, opts ...advlock.Option) (*advlo
 		if c.ConnConfig.RuntimeParams["application_name"] == "advlock" {
 			c.ConnConfig.RuntimeParams["application_name"] = app
 		}
-	})) // Open bounds connecting by DefaultConnectTimeout unless conn sets connect_timeout
-	return advlock.Open(ctx, conn, opts...)
+	}))
+	l, err := advlock.Open(ctx, conn, opts...)
+	if err != nil {
+		return nil, err
+	}
+	if err := l.Ping(ctx); err != nil { // bounded by DefaultConnectTimeout unless conn sets connect_timeout
+		l.Close()
+		return nil, err
+	}
+	return l, nil
 }
 
 // describe renders an error for people. pgx already redacts passwords in its errors; nothing here prints a DSN.
@@ -229,14 +320,24 @@ func describe(err error) string {
 	return strings.TrimPrefix(err.Error(), "advlock: ")
 }
 
-// parseKeyArg checks a KEY argument before connecting: the keys the server computes (hashtext) are resolved
-// later, by resolveKey, on the connection.
+// parseKeyArg checks a KEY argument before connecting, so that a bad KEY is a usage error (exit 2) whether or
+// not the server answers. A key the server computes (hashtext:) has its text checked here and is made later, by
+// resolveKey, on the connection; for it the zero Key is returned.
 func parseKeyArg(s string) (advlock.Key, error) {
-	if advlock.NeedsServer(s) {
+	k, err := advlock.ResolveKey(context.Background(), offline{}, s)
+	if errors.Is(err, errOffline) {
 		return advlock.Key{}, nil
 	}
-	return advlock.ParseKey(s)
+	return k, err
 }
+
+// offline is a Querier without a server. ResolveKey queries only for a key whose text it has read, so reaching
+// offline means the text is valid.
+type offline struct{}
+
+var errOffline = errors.New("no server: the key is computed once connected")
+
+func (offline) Query(context.Context, string, ...any) (pgx.Rows, error) { return nil, errOffline }
 
 // resolveKey makes the key text names on a connection of its own to conn (for the keys the server computes).
 func resolveKey(ctx context.Context, conn, text string) (advlock.Key, error) {

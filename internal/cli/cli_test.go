@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,7 +17,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -94,10 +95,16 @@ func TestTable(t *testing.T) {
 		{Key: advlock.NameKey("billing-sync"), WaitStart: &wait, BlockedBy: []int32{4242}, PID: 4343,
 			ApplicationName: "cron", ClientAddr: "local", BackendStart: now.Add(-time.Minute), State: "active"},
 		{Key: advlock.PairKey(1, -2), Shared: true, Granted: true, PID: 77, ClientAddr: "::1", State: "idle"},
+		{Key: advlock.Int64Key(9), Granted: true, PID: 88, ApplicationName: "svc", ClientAddr: "10.1.2.4", State: "idle"},
+		{Key: advlock.Int64Key(10), Granted: true, PID: 88, ApplicationName: "svc", ClientAddr: "10.1.2.4", State: "idle"},
+		{Key: advlock.Int64Key(11), WaitStart: &wait, BlockedBy: []int32{4343}, PID: 89, ApplicationName: "svc",
+			ClientAddr: "10.1.2.4", State: "active"},
 	}
 	var b bytes.Buffer
 	printTable(&b, rows, now)
+	printClients(&b, rows)
 	printTable(&b, nil, now)
+	printClients(&b, nil)
 	printLockTable(&b, advlock.LockTableUse{Advisory: 5000, Used: 5012, Capacity: 7040})
 	golden(t, "ls-table.golden", b.String())
 }
@@ -507,5 +514,28 @@ func TestLsWatchSnapshots(t *testing.T) {
 	}
 	if code, _, errOut := run(t, "", "ls", "--json", "--tree"); code != exitUsage {
 		t.Errorf("--json --tree: exit %d %q", code, errOut)
+	}
+}
+
+// A server that answers with an error is the user's problem to see: demo says what it answered and exits 69,
+// without starting a throwaway server; only when nothing answers does it start one.
+func TestDemoServerRefuses(t *testing.T) {
+	u, err := url.Parse(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ name, user, db, want string }{
+		{"missing database", "postgres", "no_such_db_advlock", "3D000"},
+		{"missing role", "no_such_role_advlock", "postgres", "28000"},
+	} {
+		v := *u
+		v.User = url.User(tc.user)
+		v.Path = "/" + tc.db
+		p := start(t, []string{"DATABASE_URL=" + v.String()}, "demo")
+		code := p.wait(t, 30*time.Second)
+		if code != exitUnavailable || !strings.Contains(p.err.String(), tc.want) || strings.Contains(p.out.String(), "throwaway") {
+			t.Errorf("%s: exit %d, stderr %q, stdout %q; want 69 naming %s and no throwaway server", tc.name, code,
+				p.err.String(), p.out.String(), tc.want)
+		}
 	}
 }

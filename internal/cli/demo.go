@@ -16,6 +16,7 @@ import (
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/pgcluster"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -32,7 +33,10 @@ const (
 func demoJobKey(i int) advlock.Key { return advlock.NameKey("advlock-demo-job-" + strconv.Itoa(i)) }
 
 func demoCmd(ctx context.Context, args []string, std Stdio) int {
-	fs := newFlags("demo", "[--dsn DSN]", std)
+	fs := newFlags("demo", "[--dsn DSN]", `
+Exit status: 0; 1 a step failed; 69 the server answered with an error (a missing database or role, a refused
+password), or no server answered and none could be started; 2 usage error.
+`)
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables, then a throwaway server)")
 	if code, done := parse(fs, args, std); done {
 		return code
@@ -72,7 +76,9 @@ type demo struct {
 
 func (d *demo) say(format string, a ...any) { fmt.Fprintf(d.std.Out, format+"\n", a...) }
 
-// server finds a PostgreSQL that answers, or starts a throwaway one.
+// server finds a PostgreSQL that answers, or starts a throwaway one when nothing answered at all. A server that
+// answered with an error (no such database or role, a refused password) is the user's real problem: it is
+// reported, and no throwaway server hides it.
 func (d *demo) server(ctx context.Context, conn string) (string, func(), error) {
 	cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
@@ -80,7 +86,11 @@ func (d *demo) server(ctx context.Context, conn string) (string, func(), error) 
 	if err != nil {
 		return "", nil, err
 	}
-	if c, err := pgx.ConnectConfig(cctx, cfg); err == nil {
+	c, err := pgx.ConnectConfig(cctx, cfg)
+	if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) {
+		return "", nil, fmt.Errorf("the server at %s:%d answered: %w", cfg.Host, cfg.Port, err)
+	}
+	if err == nil {
 		var version string
 		_ = c.QueryRow(cctx, "SHOW server_version").Scan(&version)
 		c.Close(cctx)
@@ -92,12 +102,12 @@ func (d *demo) server(ctx context.Context, conn string) (string, func(), error) 
 		return conn, func() {}, nil
 	}
 	d.say("advlock demo: no PostgreSQL answered at %s:%d; starting a throwaway server (removed at the end)...", cfg.Host, cfg.Port)
-	c, err := pgcluster.Start()
+	tc, err := pgcluster.Start()
 	if err != nil {
 		return "", nil, fmt.Errorf("no server answered and none could be started: %w", err)
 	}
-	d.say("advlock demo: throwaway PostgreSQL on 127.0.0.1:%d", c.Port)
-	return c.URL, c.Remove, nil
+	d.say("advlock demo: throwaway PostgreSQL on 127.0.0.1:%d", tc.Port)
+	return tc.URL, tc.Remove, nil
 }
 
 // poolReuse reproduces the pool-reuse failure with naive code, then shows advlock refusing the second holder.

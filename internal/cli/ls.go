@@ -19,14 +19,19 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-const lsSynopsis = "[--json | --tree] [--watch [--interval D]] [--dsn DSN] [KEY]"
+const lsSynopsis = "[--json | --tree] [--watch [--interval DURATION]] [--dsn DSN] [KEY]"
 
 func lsCmd(ctx context.Context, args []string, std Stdio) int {
-	fs := newFlags("ls", lsSynopsis, std)
-	asJSON := fs.Bool("json", false, "print a JSON array (stable field names) instead of a table")
+	fs := newFlags("ls", lsSynopsis, fmt.Sprintf(`
+After the locks, ls counts the server sessions of each client (client address and application name) that hold
+or wait for them: a Locker from advlock.Open uses at most %d connections, shared sessions included.
+
+Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 usage error.
+`, advlock.DefaultOpenConns))
+	asJSON := fs.Bool("json", false, "print a JSON array (stable field names; client_sessions counts the sessions of each row's client) instead of a table")
 	tree := fs.Bool("tree", false, "show who waits for whom: each key with its holders, then the sessions waiting for it, indented, with how long they have waited")
 	watch := fs.Bool("watch", false, "redraw every --interval until interrupted (in place on a terminal, like top; one snapshot after another on a pipe or a dumb terminal)")
-	interval := fs.Duration("interval", time.Second, "how often --watch redraws")
+	interval := durationFlag(fs, "interval", time.Second, "with --watch, redraw every `DURATION`")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	if code, done := parse(fs, args, std); done {
 		return code
@@ -35,7 +40,7 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 		return usageError(std, "ls: --json and --tree exclude each other")
 	}
 	if *interval <= 0 {
-		return usageError(std, "ls: --interval must be positive")
+		return badValue(fs, std, "interval", "must be positive")
 	}
 	var filter *string // the KEY argument
 	switch fs.NArg() {
@@ -68,6 +73,7 @@ func lsCmd(ctx context.Context, args []string, std Stdio) int {
 		default:
 			printTable(w, rows, now)
 		}
+		printClients(w, rows)
 		if use != nil {
 			printLockTable(w, *use)
 		}
@@ -180,6 +186,7 @@ func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 		}
 		return s
 	}
+	cycles := 0
 	for _, k := range order {
 		g := groups[k]
 		fmt.Fprintln(w, g.key)
@@ -214,9 +221,80 @@ func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 			if len(behind) > 0 {
 				extra = ", queued behind pid " + strings.Join(behind, ", ")
 			}
+			if len(r.CallerHolds) > 0 {
+				var held []string
+				for _, h := range r.CallerHolds {
+					held = append(held, fmt.Sprintf("%s (pid %d)", h.Key, h.PID))
+				}
+				extra += "; its caller holds " + strings.Join(held, ", ")
+			}
+			if r.InCycle {
+				extra += "  <- DEADLOCK: in a cycle of waits"
+				cycles++
+			}
 			fmt.Fprintf(w, "    %s waiting %s: %s%s\n", branch, waited, who(r), extra)
 		}
 	}
+	if cycles > 0 {
+		fmt.Fprintf(w, "%d waits are in a cycle of waits: advlock ends one of the cycle's waits within about 2 s "+
+			"(ErrDeadlock); a cycle that stays passes through a caller that does not detect deadlocks\n", cycles)
+	}
+}
+
+// printClients writes, for each client of rows (client address and application name), how many server sessions
+// of it the listing shows, how many of them hold locks and how many wait, and how many locks they hold; the
+// clients with the most sessions first.
+func printClients(w io.Writer, rows []advlock.LockInfo) {
+	if len(rows) == 0 {
+		return
+	}
+	type client struct{ addr, app string }
+	type use struct {
+		client
+		sessions, holding, waiting map[int32]bool
+		held                       int
+	}
+	byClient := map[client]*use{}
+	var order []*use
+	all := map[int32]bool{}
+	for _, r := range rows {
+		c := client{r.ClientAddr, r.ApplicationName}
+		u := byClient[c]
+		if u == nil {
+			u = &use{client: c, sessions: map[int32]bool{}, holding: map[int32]bool{}, waiting: map[int32]bool{}}
+			byClient[c] = u
+			order = append(order, u)
+		}
+		u.sessions[r.PID], all[r.PID] = true, true
+		if r.Granted {
+			u.holding[r.PID] = true
+			u.held++
+		} else {
+			u.waiting[r.PID] = true
+		}
+	}
+	sort.SliceStable(order, func(i, j int) bool {
+		a, b := order[i], order[j]
+		if len(a.sessions) != len(b.sessions) {
+			return len(a.sessions) > len(b.sessions)
+		}
+		if a.addr != b.addr {
+			return a.addr < b.addr
+		}
+		return a.app < b.app
+	})
+	fmt.Fprintf(w, "\n%d sessions hold or wait for these locks, from %d clients (client address and application name):\n",
+		len(all), len(order))
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "SESSIONS\tHOLDING\tWAITING\tLOCKS HELD\tCLIENT\tAPPLICATION")
+	for _, u := range order {
+		app := u.app
+		if app == "" {
+			app = "-"
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%d\t%d\t%s\t%s\n", len(u.sessions), len(u.holding), len(u.waiting), u.held, u.addr, app)
+	}
+	tw.Flush()
 }
 
 // printLockTable writes the server's lock-table use in one line.

@@ -15,7 +15,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
 

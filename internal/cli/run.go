@@ -9,10 +9,12 @@ import (
 	"os/signal"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/session"
 )
 
 const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--fence] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
@@ -22,28 +24,35 @@ Holds KEY while COMMAND runs and releases it when COMMAND exits. COMMAND finds K
 writes keys) and, with --fence, the grant's fencing token in $ADVLOCK_TOKEN: a resource that keeps the largest
 token it saw (UPDATE ... SET fence = $ADVLOCK_TOKEN WHERE ... AND fence < $ADVLOCK_TOKEN) refuses a holder whose
 lock was lost once a later holder has written. Flags may come before or after KEY; COMMAND
-starts after "--" (or at the first argument after KEY that is not a flag).
+starts after "--" (or at the first argument after KEY that is not a flag). A "--" may also come before KEY
+(advlock run -- -7 COMMAND, for a KEY that starts with "-"); COMMAND then follows KEY, after another "--" or not.
 
 COMMAND runs in a process group of its own, which gets the terminal when advlock has it (so COMMAND can read it
 and Ctrl-C, Ctrl-Z and Ctrl-\ reach COMMAND, as with flock). SIGINT, SIGTERM, SIGHUP and SIGTSTP sent to advlock
 are forwarded to that group. If advlock dies (even by SIGKILL), the whole group is killed: nothing runs without
 the lock.
 
-The wait for KEY (--wait) does not include connecting; connecting is bounded by the DSN's connect_timeout
-(default 10s). --wait 0 is --no-wait. If advlock itself freezes (SIGSTOP, a debugger, a stuck VM), the server
-ends its session after 3 --keepalive intervals of silence and a waiter gets KEY; when advlock resumes it finds
-the lock lost and ends COMMAND (exit 70). COMMAND runs on while advlock is frozen: protect what it writes with a
-fencing check if that matters.
+A DURATION is seconds (5, 0.5, as with flock -w) or a Go duration (1m30s, 500ms). The wait for KEY (--wait)
+does not include connecting; connecting is bounded by the DSN's connect_timeout (default 10s). --wait 0 is
+--no-wait. If advlock itself freezes (SIGSTOP, a debugger, a stuck VM), the server ends its session after 3
+--keepalive intervals of silence and a waiter gets KEY; when advlock resumes it finds the lock lost and ends
+COMMAND (exit 70). COMMAND runs on while advlock is frozen: protect what it writes with a fencing check if that
+matters.
 
-Exit status: COMMAND's (128+N if it died of signal N); 75 KEY not acquired (--no-wait, or --wait elapsed);
-69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND's group got SIGTERM, then SIGKILL
-after --grace); 126 COMMAND could not be run; 127 COMMAND not found; 2 usage error; 128+N if advlock got
-signal N before COMMAND started.
+An advlock run inside COMMAND knows what this one holds ($ADVLOCK_HOLDING): if its wait closes a cycle of waits
+(two nested runs taking two keys in opposite orders), one of the waits gives up (exit 71) instead of both waiting
+for ever; its parent run then exits 71 too (COMMAND's status), releasing its key, and the other proceeds.
+
+Exit status: COMMAND's (128+N if it died of signal N); 75 KEY not acquired (--no-wait, --wait 0, or --wait
+elapsed); 71 deadlock: the wait for KEY closed a cycle of waits; 69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND's group got SIGTERM, then
+SIGKILL after --grace); 126 COMMAND could not be run; 127 COMMAND not found; 2 usage error; 128+N if advlock
+got signal N before COMMAND started.
 `
 
 // runArgs splits run's arguments into flags (parsed into fs), KEY and COMMAND. Flags may come before or after
 // KEY; COMMAND is everything after the first "--", or, without one, everything from the first argument after KEY
-// that is not a flag.
+// that is not a flag. A "--" before KEY ends the flags: KEY is the argument after it (even one that looks like a
+// flag, such as -7), then COMMAND, after a second "--" if there is one.
 func runArgs(fs *flag.FlagSet, args []string) (key string, command []string, err error) {
 	before, after, dashes := args, []string(nil), false
 	if i := slices.Index(args, "--"); i >= 0 {
@@ -65,6 +74,12 @@ func runArgs(fs *flag.FlagSet, args []string) (key string, command []string, err
 		}
 	}
 	switch {
+	case len(pos) == 0 && len(after) > 0: // run [FLAGS] -- KEY [--] COMMAND
+		command = after[1:]
+		if len(command) > 0 && command[0] == "--" {
+			command = command[1:]
+		}
+		return after[0], command, nil
 	case len(pos) == 0:
 		return "", nil, argError("missing KEY")
 	case len(pos) > 1:
@@ -79,30 +94,21 @@ type argError string
 func (e argError) Error() string { return string(e) }
 
 func runCmd(ctx context.Context, args []string, std Stdio) int {
-	fs := newFlags("run", runSynopsis, std, runExits)
-	wait := fs.Duration("wait", 0, "give up (exit 75) if KEY is not acquired within `DURATION` (0: do not wait); default: wait as long as it takes")
+	fs := newFlags("run", runSynopsis, runExits)
+	wait := durationFlag(fs, "wait", 0, "give up (exit 75) if KEY is not acquired within `DURATION` (0: do not wait); default: wait as long as it takes")
 	noWait := fs.Bool("no-wait", false, "exit 75 at once if KEY is held elsewhere")
 	shared := fs.Bool("shared", false, "take KEY in shared mode (any number of shared holders, no exclusive one)")
 	fence := fs.Bool("fence", false, "pass a fencing token to COMMAND in $ADVLOCK_TOKEN (greater than every token before it; needs the sequence public.advlock_fence, created if missing)")
-	grace := fs.Duration("grace", 10*time.Second, "after the lock is lost, how long COMMAND has between SIGTERM and SIGKILL")
-	keepalive := fs.Duration("keepalive", 5*time.Second, "ping the lock's session after `DURATION` of silence; the server ends it after 3 of them, "+
+	grace := durationFlag(fs, "grace", 10*time.Second, "after the lock is lost, COMMAND has `DURATION` between SIGTERM and SIGKILL")
+	keepalive := durationFlag(fs, "keepalive", 5*time.Second, "ping the lock's session after `DURATION` of silence; the server ends it after 3 of them, "+
 		"so if advlock freezes (SIGSTOP, a stuck VM) a waiter gets KEY within about 3x this")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
-	usage := fs.Usage
-	fs.Usage = func() {}
 	keyArg, command, err := runArgs(fs, args)
-	fs.Usage = usage
-	var ae argError
-	switch {
-	case errors.Is(err, flag.ErrHelp):
-		fs.SetOutput(std.Out)
-		fs.Usage()
-		return exitOK
-	case errors.As(err, &ae):
+	if ae := argError(""); errors.As(err, &ae) {
 		return usageError(std, "run: %s\nUsage: advlock run %s", ae, runSynopsis)
-	case err != nil: // the flag package has printed what was wrong
-		fs.Usage()
-		return exitUsage
+	}
+	if code, done := parsed(fs, std, err); done {
+		return code
 	}
 	key, err := parseKeyArg(keyArg)
 	if err != nil {
@@ -116,8 +122,13 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	if *noWait && waitSet {
 		return usageError(std, "run: --wait and --no-wait exclude each other")
 	}
-	if *wait < 0 || *grace < 0 || *keepalive <= 0 {
-		return usageError(std, "run: durations must not be negative (and --keepalive must be positive)")
+	switch {
+	case *wait < 0:
+		return badValue(fs, std, "wait", "must not be negative")
+	case *grace < 0:
+		return badValue(fs, std, "grace", "must not be negative")
+	case *keepalive <= 0:
+		return badValue(fs, std, "keepalive", "must be positive")
 	}
 	if waitSet && *wait == 0 {
 		*noWait = true // as flock -w 0: do not wait
@@ -205,12 +216,18 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 	}
 	lk, err := try(ctx, key)
 	if errors.Is(err, advlock.ErrNotAcquired) && !noWait {
-		wctx, cancel := ctx, context.CancelFunc(func() {})
+		// An advlock run that runs this one holds its key on this one's behalf (ADVLOCK_HOLDING): a wait that
+		// closes a cycle through it ends with ErrDeadlock.
+		wctx, cancel := session.WithHeld(ctx, holdingEnv()...), context.CancelFunc(func() {})
 		if wait > 0 {
-			wctx, cancel = context.WithTimeout(ctx, wait)
+			wctx, cancel = context.WithTimeout(wctx, wait)
 		}
 		lk, err = lock(wctx, key)
 		cancel()
+		if errors.Is(err, advlock.ErrDeadlock) && ctx.Err() == nil {
+			fmt.Fprintf(std.Err, "advlock: run: %v\n", err)
+			return nil, l, exitDeadlock
+		}
 		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
 			fmt.Fprintf(std.Err, "advlock: %s not acquired within %v\n", key, wait)
 			return nil, l, exitNotAcquired
@@ -231,7 +248,7 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 
 // supervise runs command under lk until it exits, forwarding signals, and ends its group if the lock is lost.
 func supervise(ctx context.Context, std Stdio, lk *advlock.Lock, key advlock.Key, command []string, sigs <-chan os.Signal, grace time.Duration) int {
-	env := []string{"ADVLOCK_KEY=" + key.String()}
+	env := []string{"ADVLOCK_KEY=" + key.String(), "ADVLOCK_HOLDING=" + holding(lk)}
 	if lk.Token() != 0 {
 		env = append(env, "ADVLOCK_TOKEN="+strconv.FormatInt(lk.Token(), 10))
 	}
@@ -299,3 +316,30 @@ loop:
 }
 
 var errSignal = errors.New("signal received")
+
+// holdingEnv reads ADVLOCK_HOLDING, which an advlock run that runs this process sets to what it holds (and what
+// those that run it hold): "pid.objsubid.classid.objid.mode" for each lock, comma-separated.
+func holdingEnv() []session.Ref {
+	var refs []session.Ref
+	for f := range strings.SplitSeq(os.Getenv("ADVLOCK_HOLDING"), ",") {
+		if r, ok := session.ParseRef(f); ok {
+			refs = append(refs, r)
+		}
+	}
+	return refs
+}
+
+// holding is ADVLOCK_HOLDING for COMMAND: lk, then what this process's own ADVLOCK_HOLDING says.
+func holding(lk *advlock.Lock) string {
+	var id session.ID
+	if v, ok := lk.Key().Int64(); ok {
+		id = session.ID{V: v}
+	} else if a, b, ok := lk.Key().Pair(); ok {
+		id = session.ID{Pair: true, V: int64(a)<<32 | int64(uint32(b))}
+	}
+	refs := []string{session.Ref{PID: lk.PID(), ID: id, Shared: lk.Shared()}.String()}
+	for _, r := range holdingEnv() {
+		refs = append(refs, r.String())
+	}
+	return strings.Join(refs, ",")
+}

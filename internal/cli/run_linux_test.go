@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/faults"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/faults"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // holdKey takes k in this process until the test ends (or the returned function is called).
@@ -297,8 +297,19 @@ func TestRunSignalWhileConnectingAndRunning(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
 	p := start(t, nil, "run", "--dsn", "postgres://postgres@"+ln.Addr().String()+"/test", "k", "--", "echo", "ran")
-	time.Sleep(300 * time.Millisecond)
+	select { // run connects once its signal handling is in place: signal it while it waits for the answer
+	case c := <-accepted:
+		defer c.Close()
+	case <-time.After(30 * time.Second):
+		t.Fatal("run never connected")
+	}
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	if code := p.wait(t, 5*time.Second); code != 128+int(syscall.SIGTERM) || p.out.Len() != 0 {
 		t.Errorf("SIGTERM while connecting: exit %d stdout %q, want 143 and nothing run", code, p.out.String())
@@ -415,4 +426,48 @@ func TestRunFenceFirstUse(t *testing.T) {
 		}
 		seen[tok] = true
 	}
+}
+
+// advlock run through a multi-host DSN when the primary fails over: the holder's lock goes with the old primary
+// (its command gets SIGTERM, exit 70, as for any loss), and once the standby is promoted the next run takes the
+// key there with a greater token.
+func TestRunFailover(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private primary and standby")
+	}
+	primary := pgtest.StartCluster(t)
+	standby := pgtest.Standby(t, primary)
+	dsn := fmt.Sprintf("host=127.0.0.1,127.0.0.1 port=%d,%d user=postgres dbname=postgres sslmode=disable "+
+		"target_session_attrs=read-write connect_timeout=2", primary.Port, standby.Port)
+	env := []string{"DATABASE_URL=" + dsn}
+	k := keyName(t)
+	p := start(t, env, "run", "--fence", "--grace", "2s", k, "--", "sh", "-c",
+		`trap 'echo got-term; exit 0' TERM; echo "token=$ADVLOCK_TOKEN"; while :; do sleep 0.05; done`)
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(p.out.String(), "token="); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("run did not start its command: stderr %q", p.err.String())
+		}
+	}
+	var first int64
+	fmt.Sscanf(strings.TrimPrefix(strings.SplitN(p.out.String(), "\n", 2)[0], "token="), "%d", &first)
+	time.Sleep(300 * time.Millisecond) // the standby has replayed the grant
+	if err := primary.Stop("immediate"); err != nil {
+		t.Fatal(err)
+	}
+	if code := p.wait(t, 15*time.Second); code != exitLost || !strings.Contains(p.out.String(), "got-term") {
+		t.Fatalf("the holder when its primary died: exit %d stdout %q stderr %q, want 70 after its command got SIGTERM",
+			code, p.out.String(), p.err.String())
+	}
+	if err := standby.Promote(); err != nil {
+		t.Fatal(err)
+	}
+	q := start(t, env, "run", "--fence", "--wait", "10s", k, "--", "sh", "-c", `echo "$ADVLOCK_TOKEN"`)
+	if code := q.wait(t, 20*time.Second); code != 0 {
+		t.Fatalf("run after the promotion: exit %d stderr %q", code, q.err.String())
+	}
+	var next int64
+	if _, err := fmt.Sscan(q.out.String(), &next); err != nil || next <= first {
+		t.Errorf("run after the promotion: token %q, want one greater than %d", q.out.String(), first)
+	}
+	t.Logf("token %d on the old primary, %d on the promoted standby", first, next)
 }

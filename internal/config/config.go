@@ -5,20 +5,31 @@
 package config
 
 import (
+	"context"
 	"time"
 
 	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
+
+// Querier runs a query and returns its rows, as advlock.Querier (which this package cannot import).
+type Querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
 
 // Options configures a Locker.
 type Options struct {
 	Keepalive      time.Duration
 	ReleaseTimeout time.Duration
 	PoolConfig     func(*pgxpool.Config) // Open only
+	MaxConns       int                   // the size of a pool the Locker owns (Open, advsql.Open); 0: the default
 	// Backend, when set, is the pool the Locker takes sessions from instead of the *pgxpool.Pool given to New
 	// (package advsql sets it).
 	Backend session.Pool
+	// Querier, when set, is what the Locker reads the server's views through (Inspect, Leader, LockTable) instead
+	// of the *pgxpool.Pool given to New (package advsql sets it over its *sql.DB).
+	Querier Querier
 	// Wrap wraps each connection (tests inject faults with it).
 	Wrap func(session.Conn) session.Conn
 	// UnlockKey changes the key each unlock is sent for (tests only: the server then answers false).
@@ -29,8 +40,13 @@ type Options struct {
 	WaitSlice time.Duration
 	// Settings are applied once per proved physical connection (Open sets them).
 	Settings []session.Setting
-	// SharedSessions is how many shared sessions a Locker may open (0: a session per lock).
+	// SharedSessions is how many shared sessions a Locker may open (0: a session per lock); SharedSet says an
+	// option set it (else a Locker whose pool is its own chooses from its pool's size).
 	SharedSessions int
+	SharedSet      bool
+	// OwnPool: the pool is the Locker's alone (advlock.Open, advsql.Open), so the Locker shares its connections out
+	// between shared sessions, one kept for its reads, and sessions of their own (advlock's budget.go).
+	OwnPool bool
 	// Fencing: every session-lock grant carries a token from the sequence session.FenceSeq.
 	Fencing bool
 	// OnClose, when set, runs once when the Locker is closed, after everything else (advsql.Open closes its

@@ -26,11 +26,18 @@ const (
 	// CancelGrantDropped: a lock call whose ctx ended as the server granted the key reports the ctx's error (not
 	// acquired) and leaves the key held: on a shared session, or on a session of its own returned to its pool.
 	CancelGrantDropped = "cancel_grant_dropped"
+	// DeadlockUndetected: deadlock detection finds cycles of waits and ends none of them.
+	DeadlockUndetected = "deadlock_undetected"
+	// DeadlockEveryMember: every Locker that sees a cycle ends its own waits in it, not only the one wait every
+	// client ranks least, so two processes both give up.
+	DeadlockEveryMember = "deadlock_every_member"
+	// DeadlockFalse: a watched wait blocked by any holder, seen on two readings, is ended as if it closed a cycle.
+	DeadlockFalse = "deadlock_false"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
-	SilentLossDedicated, SilentLossShared, CancelGrantDropped}
+	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

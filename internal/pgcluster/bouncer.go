@@ -123,6 +123,7 @@ auth_type = trust
 auth_file = %s
 pool_mode = %s
 max_client_conn = 500
+default_pool_size = 60
 logfile = %s
 pidfile = %s
 `, host, port, listen, filepath.Join(dir, "users.txt"), mode, filepath.Join(dir, "log"), filepath.Join(dir, "pid"))

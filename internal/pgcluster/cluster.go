@@ -1,6 +1,12 @@
 // Package pgcluster starts private throwaway PostgreSQL clusters from the installed server binaries (initdb on
-// PATH or under /usr/lib/postgresql/*/bin). Running as root, it runs them as the postgres user. Tests use it for
-// anything that restarts or reconfigures a server; advlock demo uses it when no server answers.
+// PATH or under /usr/lib/postgresql/*/bin), and PgBouncers in front of a server. Running as root, it runs them as
+// the postgres user.
+//
+// It belongs to the product, not to the test kit under internal/testkit: advlock demo links it into the command
+// to start a throwaway server when none answers. So it keeps the product's import rule (layers_test.go): it
+// imports neither the test kit nor package testing, and reports failures as errors. The test kit builds on it
+// (pgtest.StartCluster, pgtest.Standby, pgtest.Bouncer), and so does the chaos campaign, for anything that
+// restarts, promotes or reconfigures a server.
 package pgcluster
 
 import (
@@ -144,7 +150,11 @@ func (c *Cluster) Restart(mode string) error {
 }
 
 // Standby makes a hot standby of c with pg_basebackup and starts it. Remove it when done.
-func (c *Cluster) Standby() (*Cluster, error) {
+func (c *Cluster) Standby() (*Cluster, error) { return c.StandbyVia("127.0.0.1", c.Port) }
+
+// StandbyVia makes a hot standby of c that streams from host:port (a proxy in front of c, so that a test can make it
+// lag or cut it off) and starts it on a port of its own. Remove it when done.
+func (c *Cluster) StandbyVia(host string, port int) (*Cluster, error) {
 	tmp, err := os.MkdirTemp("", "advlock-pg-standby-")
 	if err != nil {
 		return nil, err
@@ -154,12 +164,7 @@ func (c *Cluster) Standby() (*Cluster, error) {
 		s.Remove()
 		return nil, err
 	}
-	if out, err := s.run("pg_basebackup", "-h", "127.0.0.1", "-p", strconv.Itoa(c.Port), "-U", "postgres",
-		"-D", s.Dir, "-R", "-X", "stream", "--no-sync"); err != nil {
-		s.Remove()
-		return nil, fmt.Errorf("pg_basebackup: %v: %s", err, out)
-	}
-	if err := s.appendConf("unix_socket_directories = '"+tmp+"'", "hot_standby = on"); err != nil {
+	if err := s.backupFrom(c, host, port); err != nil {
 		s.Remove()
 		return nil, err
 	}
@@ -168,6 +173,42 @@ func (c *Cluster) Standby() (*Cluster, error) {
 		return nil, err
 	}
 	return s, nil
+}
+
+// backupFrom fills s.Dir with a base backup of c (taken directly) and makes it a standby streaming from host:port.
+func (s *Cluster) backupFrom(c *Cluster, host string, port int) error {
+	if out, err := s.run("pg_basebackup", "-h", "127.0.0.1", "-p", strconv.Itoa(c.Port), "-U", "postgres",
+		"-D", s.Dir, "-R", "-X", "stream", "--no-sync"); err != nil {
+		return fmt.Errorf("pg_basebackup: %v: %s", err, out)
+	}
+	if err := s.appendConf("unix_socket_directories = '"+s.tmp+"'", "hot_standby = on"); err != nil {
+		return err
+	}
+	// pg_basebackup -R wrote primary_conninfo to postgresql.auto.conf, which is read last: the last line wins.
+	return s.appendFile("postgresql.auto.conf", fmt.Sprintf(
+		"primary_conninfo = 'host=%s port=%d user=postgres application_name=standby'", host, port))
+}
+
+// Promote makes a standby the primary (pg_ctl promote) and waits until it accepts writes. A promotion starts a new
+// timeline.
+func (c *Cluster) Promote() error {
+	if out, err := c.run("pg_ctl", "-D", c.Dir, "-w", "-t", "60", "promote"); err != nil {
+		return fmt.Errorf("pg_ctl promote: %v: %s", err, out)
+	}
+	return nil
+}
+
+// RebuildAsStandbyOf stops c (at once) if it runs, throws its data away, and makes it a standby of p streaming from
+// host:port, started again on its own port: the old primary of a failover, rejoining as the new standby.
+func (c *Cluster) RebuildAsStandbyOf(p *Cluster, host string, port int) error {
+	_, _ = c.run("pg_ctl", "-D", c.Dir, "-m", "immediate", "-w", "stop")
+	if err := os.RemoveAll(c.Dir); err != nil {
+		return err
+	}
+	if err := c.backupFrom(p, host, port); err != nil {
+		return err
+	}
+	return c.Start()
 }
 
 func (c *Cluster) chownTmp() error {
@@ -183,8 +224,10 @@ func (c *Cluster) chownTmp() error {
 	return os.Chown(c.tmp, uid, gid)
 }
 
-func (c *Cluster) appendConf(lines ...string) error {
-	f, err := os.OpenFile(filepath.Join(c.Dir, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+func (c *Cluster) appendConf(lines ...string) error { return c.appendFile("postgresql.conf", lines...) }
+
+func (c *Cluster) appendFile(name string, lines ...string) error {
+	f, err := os.OpenFile(filepath.Join(c.Dir, name), os.O_APPEND|os.O_WRONLY, 0)
 	if err != nil {
 		return err
 	}

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -77,7 +77,7 @@ func TestTokenDurableWhileAnotherLogs(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			before := h.Token()
+			_, before := TokenParts(h.Token()) // the sequence's value
 			_ = h.Release(ctx, ErrNotHeld)
 			queryInt(obs, "CHECKPOINT; SELECT 1") // the next nextval logs the sequence (and takes a transaction id)
 
@@ -142,7 +142,7 @@ func TestTokenDurableWhileAnotherLogs(t *testing.T) {
 			defer after.Close(context.Background())
 			var again []int64
 			for range 3 {
-				again = append(again, queryInt(after, "SELECT nextval('"+FenceSeq+"')"))
+				again = append(again, queryInt(after, "SELECT "+grant(true)))
 			}
 			if again[0] <= token {
 				t.Errorf("token %d was handed out before an immediate restart; after it nextval returns %v: the same "+
@@ -326,7 +326,7 @@ func TestMuxFencedBatchTokensSurviveCrash(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer obs2.Close(context.Background())
-	res, err := obs2.Exec(ctx, "SELECT nextval('"+FenceSeq+"')").ReadAll()
+	res, err := obs2.Exec(ctx, "SELECT "+grant(true)).ReadAll()
 	if err != nil {
 		t.Fatal(err)
 	}

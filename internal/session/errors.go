@@ -19,7 +19,7 @@ var (
 	ErrNoPool        = errors.New("advlock: locker has no pool")
 	ErrStandby       = errors.New("advlock: server is a standby in recovery; its advisory locks exclude nobody on the primary")
 	ErrLockTableFull = errors.New("advlock: server lock table full (SQLSTATE 53200); raise max_locks_per_transaction or hold fewer locks")
-	ErrDeadlock      = errors.New("advlock: deadlock detected by the server (SQLSTATE 40P01)")
+	ErrDeadlock      = errors.New("advlock: deadlock (SQLSTATE 40P01 or a cycle advlock found)")
 	ErrUnlockFailed  = errors.New("advlock: unlock not confirmed; the session was closed so the server releases the lock")
 	ErrInvalidKey    = errors.New("advlock: invalid key")
 	ErrFencing       = errors.New("advlock: fencing tokens unavailable")

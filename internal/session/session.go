@@ -69,6 +69,19 @@ type Conn interface {
 	Wire(f func(pc *pgconn.PgConn) error) error
 }
 
+// Dialer is what a Pool offers when it can open a connection outside itself: a reading that must not wait for the
+// pool's connections (deadlock detection while every one of them waits) takes one.
+type Dialer interface {
+	Dial(ctx context.Context) (TextConn, error)
+}
+
+// TextConn is a connection outside any pool, for readings.
+type TextConn interface {
+	// QueryText runs sql and returns the text in the first column of its one row.
+	QueryText(ctx context.Context, sql string) (string, error)
+	Close()
+}
+
 // Pool hands out sessions.
 type Pool interface {
 	Acquire(ctx context.Context) (Conn, error)
@@ -240,14 +253,21 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		tcancel()
 	} else {
-		end, last, ms := slice(ctx, cfg)
-		sql, args := WaitFirstSQL(t, cfg.Fencing, ms)
-		r, err = serverBound(ctx, conn, end.Add(max(bound, margin(time.Until(end)))), sql, args...)
-		switch {
-		case err == nil && r == resultTimeouts:
-			r, err = queue(ctx, conn, t, cfg, false)
-		case SQLState(err) == "55P03" && !last && ctx.Err() == nil:
-			r, err = queue(ctx, conn, t, cfg, true)
+		if tag := waitTagFrom(ctx); tag != nil {
+			// A published wait: its session and its statements are what other clients' detection reads.
+			tag.pid.Store(conn.ServerPID())
+			r, err = queue(ctx, conn, t, cfg, false, tag.Comment)
+			tag.pid.Store(0)
+		} else {
+			end, last, ms := slice(ctx, cfg)
+			sql, args := WaitFirstSQL(t, cfg.Fencing, ms)
+			r, err = serverBound(ctx, conn, end.Add(max(bound, margin(time.Until(end)))), sql, args...)
+			switch {
+			case err == nil && r == resultTimeouts:
+				r, err = queue(ctx, conn, t, cfg, false, "")
+			case SQLState(err) == "55P03" && !last && ctx.Err() == nil:
+				r, err = queue(ctx, conn, t, cfg, true, "")
+			}
 		}
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
@@ -319,10 +339,11 @@ const DefaultWaitSlice = time.Second
 // at the deadline: the server answers "not granted", SQLSTATE 55P03, and the session stays usable) or ctx is
 // cancelled otherwise (the statement is interrupted). Between two slices the key may be granted to another
 // waiter, as it may whenever its holder lets it go: the server's queue order is kept only within a slice.
-func queue(ctx context.Context, conn Conn, t Target, cfg Config, requeue bool) (int64, error) {
+// A wait published for deadlock detection (see WaitTag) sends comment in front of each statement.
+func queue(ctx context.Context, conn Conn, t Target, cfg Config, requeue bool, comment string) (int64, error) {
 	for ; ; requeue = true {
 		end, last, ms := slice(ctx, cfg)
-		r, err := serverBound(ctx, conn, end.Add(margin(time.Until(end))), WaitSQL(t, ms, cfg.Fencing, requeue))
+		r, err := serverBound(ctx, conn, end.Add(margin(time.Until(end))), comment+WaitSQL(t, ms, cfg.Fencing, requeue))
 		if SQLState(err) == "55P03" && !last && ctx.Err() == nil {
 			continue
 		}

@@ -63,14 +63,43 @@ const FenceSeq = "public.advlock_fence"
 // waits for a synchronous standby (were one down, every fenced grant would stall, and a shared session stalled past
 // its round-trip bound is closed with every lock on it). Evaluated left to right: nextval before the check, and the
 // flush position read before the insert position.
+//
+// A token is the server's timeline in its high bits and the sequence's value in its low TokenSeqBits: a promotion
+// starts a new timeline, greater than every one before it in the cluster, so a promoted standby whose sequence lags
+// (asynchronous replication loses the last values the old primary handed out) still hands out only greater tokens,
+// and a deposed primary that keeps running only lower ones. The timeline is read live from the name of the WAL
+// file being written (the control file's lags until the next checkpoint), in the same expression: no round trip.
 func grant(fenced bool) string {
 	if fenced {
-		return "(nextval('" + FenceSeq + "') + 0 * length(set_config('synchronous_commit', 'local', true)) + " +
+		return "(" + tokenExpr + " + 0 * length(set_config('synchronous_commit', 'local', true)) + " +
 			"0 * length(CASE WHEN txid_current_if_assigned() IS NULL AND " +
 			"pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn() " +
 			"THEN pg_logical_emit_message(true, 'advlock', '')::text ELSE '' END))"
 	}
 	return "1"
+}
+
+// tokenExpr draws a token: the timeline (at most maxTimeline) shifted by TokenSeqBits, plus the sequence's next
+// value (the literal numbers are those constants: TestTokenExpr).
+const tokenExpr = "(least(('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::bit(32)::int8, 32767) << 48) + " +
+	"nextval('" + FenceSeq + "')"
+
+// TokenSQL is an SQL expression that draws a fencing token as a grant does, for a transaction to draw its own: a
+// token drawn by a transaction is covered by that transaction's commit (its writes and the token stand or fall
+// together), so it needs none of the grant's flushing.
+const TokenSQL = "(" + tokenExpr + ")"
+
+// TokenSeqBits is how many low bits of a fencing token hold the sequence's value; the bits above hold the
+// server's timeline (at most maxTimeline: a timeline past it counts as maxTimeline, and tokens stop growing across
+// promotions).
+const (
+	TokenSeqBits = 48
+	maxTimeline  = 1<<(63-TokenSeqBits) - 1
+)
+
+// TokenParts splits a fencing token into the server's timeline and the sequence's value.
+func TokenParts(token int64) (timeline, seq int64) {
+	return token >> TokenSeqBits, token & (1<<TokenSeqBits - 1)
 }
 
 // lockFn names the advisory-lock function of a target's kind: lock(try, shared) with the key arguments args.

@@ -20,9 +20,9 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/config"
-	"github.com/advlock/advlock/internal/faults"
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/faults"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -81,7 +81,7 @@ func Run(t *testing.T, be Backend) {
 
 // endsContexts are the subtests that end contexts while statements run (see Backend.NoCancel); Close ends the
 // statements of waits in the server too (with lib/pq, by cancelling their contexts).
-var endsContexts = map[string]bool{"CancelRace": true, "CancelLeavesQueue": true, "CloseAbortsWaiters": true, "DatabaseDown": true, "Stress": true,
+var endsContexts = map[string]bool{"CancelRace": true, "CancelLeavesQueue": true, "CloseAbortsWaiters": true, "Deadlock": true, "DatabaseDown": true, "Stress": true,
 	"TimedWaitsKeepSessions": true, "WaitBound": true}
 
 func (s *suite) run(t *testing.T) {
@@ -115,6 +115,7 @@ func (s *suite) run(t *testing.T) {
 		{"SharedOpenBounded", s.sharedOpenBounded},
 		{"UnlockBound", s.unlockBound},
 		{"CancelLeavesQueue", s.cancelLeavesQueue},
+		{"Deadlock", s.deadlock},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -767,8 +768,11 @@ func (s *suite) doCancelsOnLoss(t *testing.T) {
 		}
 		return fctx.Err()
 	})
-	if !errors.Is(err, advlock.ErrLockLost) || !errors.Is(err, context.Canceled) {
-		t.Errorf("Do = %v, want ErrLockLost joined with fn's context.Canceled", err)
+	// The loss cancelled fn's context: the result is a loss, not the caller's cancellation, and still shows what
+	// fn returned.
+	if !errors.Is(err, advlock.ErrLockLost) || errors.Is(err, context.Canceled) ||
+		!strings.Contains(err.Error(), "fn returned: context canceled") {
+		t.Errorf("Do = %v, want ErrLockLost, not context.Canceled, showing fn's error", err)
 	}
 }
 

@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
 

@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -109,7 +109,9 @@ func (s *suite) stress(t *testing.T) {
 	for _, v := range r.bad {
 		t.Error(v)
 	}
-	if r.counts["grants"] < 50 {
+	// Hundreds on an idle machine; a few dozen when the other packages' tests load its 2 cores. The floor only
+	// says that locks were granted and released at all.
+	if r.counts["grants"] < 20 {
 		t.Errorf("only %d grants: the stress did not exercise the lifecycle", r.counts["grants"])
 	}
 	if r.counts["terminations"] > 20 && r.counts["lost"] == 0 {

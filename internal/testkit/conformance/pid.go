@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/pgtest"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // pidRecorder keeps the pid the last grant and the last lock end reported.

@@ -1,6 +1,6 @@
 // Package faults is a small TCP proxy for injecting network faults between a client and PostgreSQL in tests: cut
-// every connection, blackhole traffic (bytes vanish, sockets stay open, as when a network silently drops), or add
-// latency.
+// every connection, refuse new ones (as a server that is down), blackhole traffic (bytes vanish, sockets stay
+// open, as when a network silently drops), or add latency.
 package faults
 
 import (
@@ -16,6 +16,7 @@ type Proxy struct {
 	ln        net.Listener
 	target    string
 	blackhole atomic.Bool
+	refuse    atomic.Bool
 	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
 
 	mu      sync.Mutex
@@ -60,6 +61,10 @@ func (p *Proxy) accept() {
 		c, err := p.ln.Accept()
 		if err != nil {
 			return
+		}
+		if p.refuse.Load() {
+			c.Close()
+			continue
 		}
 		s, err := net.DialTimeout("tcp", p.target, 5*time.Second)
 		if err != nil {
@@ -140,6 +145,11 @@ func (p *Proxy) Blackhole(on bool) {
 		c.Close()
 	}
 }
+
+// Refuse makes the proxy close every new connection at once, before it reaches the server, while on: a client
+// sees its connection closed before the server's first answer, as from a server that is down or restarting.
+// Connections already open are left alone (Cut ends them).
+func (p *Proxy) Refuse(on bool) { p.refuse.Store(on) }
 
 // Latency delays every forwarded chunk by d.
 func (p *Proxy) Latency(d time.Duration) { p.latency.Store(int64(d)) }

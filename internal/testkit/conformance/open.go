@@ -8,8 +8,8 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/config"
-	"github.com/advlock/advlock/internal/pgtest"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 // withOpenBound shortens the bound on opening a shared session (VerifyBound, 10 s, by default).

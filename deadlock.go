@@ -1,0 +1,501 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/advlock/advlock/internal/mutant"
+	"github.com/advlock/advlock/internal/session"
+)
+
+// Deadlocks the server cannot see. Each lock a Locker holds lives on one session and each wait on another, so
+// PostgreSQL's deadlock detector never sees a cycle between two callers that take two keys in opposite orders.
+// A Locker finds them itself:
+//
+//   - A caller says what it holds through its context: Do, TryDo and Lead's fn get a context that says they
+//     hold their lock, and [Holding] adds locks taken with Lock. Only waits whose context holds a lock can close a
+//     cycle, and only they are watched: a Locker with none of them waiting sends nothing.
+//   - Such a wait never waits in the in-process gate (gate.go): it waits in the server, on a session of its own,
+//     also when another caller of its Locker holds the key, so that every wait of every cycle is in pg_locks. It
+//     publishes what its caller holds in a comment in front of its statements ("/*advlock w=LOCK h=REF,REF*/", as
+//     pg_locks names them), which every client that may read pg_stat_activity.query (the same role, or
+//     pg_read_all_stats) sees.
+//   - While one of them waits, the Locker reads pg_locks and those comments about once a second (one statement on
+//     a connection of its pool: a Locker from Open keeps one for it, see budget.go; when none is free, on a
+//     connection of its own outside the pool) and looks for a cycle: a wait for a key whose holder's
+//     caller waits, through further such waits, for what the first caller holds.
+//   - A watched wait on its way to a session of its own (queued for one, waiting for a pool connection) is in no
+//     server queue: its Locker adds it to the graph as a wait for its key's holders.
+//   - Every client sees the same graph, and the wait of a cycle that gives up is the one on the lowest pid (a
+//     wait only its own Locker sees first: the youngest of them). A Locker ends only its own waits, and only when the cycle was there on two readings in a row; the wait then
+//     fails with an error matching ErrDeadlock. The others proceed once the caller that gave up lets go of what
+//     it holds (Do does that by returning).
+
+// deadlockRound is how often a Locker with a watched wait reads the server's lock graph, and deadlockConfirm how
+// soon after a reading that found a cycle through one of its waits it reads again to confirm it.
+const (
+	deadlockRound   = time.Second
+	deadlockConfirm = 500 * time.Millisecond
+	deadlockFirst   = 500 * time.Millisecond // the first reading after a watched wait starts
+	maxPublished    = 24                     // held locks a wait's comment names (pg_stat_activity.query keeps 1 kB)
+)
+
+type holdingKey struct{}
+
+// holding is the chain of locks a context says its caller holds, innermost first.
+type holding struct {
+	lk   *Lock
+	next *holding
+}
+
+// Holding returns a context that says its caller holds locks (besides what ctx already says). A wait of this
+// Locker made with it that would close a cycle (this caller waits for a key whose holder waits, directly or
+// through others, for one of these locks) ends with an error matching ErrDeadlock instead of waiting for ever.
+// Do, TryDo and Lead's fn get such a context for their own lock already; use Holding for locks taken with Lock:
+//
+//	a, err := locks.Lock(ctx, keyA)
+//	...
+//	b, err := locks.Lock(advlock.Holding(ctx, a), keyB)
+//	if errors.Is(err, advlock.ErrDeadlock) { a.Unlock(ctx); ...try again later }
+func Holding(ctx context.Context, locks ...*Lock) context.Context {
+	for _, lk := range locks {
+		if lk != nil {
+			next, _ := ctx.Value(holdingKey{}).(*holding)
+			ctx = context.WithValue(ctx, holdingKey{}, &holding{lk: lk, next: next})
+		}
+	}
+	return ctx
+}
+
+// heldRefs returns what ctx says its caller holds and still holds, innermost first, at most maxPublished.
+func heldRefs(ctx context.Context) []session.Ref {
+	var refs []session.Ref
+	for h, _ := ctx.Value(holdingKey{}).(*holding); h != nil && len(refs) < maxPublished; h = h.next {
+		if h.lk.h != nil && h.lk.Err() == nil {
+			refs = append(refs, session.Ref{PID: h.lk.h.PID(), ID: h.lk.key.id, Shared: h.lk.shared})
+		}
+	}
+	for _, r := range session.HeldFrom(ctx) {
+		if len(refs) < maxPublished {
+			refs = append(refs, r)
+		}
+	}
+	return refs
+}
+
+// waiter is a watched wait: a Lock, RLock or Lead campaign whose caller holds locks.
+type waiter struct {
+	seq  int64 // in the order the Locker's waits began
+	t    session.Target
+	key  Key
+	held []session.Ref
+	tag  session.WaitTag
+	// ownPath, guarded by l.mu: it takes a session of its own (its key was not free on a shared session, or it
+	// passed by its gate), so until it waits in the server it is a wait only its Locker sees.
+	ownPath bool
+	cancel  context.CancelCauseFunc
+	seen    int // read and written by the detector only: readings that chose it, with at most one miss between
+	missed  int // readings in a row that did not
+}
+
+type noDetectKey struct{}
+
+// watchWait registers a wait of t whose caller holds held, and returns the context the wait goes on with: it
+// publishes the wait, and the detector ends it with a *DeadlockError as its cause.
+func (l *Locker) watchWait(ctx context.Context, key Key, t session.Target, held []session.Ref) (*waiter, context.Context) {
+	w := &waiter{t: t, key: key, held: held}
+	var b strings.Builder
+	b.WriteString("/*advlock w=" + session.Ref{ID: t.ID, Shared: t.Shared}.Lock() + " h=")
+	for i, r := range held {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(r.String())
+	}
+	b.WriteString("*/ ")
+	w.tag.Comment = b.String()
+	ctx, w.cancel = context.WithCancelCause(ctx)
+	ctx = session.WithWaitTag(ctx, &w.tag)
+	l.mu.Lock()
+	l.dlSeq++
+	w.seq = l.dlSeq
+	l.waiters[w] = struct{}{}
+	if !l.detecting && !l.closed {
+		l.detecting = true
+		l.detectWG.Add(1)
+		go l.detect()
+	}
+	l.mu.Unlock()
+	return w, ctx
+}
+
+func (l *Locker) endWait(w *waiter) {
+	l.mu.Lock()
+	delete(l.waiters, w)
+	l.mu.Unlock()
+	w.cancel(nil)
+}
+
+// deadlockErr returns the detector's verdict when it ended w's wait (and the caller's own ctx is still live).
+func deadlockErr(parent, ctx context.Context) error {
+	var de *DeadlockError
+	if parent.Err() == nil && errors.As(context.Cause(ctx), &de) {
+		return de
+	}
+	return nil
+}
+
+// DeadlockError is the error of a wait that gave up because it closed a cycle of waits that the server cannot see.
+// It matches ErrDeadlock.
+type DeadlockError struct {
+	// Cycle describes the waits of the cycle, this one first; each waits for a lock that the caller of the next
+	// holds, and the last for one this caller holds.
+	Cycle []string
+}
+
+func (e *DeadlockError) Error() string {
+	return "advlock: deadlock: a cycle of waits the server cannot see: " + strings.Join(e.Cycle, " -> ") +
+		" -> this caller; this wait gives up: release what you hold and try again"
+}
+
+func (e *DeadlockError) Is(target error) bool { return target == ErrDeadlock }
+
+// detect reads the lock graph while watched waits remain.
+func (l *Locker) detect() {
+	defer l.detectWG.Done()
+	var own session.TextConn // a connection outside the pool, dialed when the pool had none free
+	defer func() {
+		if own != nil {
+			own.Close()
+		}
+	}()
+	t := time.NewTimer(deadlockFirst)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-l.closeCtx.Done():
+			return
+		}
+		l.mu.Lock()
+		if len(l.waiters) == 0 || l.closed {
+			l.detecting = false
+			l.mu.Unlock()
+			return
+		}
+		l.mu.Unlock()
+		// Not in step with the waits' slices (which leave the queue for a moment each second): 0.75 to 1.25 s.
+		next := deadlockRound*3/4 + rand.N(deadlockRound/2)
+		if l.deadlockRound(&own) {
+			next = deadlockConfirm
+		}
+		t.Reset(next)
+	}
+}
+
+// textQuerier is what a backend's connection offers for reading a text result.
+type textQuerier interface {
+	QueryText(ctx context.Context, sql string) (string, error)
+}
+
+// graphSQL reads, from one snapshot of pg_locks, every advisory wait in this database with the comment its
+// statement carries, and the holders of the keys waited for (and of the keys graphQuery adds). One line per row:
+// pid, objsubid, classid, objid, mode (S or X), g or w, comment.
+const graphSQL = `WITH l AS MATERIALIZED (
+  SELECT pid, objsubid, classid, objid, mode, granted FROM pg_catalog.pg_locks
+  WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))
+SELECT coalesce(string_agg(concat_ws(E'\t', l.pid, l.objsubid, l.classid, l.objid,
+    CASE WHEN l.mode = 'ShareLock' THEN 'S' ELSE 'X' END, CASE WHEN l.granted THEN 'g' ELSE 'w' END,
+    substring(a.query from '^/\*advlock ([^*]*)\*/')), E'\n'), '')
+FROM l LEFT JOIN pg_catalog.pg_stat_activity a ON NOT l.granted AND a.pid = l.pid
+WHERE NOT l.granted OR EXISTS (SELECT 1 FROM l w WHERE NOT w.granted AND w.objsubid = l.objsubid
+  AND w.classid = l.classid AND w.objid = l.objid)`
+
+// graphQuery is graphSQL that also returns the holders of keys (those that this Locker's waits on their way to a
+// session of their own wait for: the server sees no wait for them). The keys are numbers written into the text.
+func graphQuery(keys []session.ID) string {
+	var b strings.Builder
+	b.WriteString(graphSQL)
+	for _, id := range keys {
+		sub := 1
+		if id.Pair {
+			sub = 2
+		}
+		fmt.Fprintf(&b, "\n  OR (l.objsubid = %d AND l.classid = '%d'::oid AND l.objid = '%d'::oid)", sub, uint32(uint64(id.V)>>32), uint32(id.V))
+	}
+	return b.String()
+}
+
+// deadlockRound reads the graph once, and ends the waits of this Locker that are the least of a cycle on two
+// readings in a row. It reports whether one of them was found this time (so the next reading comes sooner).
+func (l *Locker) deadlockRound(own *session.TextConn) (found bool) {
+	ctx, cancel := context.WithTimeout(l.closeCtx, session.VerifyBound)
+	defer cancel()
+	var local []session.ID
+	l.mu.Lock()
+	for w := range l.waiters {
+		if w.ownPath && w.tag.PID() == 0 {
+			local = append(local, w.t.ID)
+		}
+	}
+	l.mu.Unlock()
+	rows, err := l.readGraph(ctx, graphQuery(local), own)
+	if err != nil {
+		return false // no connection free, or the server is away: the next reading tries again
+	}
+	if h := testHookGraphRead.Load(); h != nil {
+		(*h)(l)
+	}
+	l.mu.Lock()
+	g := l.localGraph(rows)
+	l.mu.Unlock()
+	for _, n := range g.nodes {
+		w := n.w
+		if w == nil {
+			continue
+		}
+		cycle := g.cycleFrom(n)
+		if cycle == nil && len(n.out) > 0 && mutant.On(mutant.DeadlockFalse) {
+			cycle = []string{n.desc}
+		}
+		if cycle == nil {
+			// One reading may miss a member: a wait is out of the server's queue for a moment each slice, when it
+			// is sent again. Two misses in a row clear it.
+			if w.missed++; w.missed >= 2 {
+				w.seen = 0
+			}
+			continue
+		}
+		found = true
+		w.missed = 0
+		if w.seen++; w.seen >= 2 && !mutant.On(mutant.DeadlockUndetected) {
+			w.cancel(&DeadlockError{Cycle: cycle})
+		}
+	}
+	return found
+}
+
+// testHookGraphRead, in tests only, is called by a reading once the server answered and before the answer is
+// judged: what changes then, the reading cannot see.
+var testHookGraphRead atomic.Pointer[func(l *Locker)]
+
+// readGraph runs the graph query on a connection of the pool, or, when every one of them is taken (by waits that
+// may be the very cycle to find), on a connection of its own outside the pool, dialed once and kept (own) until
+// detection stops.
+func (l *Locker) readGraph(ctx context.Context, sql string, own *session.TextConn) (string, error) {
+	if *own == nil && !l.pool.Stats().Exhausted() {
+		conn, err := l.pool.Acquire(ctx)
+		if err != nil {
+			return "", err
+		}
+		q, ok := conn.(textQuerier)
+		if !ok {
+			conn.Release()
+			return "", errors.New("advlock: this backend cannot read the lock graph")
+		}
+		l.graphReadings.Add(1)
+		s, err := q.QueryText(ctx, sql)
+		if err != nil {
+			conn.Destroy()
+			return "", err
+		}
+		conn.Release()
+		return s, nil
+	}
+	if *own == nil {
+		d, ok := l.pool.(session.Dialer)
+		if !ok {
+			return "", ErrPoolExhausted
+		}
+		c, err := d.Dial(ctx)
+		if err != nil {
+			return "", err
+		}
+		*own = c
+	}
+	l.graphReadings.Add(1)
+	s, err := (*own).QueryText(ctx, sql)
+	if err != nil {
+		(*own).Close()
+		*own = nil
+		return "", err
+	}
+	return s, nil
+}
+
+// lockRow is one row of graphSQL.
+type lockRow struct {
+	pid     uint32
+	id      session.ID
+	shared  bool
+	granted bool
+	waitFor session.Ref // from the comment: the lock it says it waits for (PID 0)
+	held    []session.Ref
+	tagged  bool
+}
+
+func parseGraph(s string) []lockRow {
+	var rows []lockRow
+	for line := range strings.SplitSeq(s, "\n") {
+		f := strings.Split(line, "\t")
+		if len(f) < 6 {
+			continue
+		}
+		ref, ok := session.ParseRef(f[0] + "." + f[1] + "." + f[2] + "." + f[3] + "." + f[4])
+		if !ok {
+			continue
+		}
+		r := lockRow{pid: ref.PID, id: ref.ID, shared: ref.Shared, granted: f[5] == "g"}
+		if len(f) > 6 {
+			r.waitFor, r.held, r.tagged = parseComment(f[6])
+		}
+		rows = append(rows, r)
+	}
+	return rows
+}
+
+// parseComment reads "w=LOCK h=REF,REF" (what watchWait writes, without "advlock ").
+func parseComment(s string) (wait session.Ref, held []session.Ref, ok bool) {
+	w, h, found := strings.Cut(s, " h=")
+	w, okW := strings.CutPrefix(w, "w=")
+	if !found || !okW {
+		return wait, nil, false
+	}
+	id, shared, okL := session.ParseLock(w)
+	if !okL {
+		return wait, nil, false
+	}
+	for r := range strings.SplitSeq(strings.TrimSpace(h), ",") {
+		if ref, ok := session.ParseRef(r); ok {
+			held = append(held, ref)
+		}
+	}
+	return session.Ref{ID: id, Shared: shared}, held, true
+}
+
+// graph is a wait-for graph: each node is a wait, each edge goes to a wait whose caller holds what the first waits
+// for.
+type graph struct {
+	nodes []*node
+}
+
+type node struct {
+	// The least in a cycle gives up: a wait for a pool connection (negative: -seq, the youngest first; only its
+	// own Locker sees it), else the wait on the lowest pid.
+	rank int64
+	held []session.Ref
+	out  []*node
+	w    *waiter // this Locker's, or nil
+	desc string
+}
+
+type holderID struct {
+	pid uint32
+	id  session.ID
+}
+
+func conflicts(shared1, shared2 bool) bool { return !shared1 || !shared2 }
+
+func keyOf(id session.ID) Key {
+	if id.Pair {
+		return PairKey(int32(id.V>>32), int32(id.V))
+	}
+	return Int64Key(id.V)
+}
+
+// localGraph builds the graph from the server's rows and this Locker's own watched waits. l.mu is held.
+func (l *Locker) localGraph(s string) *graph {
+	rows := parseGraph(s)
+	g := &graph{}
+	byPID := map[uint32]*waiter{}
+	for w := range l.waiters {
+		if p := w.tag.PID(); p != 0 {
+			byPID[p] = w
+		}
+	}
+	holders := map[session.ID][]lockRow{}
+	for _, r := range rows {
+		if r.granted {
+			holders[r.id] = append(holders[r.id], r)
+		}
+	}
+	var waits []lockRow
+	for _, r := range rows {
+		if r.granted {
+			continue
+		}
+		n := &node{rank: int64(r.pid), desc: fmt.Sprintf("pid %d waiting for %s", r.pid, keyOf(r.id))}
+		if w := byPID[r.pid]; w != nil && w.t.ID == r.id && w.t.Shared == r.shared {
+			n.w, n.held = w, w.held
+			n.desc = fmt.Sprintf("this wait for %s (pid %d)", w.key, r.pid)
+		} else if r.tagged && r.waitFor.ID == r.id && r.waitFor.Shared == r.shared {
+			n.held = r.held
+		}
+		g.nodes = append(g.nodes, n)
+		waits = append(waits, r)
+	}
+	// This Locker's waits on their way to a session of their own (queued for one when all are in use, waiting for
+	// a connection of the pool, or checking a new one): in no server queue, they wait for their key's holders all
+	// the same once they have one.
+	for w := range l.waiters {
+		if w.ownPath && w.tag.PID() == 0 {
+			g.nodes = append(g.nodes, &node{rank: -int64(w.seq), held: w.held, w: w,
+				desc: fmt.Sprintf("this wait for %s (waiting for a session to wait on)", w.key)})
+			waits = append(waits, lockRow{id: w.t.ID, shared: w.t.Shared})
+		}
+	}
+	owners := map[holderID][]*node{}
+	for _, n := range g.nodes {
+		for _, h := range n.held {
+			owners[holderID{h.PID, h.ID}] = append(owners[holderID{h.PID, h.ID}], n)
+		}
+	}
+	// A wait is blocked by the holders of its key in a conflicting mode; its edges go to the waits whose callers
+	// hold those locks.
+	for i, r := range waits {
+		for _, h := range holders[r.id] {
+			if h.pid != r.pid && conflicts(r.shared, h.shared) {
+				g.nodes[i].out = append(g.nodes[i].out, owners[holderID{h.pid, r.id}]...)
+			}
+		}
+	}
+	return g
+}
+
+// cycleFrom returns the cycle through n in which n is the least, described from n, or nil.
+func (g *graph) cycleFrom(n *node) []string {
+	seen := map[*node]bool{}
+	var path []*node
+	var dfs func(m *node) bool
+	dfs = func(m *node) bool {
+		for _, next := range m.out {
+			if next == n {
+				return true
+			}
+			if seen[next] || next.rank <= n.rank && !mutant.On(mutant.DeadlockEveryMember) {
+				continue
+			}
+			seen[next] = true
+			path = append(path, next)
+			if dfs(next) {
+				return true
+			}
+			path = path[:len(path)-1]
+		}
+		return false
+	}
+	if !dfs(n) {
+		return nil
+	}
+	out := []string{n.desc}
+	for _, m := range path {
+		out = append(out, m.desc)
+	}
+	return slices.Clip(out)
+}

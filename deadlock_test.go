@@ -1,0 +1,354 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// waiting reports whether the server shows a session waiting for int8 key k.
+func (b *bundle) waiting(t *testing.T, k Key) bool {
+	t.Helper()
+	v, _ := k.Int64()
+	rows, err := pgtest.Locks(context.Background(), b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		if !r.Granted && r.Int64Key(v) {
+			return true
+		}
+	}
+	return false
+}
+
+// A cycle that forms while a detection query runs: the reading that was under way sees no cycle, and is judged
+// after the cycle formed. The next readings find it, and exactly one of the two waits ends with ErrDeadlock; the
+// other gets its key.
+func TestDeadlockFormsDuringReading(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 30*time.Second)
+	a, bk := key(t), key(t)
+
+	la, err := b.l.Lock(ctx, a) // caller 1 holds a
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb, err := l2.Lock(ctx, bk) // caller 2 holds b
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// take waits for next while holding first, as a caller does inside Do, and then releases both; on
+	// ErrDeadlock it releases first, so that the other can go on.
+	take := func(l *Locker, first *Lock, next Key) error {
+		lk, err := l.Lock(Holding(ctx, first), next)
+		if err == nil {
+			err = lk.Unlock(ctx)
+		}
+		if uerr := first.Unlock(ctx); uerr != nil {
+			t.Errorf("unlock %s: %v", first.Key(), uerr)
+		}
+		return err
+	}
+	var mu sync.Mutex
+	var formed time.Time
+	readings := 0
+	errs := make(chan error, 2)
+	var ends sync.WaitGroup
+	ends.Add(1)
+	hook := func(l *Locker) {
+		mu.Lock()
+		defer mu.Unlock()
+		if l != b.l {
+			return
+		}
+		if readings++; readings != 1 {
+			return
+		}
+		// The first reading of caller 1's Locker has its answer, in which caller 1 waits for b and caller 2
+		// waits for nothing. Now caller 2 asks for a, and the cycle forms before that answer is judged.
+		go func() {
+			defer ends.Done()
+			errs <- take(l2, lb, a)
+		}()
+		for !b.waiting(t, a) {
+			time.Sleep(2 * time.Millisecond)
+		}
+		formed = time.Now()
+	}
+	testHookGraphRead.Store(&hook)
+	defer testHookGraphRead.Store(nil)
+
+	got1 := take(b.l, la, bk) // caller 1 waits for b: watched, so its Locker reads the graph
+	ends.Wait()
+	testHookGraphRead.Store(nil)
+	got2 := <-errs
+	mu.Lock()
+	t.Logf("caller 1: %v; caller 2: %v; %d readings by caller 1's Locker; ended %v after the cycle formed",
+		got1, got2, readings, time.Since(formed).Round(time.Millisecond))
+	if readings < 2 {
+		t.Errorf("the cycle was never read after it formed")
+	}
+	mu.Unlock()
+	dead := 0
+	for _, err := range []error{got1, got2} {
+		switch {
+		case errors.Is(err, ErrDeadlock):
+			dead++
+		case err != nil:
+			t.Errorf("a wait of the cycle ended with %v, want ErrDeadlock or the key", err)
+		}
+	}
+	if dead != 1 {
+		t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
+	}
+	b.waitFree(t, a)
+	b.waitFree(t, bk)
+}
+
+// The victim's key is granted as the reading that chose it is judged: the other wait of the cycle gave up and
+// released its first key, and the server granted that key to the victim before the stale answer ended the
+// victim's wait. The victim then either has the key (a grant the server shows) or ErrDeadlock and nothing (its
+// session closed, so the server dropped the grant): never an error while the server holds the key for it.
+func TestDeadlockVictimGrantedAsItIsChosen(t *testing.T) {
+	outcomes := map[string]int{}
+	for range 3 {
+		outcomes[victimGrantedRace(t)]++
+	}
+	t.Logf("the victim's outcomes: %v", outcomes)
+}
+
+func victimGrantedRace(t *testing.T) string {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 30*time.Second)
+	a, bk := key(t), key(t)
+	va, _ := a.Int64()
+	vb, _ := bk.Int64()
+	waiter := func(v int64) uint32 { // the pid the server shows waiting for v, or 0
+		rows, err := pgtest.Locks(context.Background(), b.obs)
+		if err != nil {
+			t.Error(err)
+		}
+		for _, r := range rows {
+			if !r.Granted && r.Int64Key(v) {
+				return r.PID
+			}
+		}
+		return 0
+	}
+	type caller struct {
+		l      *Locker
+		first  *Lock
+		next   Key
+		ctx    context.Context
+		cancel context.CancelFunc
+		err    error
+		pid    uint32 // the pid of its wait
+		obs    *pgx.Conn
+		done   chan struct{} // closed when its Lock returned
+	}
+	c1, c2 := &caller{l: b.l, next: bk}, &caller{l: l2, next: a}
+	var err error
+	if c1.first, err = b.l.Lock(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	if c2.first, err = l2.Lock(ctx, bk); err != nil {
+		t.Fatal(err)
+	}
+	c1.ctx, c1.cancel = context.WithCancel(ctx)
+	c2.ctx, c2.cancel = context.WithCancel(ctx)
+
+	var mu sync.Mutex
+	var victim, other *caller
+	judged, raced := 0, false
+	hook := func(l *Locker) {
+		mu.Lock()
+		defer mu.Unlock()
+		if judged >= 2 {
+			return
+		}
+		if victim == nil {
+			if c1.pid, c2.pid = waiter(vb), waiter(va); c1.pid == 0 || c2.pid == 0 {
+				return
+			}
+			victim, other = c1, c2 // the least pid gives up
+			if c2.pid < c1.pid {
+				victim, other = c2, c1
+			}
+		}
+		if l != victim.l {
+			return
+		}
+		if judged++; judged < 2 {
+			return
+		}
+		// This reading's answer ends the victim's wait (the cycle's second sighting). The other caller gives up
+		// now and releases its first key, which the server grants to the victim before the answer is judged.
+		other.cancel()
+		victimKey, _ := victim.next.Int64()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			select {
+			case <-victim.done: // its Lock returned the grant before this answer was judged: no race this time
+				return
+			default:
+			}
+			pids, err := pgtest.Holders(context.Background(), b.obs, victimKey)
+			if err != nil || time.Now().After(deadline) {
+				t.Errorf("the victim was not granted %s: %v", victim.next, err)
+				return
+			}
+			if len(pids) == 1 && pids[0] == victim.pid {
+				raced = true
+				return
+			}
+		}
+	}
+	testHookGraphRead.Store(&hook)
+	defer testHookGraphRead.Store(nil)
+
+	var wg sync.WaitGroup
+	for _, c := range []*caller{c1, c2} {
+		c.obs, c.done = pgtest.Conn(t, b.url), make(chan struct{}) // the hook has b.obs
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lk, err := c.l.Lock(Holding(c.ctx, c.first), c.next)
+			close(c.done)
+			c.err = err
+			v, _ := c.next.Int64()
+			pids, qerr := pgtest.Holders(context.Background(), c.obs, v)
+			switch {
+			case qerr != nil:
+				t.Error(qerr)
+			case err == nil && (len(pids) != 1 || pids[0] != lk.PID()):
+				t.Errorf("Lock of %s returned a lock on pid %d, the server shows holders %v", c.next, lk.PID(), pids)
+			case err != nil && slices.Contains(pids, c.pid):
+				// A closed session's backend drops its locks a moment after the socket closes: wait for that.
+				for deadline := time.Now().Add(5 * time.Second); slices.Contains(pids, c.pid); time.Sleep(5 * time.Millisecond) {
+					if time.Now().After(deadline) {
+						t.Errorf("Lock of %s failed (%v) while the server holds it for its wait (pid %d)", c.next, err, c.pid)
+						break
+					}
+					if pids, qerr = pgtest.Holders(context.Background(), c.obs, v); qerr != nil {
+						t.Error(qerr)
+						break
+					}
+				}
+			}
+			if err == nil {
+				if err := lk.Unlock(ctx); err != nil {
+					t.Error(err)
+				}
+			}
+			if err := c.first.Unlock(ctx); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	c1.cancel()
+	c2.cancel()
+	mu.Lock()
+	defer mu.Unlock()
+	if judged < 2 {
+		t.Fatalf("the victim's Locker read the cycle %d times", judged)
+	}
+	if !errors.Is(other.err, context.Canceled) {
+		t.Errorf("the caller that gave up got %v, want context.Canceled", other.err)
+	}
+	b.waitFree(t, a)
+	b.waitFree(t, bk)
+	when := "before the answer was judged"
+	if raced {
+		when = "as the answer was judged"
+	}
+	switch {
+	case victim.err == nil:
+		return "granted " + when
+	case errors.Is(victim.err, ErrDeadlock):
+		return "ErrDeadlock " + when
+	default:
+		t.Errorf("the victim got %v, want its key or ErrDeadlock", victim.err)
+		return "other"
+	}
+}
+
+// A cycle that passes through a wait for a pool connection: every connection of the pool is taken (by the locks
+// held and by the other wait of the cycle), so one wait is in no server queue and the reading itself finds no
+// free connection. The reading goes on a connection of its own, outside the pool; the wait for a connection is
+// this Locker's own node; exactly one wait gives up, the other gets its key.
+func TestDeadlockPoolExhausted(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		conns  int32
+		shared int
+	}{
+		{"a session per lock", 3, 0}, // two held locks and one wait
+		{"shared sessions", 2, 4},    // one shared session holding both, and one wait
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := setup(t)
+			l := New(pgtest.Pool(t, b.url, func(c *pgxpool.Config) { c.MaxConns = tc.conns }), WithSharedSessions(tc.shared))
+			defer l.Close()
+			ctx := ctxT(t, 30*time.Second)
+			a, bk := key(t), key(t)
+			la, err := l.Lock(ctx, a)
+			if err != nil {
+				t.Fatal(err)
+			}
+			lb, err := l.Lock(ctx, bk)
+			if err != nil {
+				t.Fatal(err)
+			}
+			take := func(first *Lock, next Key) error {
+				lk, err := l.Lock(Holding(ctx, first), next)
+				if err == nil {
+					err = lk.Unlock(ctx)
+				}
+				if uerr := first.Unlock(ctx); uerr != nil {
+					t.Errorf("unlock %s: %v", first.Key(), uerr)
+				}
+				return err
+			}
+			errs := make(chan error, 2)
+			go func() { errs <- take(la, bk) }()
+			for !b.waiting(t, bk) { // in the server's queue, on the pool's last connection
+				time.Sleep(5 * time.Millisecond)
+			}
+			if st := l.Stats(); !st.Pool.Exhausted() {
+				t.Fatalf("the pool is not exhausted: %+v", st.Pool)
+			}
+			start := time.Now()
+			go func() { errs <- take(lb, a) }() // waits for a connection of the pool
+			got := []error{<-errs, <-errs}
+			took := time.Since(start)
+			dead := 0
+			for _, err := range got {
+				switch {
+				case errors.Is(err, ErrDeadlock):
+					dead++
+				case err != nil:
+					t.Errorf("a wait of the cycle ended with %v", err)
+				}
+			}
+			t.Logf("after %v: %v; Stats %+v", took.Round(time.Millisecond), got, l.Stats())
+			if dead != 1 {
+				t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
+			}
+			b.waitFree(t, a)
+			b.waitFree(t, bk)
+		})
+	}
+}

@@ -1,0 +1,178 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
+)
+
+// Callers of one key whose contexts end at every moment of their wait in the gate (before their turn, as it is
+// handed to them, just after), mixed with shared callers and tries: the slot never leaks (a last Lock gets the
+// key at once, nothing waits, no gate is left), and no two callers hold the key exclusively at once.
+func TestGateCancelRace(t *testing.T) {
+	for _, n := range []int{4, 0} {
+		t.Run(map[int]string{4: "shared", 0: "own"}[n], func(t *testing.T) {
+			b := setup(t, WithSharedSessions(n))
+			ctx := ctxT(t, 90*time.Second)
+			k := key(t)
+			var writers, readers atomic.Int32
+			var granted, gaveUp atomic.Int64
+			var wg sync.WaitGroup
+			stop := time.Now().Add(4 * time.Second)
+			for g := 0; g < 8; g++ {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for time.Now().Before(stop) && ctx.Err() == nil {
+						shared := rand.N(3) == 0
+						var lk *Lock
+						var err error
+						switch rand.N(6) {
+						case 0:
+							if shared {
+								lk, err = b.l.TryRLock(ctx, k)
+							} else {
+								lk, err = b.l.TryLock(ctx, k)
+							}
+						default:
+							cctx, cancel := context.WithTimeout(ctx, time.Duration(rand.N(3000))*time.Microsecond)
+							if shared {
+								lk, err = b.l.RLock(cctx, k)
+							} else {
+								lk, err = b.l.Lock(cctx, k)
+							}
+							cancel()
+						}
+						if err != nil {
+							if ctx.Err() == nil && !errors.Is(err, ErrNotAcquired) && !errors.Is(err, context.DeadlineExceeded) {
+								t.Errorf("acquire: %v", err)
+								return
+							}
+							gaveUp.Add(1)
+							continue
+						}
+						granted.Add(1)
+						if shared {
+							readers.Add(1)
+							if w := writers.Load(); w != 0 {
+								t.Errorf("a shared holder alongside %d exclusive", w)
+							}
+						} else {
+							if w := writers.Add(1); w != 1 || readers.Load() != 0 {
+								t.Errorf("an exclusive holder alongside %d exclusive and %d shared", w-1, readers.Load())
+							}
+						}
+						time.Sleep(time.Duration(rand.N(300)) * time.Microsecond)
+						if shared {
+							readers.Add(-1)
+						} else {
+							writers.Add(-1)
+						}
+						if err := lk.Unlock(ctx); err != nil {
+							t.Errorf("unlock: %v", err)
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			t.Logf("%d granted, %d gave up or found it taken", granted.Load(), gaveUp.Load())
+			st := b.l.Stats()
+			b.l.mu.Lock()
+			gates := len(b.l.gates)
+			b.l.mu.Unlock()
+			if st.WaitingInProcess != 0 || st.Held != 0 || gates != 0 {
+				t.Fatalf("after every caller returned: %+v, %d gates left", st, gates)
+			}
+			lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+			defer cancel()
+			lk, err := b.l.Lock(lctx, k)
+			if err != nil {
+				t.Fatalf("a last Lock: %v (%+v)", err, b.l.Stats())
+			}
+			if pid := b.pidOf(t, lk); pid != lk.PID() {
+				t.Errorf("pg_locks: %d holds it, the lock says %d", pid, lk.PID())
+			}
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			b.waitFree(t, k)
+		})
+	}
+}
+
+// Close while callers of a few keys queue in their gates, are handed the slot, give it back and start new calls:
+// Close returns, every call ends (ErrClosed once Close began), and the server shows none of the keys held.
+func TestGateCloseRace(t *testing.T) {
+	url := pgtest.URL(t)
+	pool := pgtest.Pool(t, url, nil)
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 90*time.Second)
+	keys := []Key{key(t), key(t)}
+	for round := 0; round < 40; round++ {
+		l := New(pool, WithSharedSessions(rand.N(3)))
+		var wg sync.WaitGroup
+		var writers [2]atomic.Int32
+		for g := 0; g < 6; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for ctx.Err() == nil {
+					i := rand.N(len(keys))
+					shared := rand.N(3) == 0
+					lock := l.Lock
+					if shared {
+						lock = l.RLock
+					}
+					cctx, cancel := context.WithTimeout(ctx, time.Duration(rand.N(5000))*time.Microsecond)
+					lk, err := lock(cctx, keys[i])
+					cancel()
+					if errors.Is(err, ErrClosed) {
+						return
+					}
+					if err != nil {
+						continue
+					}
+					if !shared && writers[i].Add(1) != 1 {
+						t.Errorf("two exclusive holders of one key")
+					}
+					time.Sleep(time.Duration(rand.N(200)) * time.Microsecond)
+					if !shared {
+						writers[i].Add(-1)
+					}
+					_ = lk.Unlock(ctx)
+				}
+			}()
+		}
+		time.Sleep(time.Duration(rand.N(30)) * time.Millisecond)
+		closed := make(chan struct{})
+		go func() { l.Close(); close(closed) }()
+		select {
+		case <-closed:
+		case <-time.After(15 * time.Second):
+			t.Fatalf("round %d: Close did not return within 15 s: %+v", round, l.Stats())
+		}
+		wg.Wait()
+		for _, k := range keys {
+			v, _ := k.Int64()
+			if pids := holdersOf(t, obs, v); len(pids) != 0 {
+				t.Fatalf("round %d: after Close, pg_locks shows %s held by %v", round, k, pids)
+			}
+		}
+	}
+}
+
+func holdersOf(t *testing.T, c *pgx.Conn, v int64) []uint32 {
+	t.Helper()
+	pids, err := pgtest.Holders(context.Background(), c, v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pids
+}
