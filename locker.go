@@ -230,33 +230,35 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 	if err != nil {
 		return nil, err
 	}
-	lk = &Lock{l: l, key: key, shared: shared}
+	// nlk, not the result lk: the handle's end may run on another goroutine at any moment (the session dies),
+	// while a return below writes lk.
+	nlk := &Lock{l: l, key: key, shared: shared}
 	// The in-process slot is given back when the lock ends, however it ends: a lost lock's session is gone, so
 	// nothing can be shared, and a holder that re-acquires without calling Unlock on the lost handle must not wait
 	// on itself.
-	h, err := l.take(ctx, t, wait, passed, w, func() { l.lockEnded(lk); l.forget(lk) })
+	h, err := l.take(ctx, t, wait, passed, w, func() { l.lockEnded(nlk); l.forget(nlk) })
 	if err != nil {
 		// forget, not leave: a handle that existed for a moment (granted, then handed back because ctx ended)
 		// may have ended already and freed the slot; freeing it twice would free another holder's. Errors from a
 		// Close that aborted this call match ErrClosed (session.Waits).
-		l.forget(lk)
+		l.forget(nlk)
 		return nil, err
 	}
-	lk.h = h
+	nlk.h = h
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
 		// Close is already releasing; this lock was not in its list.
-		_ = l.release(lk, ErrClosed)
+		_ = l.release(nlk, ErrClosed)
 		return nil, ErrClosed
 	}
-	if !lk.forgotten {
-		l.held[lk] = struct{}{}
+	if !nlk.forgotten {
+		l.held[nlk] = struct{}{}
 		l.heldWG.Add(1) // under mu and before closed: happens before Close's Wait
 	}
 	l.mu.Unlock()
-	l.granted(lk)
-	return lk, nil
+	l.granted(nlk)
+	return nlk, nil
 }
 
 // ensureFence checks (once per Locker, until it succeeds) that the fencing sequence exists and may be used. One

@@ -376,3 +376,50 @@ func TestPoolOfOne(t *testing.T) {
 		t.Errorf("Stats %+v: a shared session on a pool of 1", st)
 	}
 }
+
+// A try on a shared session whose round trip goes unanswered (the network drops every packet) fails when the
+// keepalive bound ends the session, with an error that says the session ended, as a server's termination would;
+// the lock the session held is lost; nothing stays held once the server sees the socket go. The try's error was a
+// bare "keepalive: no answer" before, which no documented outcome matched.
+func TestSharedTryUnansweredEndsSession(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := faults.Start(t, u.Host)
+	u.Host = p.Addr()
+	pool := pgtest.Pool(t, u.String(), func(c *pgxpool.Config) { c.MaxConns = 4 })
+	l := New(pool, WithKeepalive(300*time.Millisecond))
+	t.Cleanup(l.Close)
+	obs := pgtest.Conn(t, url)
+	b := &bundle{url: url, pool: pool, l: l, obs: obs}
+	k1, k2 := key(t), key(t)
+	lk, err := l.TryLock(ctxT(t, 10*time.Second), k1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := lk.h.(*session.Held); !ok {
+		t.Fatal("the first lock is not on a shared session")
+	}
+	p.Blackhole(true)
+	start := time.Now()
+	_, err = l.TryLock(ctxT(t, 10*time.Second), k2)
+	took := time.Since(start)
+	t.Logf("try into a blackhole: %v after %v", err, took.Round(time.Millisecond))
+	if err == nil || !session.Ended(err) || errors.Is(err, ErrNotAcquired) {
+		t.Errorf("try on a shared session that stopped answering: %v, want an error that says the session ended", err)
+	}
+	if took > 5*time.Second {
+		t.Errorf("the unanswered try took %v (keepalive 300ms)", took)
+	}
+	waitDone(t, lk, 5*time.Second)
+	if !errors.Is(lk.Err(), ErrLockLost) {
+		t.Errorf("the held lock's Err after its session ended: %v, want ErrLockLost", lk.Err())
+	}
+	p.Cut()
+	p.Blackhole(false)
+	b.waitFree(t, k1)
+	b.waitFree(t, k2)
+}

@@ -29,7 +29,8 @@ func (m *Mux) onTimeout(me *req) (yield bool, err error) {
 			_ = m.nc.SetReadDeadline(time.Now().Add(left))
 			return false, nil
 		}
-		return false, fmt.Errorf("keepalive: no answer within %v", m.bound)
+		// The Mux closes its socket on this error: the session is gone, as after a network loss.
+		return false, SessionEnded(fmt.Errorf("keepalive: no answer within %v", m.bound))
 	}
 	if me == nil && m.wantToken != nil { // the background reader gives the socket to a caller
 		m.token = tokenFree
