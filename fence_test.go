@@ -119,7 +119,9 @@ func TestFencedRoundTripFails(t *testing.T) {
 	if _, err := tx.Exec(ctx, "ALTER SEQUENCE public.advlock_fence INCREMENT BY 1"); err != nil {
 		t.Fatal(err)
 	}
-	time.AfterFunc(time.Second, func() { _ = tx.Commit(context.Background()) })
+	committed := make(chan struct{})
+	time.AfterFunc(time.Second, func() { _ = tx.Commit(context.Background()); close(committed) })
+	defer func() { <-committed }() // before obs closes (a loaded machine may commit after the callers stop)
 	stop := time.Now().Add(2 * time.Second)
 	var wg sync.WaitGroup
 	var failed, ok atomic.Int64

@@ -74,10 +74,24 @@ func TestMuxKillAtHandOff(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if at == "timeout" {
-					time.Sleep(10 * WatchDelay) // the background reader reads the quiet socket
+				if at == "timeout" { // the background reader reads the quiet socket (on a loaded machine, late)
+					deadline := time.Now().Add(5 * time.Second)
+					for {
+						m.mu.Lock()
+						bg := m.token == tokenBG
+						m.mu.Unlock()
+						if bg {
+							break
+						}
+						if time.Now().After(deadline) {
+							t.Fatal("the background reader never took the quiet socket")
+						}
+						time.Sleep(WatchDelay)
+					}
+					time.Sleep(2 * WatchDelay) // quiet for WatchDelay: a caller asks for the socket back
 				}
 				var once sync.Once
+				killed := false
 				setHookSettle(t, func(hm *Mux, where string) {
 					if hm != m || where != at {
 						return
@@ -90,13 +104,16 @@ func TestMuxKillAtHandOff(t *testing.T) {
 							return
 						}
 					}
-					once.Do(func() { m.kill(errKilled) })
+					once.Do(func() { killed = true; m.kill(errKilled) })
 				})
 				// A caller: it asks the background reader for the socket (timeout), or reads its own answer (complete).
 				if h, err := m.Try(ctx, Target{ID: ID{V: time.Now().UnixNano() + 1}}, nil); err == nil {
 					_ = h.Release(ctx, ErrNotHeld)
 				}
 				testHookSettle.Store(nil)
+				if !killed { // the caller's request and the hook ran on this goroutine or before the answer came back
+					t.Fatalf("iteration %d: the hand-off at %s never came, nothing was killed", i, at)
+				}
 				select {
 				case <-held.Done():
 					if !errors.Is(held.Err(), ErrLockLost) {
