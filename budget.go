@@ -189,13 +189,40 @@ type countingPool struct {
 }
 
 // Dial is the pool's, when it has one (session.Dialer): deadlock detection's reading when the pool has no free
-// connection. A connection outside the pool is not counted.
+// connection. The connection, outside the pool, is counted like the pool's until it is closed: it is one more
+// than the pool's Max (see Stats.Conns).
 func (p countingPool) Dial(ctx context.Context) (session.TextConn, error) {
 	d, ok := p.Pool.(session.Dialer)
 	if !ok {
 		return nil, errors.New("advlock: this pool cannot open a connection outside itself")
 	}
-	return d.Dial(ctx)
+	c, err := d.Dial(ctx)
+	if err != nil {
+		return nil, err
+	}
+	p.add(1)
+	return &countedText{TextConn: c, pool: p}, nil
+}
+
+// countedText gives its count back once, when it is closed.
+type countedText struct {
+	session.TextConn
+	pool countingPool
+	gone atomic.Bool
+}
+
+func (c *countedText) Close() {
+	c.TextConn.Close()
+	if c.gone.CompareAndSwap(false, true) {
+		c.pool.add(-1)
+	}
+}
+
+// countConn counts a connection the Locker took from its pool without session.Pool (DoTx's, from pgxpool).
+func (l *Locker) countConn(d int64) {
+	if cp, ok := l.pool.(countingPool); ok {
+		cp.add(d)
+	}
 }
 
 func (p countingPool) Acquire(ctx context.Context) (session.Conn, error) {

@@ -507,3 +507,35 @@ func sep(url string) string {
 	}
 	return " "
 }
+
+// DoTx's transaction is one of the Locker's connections in Stats (it takes it from the same pool), counted while
+// the transaction runs and given back after, also when fn fails.
+func TestDoTxCounted(t *testing.T) {
+	url := pgtest.URL(t)
+	app := appName(t, "dotx-count")
+	l := openApp(t, url, app, "")
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 30*time.Second)
+	for _, fail := range []bool{false, true} {
+		before := l.Stats().Conns
+		errFn := errors.New("fn failed")
+		err := l.DoTx(ctx, key(t), func(ctx context.Context, tx pgx.Tx) error {
+			if got := l.Stats().Conns; got != before+1 {
+				t.Errorf("inside DoTx Stats().Conns is %d, want %d", got, before+1)
+			}
+			if n := count(t, obs, app); n < 1 {
+				t.Errorf("inside DoTx the server shows %d sessions of the Locker", n)
+			}
+			if fail {
+				return errFn
+			}
+			return nil
+		})
+		if fail != errors.Is(err, errFn) || !fail && err != nil {
+			t.Fatalf("DoTx (fn fails: %v): %v", fail, err)
+		}
+		if got := l.Stats().Conns; got != before {
+			t.Errorf("after DoTx Stats().Conns is %d, want %d", got, before)
+		}
+	}
+}

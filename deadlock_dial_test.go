@@ -68,6 +68,11 @@ func TestDeadlockDialedConnGoes(t *testing.T) {
 			if n := count(t, obs, app); n != 3 {
 				t.Errorf("during the wait the server shows %d sessions of the pool, want 3 (2 and the one dialed)", n)
 			}
+			if !closeDuring {
+				if st := l.Stats(); st.Conns != 3 || st.PeakConns < 3 {
+					t.Errorf("during the wait Stats says Conns %d, PeakConns %d; want 3 (the dialed one counts)", st.Conns, st.PeakConns)
+				}
+			}
 			if closeDuring {
 				<-closed
 				if err := <-werr; !errors.Is(err, ErrClosed) {
@@ -97,6 +102,9 @@ func TestDeadlockDialedConnGoes(t *testing.T) {
 				time.Sleep(100 * time.Millisecond) // the detector's deferred close
 				if n, open := count(t, obs, app), pool.Stat().TotalConns(); n != int(open) {
 					t.Errorf("detection stopped: the server shows %d sessions of the pool, which has %d", n, open)
+				}
+				if st := l.Stats(); st.Conns != 0 {
+					t.Errorf("nothing held, nothing waits: Stats says Conns %d, want 0", st.Conns)
 				}
 				l.Close()
 			}

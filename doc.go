@@ -4,8 +4,9 @@
 // Locking through a pool is subtly wrong: pg_advisory_lock on a pooled connection leaves the lock on that
 // connection when it goes back to the pool, and the next caller that gets it "acquires" the key again, since the
 // server's locks are re-entrant per session. A [Locker] never lets a pooled connection hold a lock. Its locks live
-// on sessions it pins: a few shared sessions that each hold many locks ([WithSharedSessions], 4 by default), and a
-// session of its own for a lock that had to wait in the server. A session goes back to its pool only once the
+// on sessions it pins: a few shared sessions that each hold many locks ([WithSharedSessions]: 1 with [Open]'s
+// default budget of 5 connections, 4 with [New]), and a session of its own for a lock that had to wait in the
+// server. A session goes back to its pool only once the
 // server confirms it holds nothing, is closed on any doubt (so that the server drops what it held), and is read
 // continuously, so that a lost lock is reported at once: [Lock.Done] closes and [Lock.Err] says why. Within one
 // Locker a key has at most one exclusive holder, so the server's re-entrancy never grants it twice.
@@ -40,11 +41,11 @@
 //	if err != nil {
 //		return err
 //	}
-//	defer lk.Unlock(ctx)
 //	select {
 //	case <-lk.Done(): // lost: lk.Err() says why
 //	case <-work:
 //	}
+//	return lk.Unlock(ctx) // nil, or why the unlock was not clean (ErrLockLost: the work may have overlapped)
 //
 // Beyond one key: [Locker.Lead] elects a leader (fn runs while this process leads); [Locker.Semaphore] admits at
 // most n holders at once; [XactLock] and [Locker.DoTx] lock for the rest of a transaction, with nothing to unlock
@@ -63,7 +64,11 @@
 //
 //   - Exclusion: one exclusive holder per key across every process, judged by the server; within one Locker a
 //     second caller for a held key waits in-process (or gets ErrNotAcquired from a Try call) and never shares the
-//     first one's hold.
+//     first one's hold. A wait whose caller holds locks ([Holding], Do's fn) waits in the server instead, on a
+//     session of its own, so that deadlock detection sees it; the server keeps it apart from the holder's session.
+//   - Deadlocks the server cannot see: a cycle of watched waits (see [Holding]) across processes or within one
+//     ends one wait of the cycle (the same one whichever process looks) with [ErrDeadlock], within about 2.5 s of
+//     its forming; a wait that closes no cycle never gets it.
 //   - No false success: when a lock call returns a *Lock, the server granted the key.
 //   - No leak on failure: when a lock call returns an error, including a cancelled wait that the server granted at
 //     the last moment, the key is not held by this Locker: the session is closed unless it is known clean.

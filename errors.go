@@ -20,7 +20,8 @@ var (
 	ErrLockLost = session.ErrLockLost
 	// ErrClosed: the Locker was closed (also what Unlock returns for a lock that Close released).
 	ErrClosed = session.ErrClosed
-	// ErrNoPool: the Locker was made with New(nil).
+	// ErrNoPool: the Locker has no pool to take sessions from: it was made with New(nil), or its pool was closed
+	// under it (close the Locker before its pool); also DoTx on a Locker that is not over pgxpool.
 	ErrNoPool = session.ErrNoPool
 	// ErrStandby: the server is a hot standby (pg_is_in_recovery()); its locks would exclude nobody on the primary.
 	ErrStandby = session.ErrStandby

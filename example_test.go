@@ -298,7 +298,9 @@ func ExampleXactLock() {
 	lk, err := l.TryLock(ctx, key)
 	fmt.Println("free after COMMIT:", err)
 	if err == nil {
-		_ = lk.Unlock(ctx)
+		if err := lk.Unlock(ctx); err != nil {
+			log.Fatal(err)
+		}
 	}
 	// Output:
 	// held by the transaction: true

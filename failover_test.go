@@ -12,6 +12,7 @@ import (
 	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // pair is a private primary and a hot standby streaming from it through a fault proxy (repl), so that a test can
@@ -203,8 +204,25 @@ func TestFailoverLocksAndLeaders(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer onStandby.Close()
-	if _, err := onStandby.TryLock(ctx, key(t)); !errors.Is(err, ErrStandby) {
-		t.Fatalf("TryLock on the standby: %v, want ErrStandby", err)
+	// Open never hands out a lock from a standby: a try on a shared session, a wait on a session of its own, a
+	// Locker without shared sessions, and a transaction lock.
+	ownOnStandby, err := Open(ctx, fp.standby.URL, WithSharedSessions(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ownOnStandby.Close()
+	for name, call := range map[string]func() error{
+		"TryLock":                   func() error { _, err := onStandby.TryLock(ctx, key(t)); return err },
+		"Lock":                      func() error { _, err := onStandby.Lock(ctx, key(t)); return err },
+		"RLock":                     func() error { _, err := onStandby.RLock(ctx, key(t)); return err },
+		"Lock, no shared sessions":  func() error { _, err := ownOnStandby.Lock(ctx, key(t)); return err },
+		"TryLock, no shared":        func() error { _, err := ownOnStandby.TryLock(ctx, key(t)); return err },
+		"Semaphore.Acquire":         func() error { _, err := onStandby.Semaphore("standby", 2).Acquire(ctx); return err },
+		"DoTx (a transaction lock)": func() error { return onStandby.DoTx(ctx, key(t), func(context.Context, pgx.Tx) error { return nil }) },
+	} {
+		if err := call(); !errors.Is(err, ErrStandby) {
+			t.Errorf("%s on the standby: %v, want ErrStandby", name, err)
+		}
 	}
 
 	// Holders on the old primary: a shared session's lock, a session of its own, and a lock that waited.
@@ -264,7 +282,12 @@ func TestFailoverLocksAndLeaders(t *testing.T) {
 			t.Errorf("Lead on the standby ended with %v", err)
 		}
 	}()
-	first := <-terms
+	var first term
+	select {
+	case first = <-terms:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no leader within 30 s on a healthy primary")
+	}
 
 	time.Sleep(500 * time.Millisecond)
 	if err := fp.primary.Stop("immediate"); err != nil {
@@ -296,14 +319,22 @@ func TestFailoverLocksAndLeaders(t *testing.T) {
 	}
 	promoted := time.Now()
 	var next term
-	for next = range terms {
-		if next.at.After(promoted) {
-			break
+	for wait := time.After(30 * time.Second); !next.at.After(promoted); {
+		select {
+		case next = <-terms:
+		case <-wait:
+			t.Fatal("no leader within 30 s of the promotion")
 		}
+	}
+	var standbyAt time.Time
+	select {
+	case standbyAt = <-standbyLed:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the campaign that could only reach the standby did not lead within 30 s of its promotion")
 	}
 	t.Logf("leader again %v after the promotion (Locker %d, token %d after %d); the standby's campaign led %v after",
 		next.at.Sub(promoted).Round(time.Millisecond), next.l, next.token, first.token,
-		(<-standbyLed).Sub(promoted).Round(time.Millisecond))
+		standbyAt.Sub(promoted).Round(time.Millisecond))
 	if next.token <= first.token {
 		t.Errorf("the new leader's token %d is not greater than the old one's %d", next.token, first.token)
 	}

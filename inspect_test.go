@@ -157,7 +157,8 @@ func TestInspectConsistent(t *testing.T) {
 		}()
 	}
 	waiting := 0
-	for range 200 {
+	// At least 200 readings, and on until 50 waiting rows were checked (a loaded machine starts the lockers late).
+	for i, deadline := 0, time.Now().Add(15*time.Second); i < 200 || waiting < 50 && time.Now().Before(deadline); i++ {
 		rows, err := Inspect(ctx, b.obs)
 		if err != nil {
 			t.Fatal(err)
@@ -327,5 +328,63 @@ func sameRows(t *testing.T, a, b []LockInfo) {
 			x.ClientAddr != y.ClientAddr || !x.BackendStart.Equal(y.BackendStart) || x.State != y.State {
 			t.Errorf("row %d: %+v, and through another connection %+v", i, x, y)
 		}
+	}
+}
+
+// markCycles marks the waits of a cycle (through what each waiting caller holds) and nothing else: not a chain that
+// ends at a holder who waits for nothing, not a wait on shared holders it does not conflict with, not a wait
+// whose caller holds a key nobody waits for.
+func TestMarkCycles(t *testing.T) {
+	ka, kb, kc, kd := Int64Key(1), Int64Key(2), PairKey(3, 4), Int64Key(5)
+	held := func(pid int32, k Key, shared bool) LockInfo {
+		return LockInfo{Key: k, Granted: true, PID: pid, Shared: shared}
+	}
+	wait := func(pid int32, k Key, shared bool, holds ...HeldLock) LockInfo {
+		return LockInfo{Key: k, PID: pid, Shared: shared, CallerHolds: holds}
+	}
+	for _, tc := range []struct {
+		name string
+		rows []LockInfo
+		want []bool // InCycle, by row
+	}{
+		{"two callers, opposite orders", []LockInfo{
+			held(10, ka, false), held(20, kb, false),
+			wait(11, kb, false, HeldLock{10, ka, false}), wait(21, ka, false, HeldLock{20, kb, false}),
+		}, []bool{false, false, true, true}},
+		{"three callers in a ring, pair key", []LockInfo{
+			held(10, ka, false), held(20, kb, false), held(30, kc, false),
+			wait(11, kb, false, HeldLock{10, ka, false}), wait(21, kc, false, HeldLock{20, kb, false}),
+			wait(31, ka, false, HeldLock{30, kc, false}),
+		}, []bool{false, false, false, true, true, true}},
+		{"a chain to a holder that waits for nothing", []LockInfo{
+			held(10, ka, false), held(20, kb, false),
+			wait(11, kb, false, HeldLock{10, ka, false}),
+		}, []bool{false, false, false}},
+		{"a chain ending in an unpublished wait", []LockInfo{
+			held(10, ka, false), held(20, kb, false),
+			wait(11, kb, false, HeldLock{10, ka, false}), wait(21, ka, false), // 21's caller says nothing
+		}, []bool{false, false, false, false}},
+		{"shared waits on shared holders", []LockInfo{
+			held(10, ka, true), held(20, kb, true),
+			wait(11, kb, true, HeldLock{10, ka, true}), wait(21, ka, true, HeldLock{20, kb, true}),
+		}, []bool{false, false, false, false}},
+		{"an exclusive wait on a shared holder closes it", []LockInfo{
+			held(10, ka, true), held(20, kb, false),
+			wait(11, kb, true, HeldLock{10, ka, true}), wait(21, ka, false, HeldLock{20, kb, false}),
+		}, []bool{false, false, true, true}},
+		{"a cycle beside a bystander", []LockInfo{
+			held(10, ka, false), held(20, kb, false), held(40, kd, false),
+			wait(11, kb, false, HeldLock{10, ka, false}), wait(21, ka, false, HeldLock{20, kb, false}),
+			wait(41, ka, false, HeldLock{40, kd, false}),
+		}, []bool{false, false, false, true, true, false}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			markCycles(tc.rows)
+			for i, r := range tc.rows {
+				if r.InCycle != tc.want[i] {
+					t.Errorf("row %d (pid %d, %s): InCycle %v, want %v", i, r.PID, r.Key, r.InCycle, tc.want[i])
+				}
+			}
+		})
 	}
 }

@@ -542,11 +542,13 @@ type Stats struct {
 	// whose caller holds a lock waits; none otherwise), and waits this Locker ended with ErrDeadlock.
 	GraphReadings int64
 	Deadlocks     int64
-	// The connections this Locker takes from its pool. Conns is how many it has now: its shared sessions, its
-	// sessions of their own, and those it takes for a moment (deadlock detection's readings, Ping, Inspect,
-	// Leader, LockTable, the checks of a new connection); PeakConns is the most at once since New or Open. With
-	// Open (and advsql.Open) the pool is the Locker's alone and Pool.Max is its budget, which Conns never exceeds;
-	// with New the application's queries share Pool.Max.
+	// The connections this Locker takes from the server. Conns is how many it has now: its shared sessions, its
+	// sessions of their own, DoTx's transactions, and those it takes for a moment (deadlock detection's readings,
+	// Ping, Inspect, Leader, LockTable, the checks of a new connection); PeakConns is the most at once since New or
+	// Open. With Open (and advsql.Open) the pool is the Locker's alone and Pool.Max is its budget; Conns exceeds it
+	// by one only while deadlock detection reads on a connection it dialed outside the pool because none of the
+	// pool's was free (the one kept for reads taken by a concurrent Inspect, Ping or DoTx), kept until no watched
+	// wait waits. With New the application's queries share Pool.Max.
 	Conns     int
 	PeakConns int
 	// MaxOwnSessions is how many sessions of their own (Lock calls waiting in the server, and the locks they got)

@@ -47,7 +47,8 @@ import (
 // keepalives with the same timing.
 //
 // The pool has [DefaultOpenConns] connections unless [WithMaxConns], dsn's pool_max_conns or [WithPoolConfig] sets another size,
-// and the Locker never takes more ([Stats] Conns, PeakConns). It shares them out when it is made: shared sessions
+// and the Locker takes no more ([Stats] Conns, PeakConns), but for one that deadlock detection dials when none of
+// the pool's is free, kept while watched waits wait (see Stats.Conns). It shares them out when it is made: shared sessions
 // (a quarter of the pool, at least 1 and at most 4, unless [WithSharedSessions] says; never more than half), one
 // connection kept for what it reads for itself (with a pool of 3 or more), and the rest for sessions of their own
 // (Stats().MaxOwnSessions): Lock calls waiting in the server, each of which keeps its session while the lock it got

@@ -61,10 +61,14 @@ func runScheduler(ctx context.Context) error {
 func semaphoreSlots(ctx context.Context, l *advlock.Locker) error {
 	sem := l.Semaphore("partner-api", 3) // at most 3 holders at once, across every process
 	lk, err := sem.Acquire(ctx)          // waits for a slot and for a connection, until ctx ends, or Acquire(ctx, Wait(d))
-	lk, err = sem.TryAcquire(ctx)        // ErrNotAcquired when all 3 are taken; ErrPoolExhausted when it found no connection
-	defer lk.Unlock(ctx)                 // a Lock like any other: Done, Err, Token
-	return err
+	if err != nil {                      // (TryAcquire: ErrNotAcquired when all 3 are taken, ErrPoolExhausted without a connection)
+		return err
+	}
+	callPartner(ctx)
+	return lk.Unlock(ctx) // a Lock like any other: Done, Err, Token; ErrLockLost here means the slot was lost meanwhile
 }
+
+func callPartner(context.Context) {}
 
 func transactionScope(ctx context.Context, l *advlock.Locker) error {
 	err := l.DoTx(ctx, advlock.NameKey("invoice-42"), func(ctx context.Context, tx pgx.Tx) error {
@@ -80,17 +84,16 @@ func holdingLocks(ctx context.Context, locks *advlock.Locker, keyA, keyB advlock
 	if err != nil {
 		return err
 	}
-	defer a.Unlock(ctx)
 	b, err := locks.Lock(advlock.Holding(ctx, a), keyB) // this caller holds a while it waits for keyB
-	if errors.Is(err, advlock.ErrDeadlock) {
-		return err // a caller that holds keyB waits for keyA: let a go (the deferred Unlock) and try again later
-	}
 	if err != nil {
-		return err
+		// ErrDeadlock: a caller that holds keyB waits for keyA; let a go and try again later
+		return errors.Join(err, a.Unlock(ctx))
 	}
-	defer b.Unlock(ctx)
-	return nil
+	transfer(ctx)
+	return errors.Join(b.Unlock(ctx), a.Unlock(ctx))
 }
+
+func transfer(context.Context) {}
 
 func openOptions(ctx context.Context, dsn string) (*advlock.Locker, error) {
 	return advlock.Open(ctx, dsn,

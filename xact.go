@@ -84,6 +84,8 @@ func (l *Locker) DoTx(ctx context.Context, key Key, fn func(ctx context.Context,
 	if err != nil {
 		return &keyError{op: "do tx", key: key, err: session.WithContext(ctx, err)}
 	}
+	l.countConn(1) // one of the Locker's connections (Stats.Conns) until it is released
+	defer l.countConn(-1)
 	defer func() {
 		// A connection pgx gave up (a statement that outlived its ctx, a network gone) is closed by pgx in the
 		// background, after a cancel request and a drain of up to 15 s, all that time holding the transaction and

@@ -464,6 +464,7 @@ func (c *campaign) inject(ctx context.Context) {
 		case "terminate_holder", "terminate_waiter":
 			pid, w, keys, ok := pickBackend(now, kind == "terminate_holder", rng)
 			if !ok {
+				deck = append(deck, kind) // nobody holds (or waits) now: try again later in this round
 				continue
 			}
 			f.Worker, f.PID, f.Keys, f.Held, f.Detail = w, pid, keys, len(keys), fmt.Sprintf("pid %d holding %v", pid, keys)

@@ -3,10 +3,13 @@
 // [Locker], so that no two runs of one job overlap. It is a module of its own, so that the core module does not
 // depend on gocron.
 //
-//	locks, _ := advlock.Open(ctx, dsn)
+//	locks, err := advlock.Open(ctx, dsn)
+//	if err != nil {
+//		return err // a malformed DSN (Open does not connect)
+//	}
 //	elector := advlockgocron.NewElector(ctx, locks, "billing")
 //	defer elector.Close()
-//	s, _ := gocron.NewScheduler(gocron.WithDistributedElector(elector))
+//	s, err := gocron.NewScheduler(gocron.WithDistributedElector(elector))
 //
 // or, job by job: gocron.WithDistributedLocker(advlockgocron.NewLocker(locks)).
 package advlockgocron

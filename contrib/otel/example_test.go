@@ -37,7 +37,9 @@ func Example() {
 		fmt.Println(err)
 		return
 	}
-	_ = lk.Unlock(ctx)
+	if err := lk.Unlock(ctx); err != nil {
+		fmt.Println(err)
+	}
 }
 
 // A Locker that reports to the global OpenTelemetry providers: metrics for every lock call and session, a span

@@ -76,7 +76,8 @@ Exit status:
   ls      0; 69 database unreachable; 2 usage error
   break   0 holders terminated (or none held KEY); 1 not confirmed; 77 no privilege to terminate;
           69 database unreachable; 2 usage error
-  demo    0; 1 a step failed; 69 the server refused (no such database or role) or none answered and none could be started; 2 usage error
+  demo    0; 1 a step failed; 69 the server refused (no such database or role), or none answered and none
+          could be started; 2 usage error
 `
 
 // Main runs the advlock command and returns its exit status.
@@ -129,7 +130,7 @@ func Main(ctx context.Context, args []string, std Stdio) int {
 	case guardCmd:
 		return guardMain(args[1:], std)
 	}
-	fmt.Fprintf(std.Err, "advlock: unknown command %q\n\n%s", args[0], usage)
+	fmt.Fprintf(std.Err, "advlock: unknown command %q; see advlock --help\n", args[0])
 	return exitUsage
 }
 
@@ -177,8 +178,8 @@ func parsed(fs *flag.FlagSet, std Stdio, err error) (int, bool) {
 }
 
 // flagError renders a flag that did not parse as one line that names the flag, for a duration the forms it takes,
-// and points to the command's help: advlock run: invalid --wait "abc": want seconds (5, 0.5) or a duration (1m30s);
-// see advlock run --help.
+// and points to the command's help: advlock: run: invalid --wait "abc": want seconds (5, 0.5) or a duration
+// (1m30s); see advlock run --help. Its prefix is that of every other message of the command (advlock: run:).
 func flagError(fs *flag.FlagSet, err error) string {
 	msg := err.Error()
 	fs.VisitAll(func(f *flag.Flag) {
@@ -186,14 +187,17 @@ func flagError(fs *flag.FlagSet, err error) string {
 			msg = fmt.Sprintf("invalid --%s %q: want seconds (5, 0.5) or a duration (1m30s)", f.Name, *v.refused)
 		}
 	})
-	return fmt.Sprintf("%s: %s; see %s --help", fs.Name(), msg, fs.Name())
+	return fmt.Sprintf("%s: %s; see %s --help", msgPrefix(fs), msg, fs.Name())
 }
 
 // badValue reports a flag value that parsed but is out of range, as flagError does (exit 2).
 func badValue(fs *flag.FlagSet, std Stdio, name, why string) int {
-	fmt.Fprintf(std.Err, "%s: invalid --%s %s: %s; see %s --help\n", fs.Name(), name, fs.Lookup(name).Value, why, fs.Name())
+	fmt.Fprintf(std.Err, "%s: invalid --%s %s: %s; see %s --help\n", msgPrefix(fs), name, fs.Lookup(name).Value, why, fs.Name())
 	return exitUsage
 }
+
+// msgPrefix is what the command's messages start with: "advlock: run" for the flag set "advlock run".
+func msgPrefix(fs *flag.FlagSet) string { return strings.Replace(fs.Name(), " ", ": ", 1) }
 
 // durationFlag defines a duration flag that also takes a plain number of seconds, as flock -w does: 5 is 5s, 0.5
 // is 500ms; 1m30s, 500ms and the other forms of time.ParseDuration work too.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"net"
@@ -42,11 +43,18 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
+// run runs the built advlock binary with args and stdin, and returns its exit status, stdout and stderr.
 func run(t *testing.T, stdin string, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errb bytes.Buffer
-	code := Main(context.Background(), args, Stdio{In: strings.NewReader(stdin), Out: &out, Err: &errb})
-	return code, out.String(), errb.String()
+	cmd := exec.Command(bin, args...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = strings.NewReader(stdin), &out, &errb
+	err := cmd.Run()
+	var ee *exec.ExitError
+	if err != nil && !errors.As(err, &ee) {
+		t.Fatalf("advlock %v: %v", args, err)
+	}
+	return cmd.ProcessState.ExitCode(), out.String(), errb.String()
 }
 
 func golden(t *testing.T, name, got string) {
@@ -123,11 +131,20 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"ls", "a", "b"}, "at most one KEY"},
 		{[]string{"break"}, "exactly one KEY"},
 		{[]string{"frobnicate"}, "unknown command"},
+		{[]string{"--bogus"}, "unknown command"},
 		{nil, "Usage:"},
 	} {
 		code, _, errOut := run(t, "", tc.args...)
 		if code != exitUsage || !strings.Contains(errOut, tc.want) {
 			t.Errorf("%v: exit %d, stderr %q; want exit 2 naming %q", tc.args, code, errOut, tc.want)
+		}
+		// One line says what was wrong (two with the synopsis), not the whole help; only no arguments at all
+		// prints the usage.
+		if lines := strings.Count(strings.TrimSpace(errOut), "\n") + 1; tc.args != nil && lines > 2 {
+			t.Errorf("%v: %d lines on stderr, want at most 2:\n%s", tc.args, lines, errOut)
+		}
+		if tc.args != nil && !strings.HasPrefix(errOut, "advlock: ") {
+			t.Errorf("%v: stderr %q does not start with \"advlock: \"", tc.args, errOut)
 		}
 	}
 }

@@ -117,20 +117,20 @@ func TestBadFlagOneLine(t *testing.T) {
 		want string
 	}{
 		{[]string{"run", "--wait", "abc", "k", "--", "true"},
-			`advlock run: invalid --wait "abc": want seconds (5, 0.5) or a duration (1m30s); see advlock run --help`},
+			`advlock: run: invalid --wait "abc": want seconds (5, 0.5) or a duration (1m30s); see advlock run --help`},
 		{[]string{"run", "k", "--grace=1x", "--", "true"},
-			`advlock run: invalid --grace "1x": want seconds (5, 0.5) or a duration (1m30s); see advlock run --help`},
+			`advlock: run: invalid --grace "1x": want seconds (5, 0.5) or a duration (1m30s); see advlock run --help`},
 		{[]string{"run", "--keepalive", "abc", "k", "--", "true"}, `invalid --keepalive "abc": want seconds`},
-		{[]string{"run", "--wait", "-1", "k", "--", "true"}, "advlock run: invalid --wait -1s: must not be negative; see advlock run --help"},
+		{[]string{"run", "--wait", "-1", "k", "--", "true"}, "advlock: run: invalid --wait -1s: must not be negative; see advlock run --help"},
 		{[]string{"run", "--grace", "-0.5", "k", "--", "true"}, "invalid --grace -500ms: must not be negative"},
 		{[]string{"run", "--keepalive", "0", "k", "--", "true"}, "invalid --keepalive 0s: must be positive"},
-		{[]string{"run", "--bogus", "k", "--", "true"}, "advlock run: flag provided but not defined: -bogus; see advlock run --help"},
-		{[]string{"run", "--wait"}, "advlock run: flag needs an argument: -wait; see advlock run --help"},
+		{[]string{"run", "--bogus", "k", "--", "true"}, "advlock: run: flag provided but not defined: -bogus; see advlock run --help"},
+		{[]string{"run", "--wait"}, "advlock: run: flag needs an argument: -wait; see advlock run --help"},
 		{[]string{"ls", "--interval", "abc"},
-			`advlock ls: invalid --interval "abc": want seconds (5, 0.5) or a duration (1m30s); see advlock ls --help`},
-		{[]string{"ls", "--interval", "0"}, "advlock ls: invalid --interval 0s: must be positive; see advlock ls --help"},
-		{[]string{"break", "--bogus", "k"}, "advlock break: flag provided but not defined: -bogus; see advlock break --help"},
-		{[]string{"demo", "--bogus"}, "advlock demo: flag provided but not defined: -bogus; see advlock demo --help"},
+			`advlock: ls: invalid --interval "abc": want seconds (5, 0.5) or a duration (1m30s); see advlock ls --help`},
+		{[]string{"ls", "--interval", "0"}, "advlock: ls: invalid --interval 0s: must be positive; see advlock ls --help"},
+		{[]string{"break", "--bogus", "k"}, "advlock: break: flag provided but not defined: -bogus; see advlock break --help"},
+		{[]string{"demo", "--bogus"}, "advlock: demo: flag provided but not defined: -bogus; see advlock demo --help"},
 	} {
 		p := start(t, []string{"DATABASE_URL=" + downDSN}, tc.args...)
 		code := p.wait(t, 10*time.Second)

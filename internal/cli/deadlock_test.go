@@ -3,6 +3,7 @@ package cli
 import (
 	"context"
 	"fmt"
+	neturl "net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // Two nested runs that take two keys in opposite orders: one inner run gives up with exit 71 (its parent then
@@ -86,6 +88,130 @@ func TestLsTreeMarksCycle(t *testing.T) {
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("ls --tree never marked the cycle:\n%s", out)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// A published wait whose chain ends at a holder that waits for nothing is not a cycle: ls --tree names what its
+// caller holds and marks nothing.
+func TestLsTreeChainUnmarked(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	k1, k2 := time.Now().UnixNano(), time.Now().UnixNano()+1
+	ref := func(k int64) string { return fmt.Sprintf("1.%d.%d.X", uint32(uint64(k)>>32), uint32(k)) }
+	var pids []uint32
+	for _, k := range []int64{k1, k2} { // the caller's k1; another's k2, held by a session that waits for nothing
+		c := pgtest.Conn(t, url)
+		var pid uint32
+		if err := c.QueryRow(ctx, "SELECT pg_backend_pid(), pg_advisory_lock($1)::text", k).Scan(&pid, new(string)); err != nil {
+			t.Fatal(err)
+		}
+		pids = append(pids, pid)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	c := pgtest.Conn(t, url)
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_, _ = c.Exec(ctx, fmt.Sprintf("/*advlock w=%s h=%d.%s*/ SELECT pg_advisory_lock(%d)", ref(k2), pids[0], ref(k1), k2))
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		code, out, errs := run(t, "", "ls", "--tree", "--dsn", url)
+		if code != 0 {
+			t.Fatalf("ls --tree: exit %d: %s", code, errs)
+		}
+		if strings.Contains(out, fmt.Sprintf("its caller holds int:%d", k1)) {
+			if strings.Contains(out, "DEADLOCK") {
+				t.Errorf("ls --tree marked a chain that is no cycle:\n%s", out)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ls --tree never showed the published wait:\n%s", out)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// The cycle advlock cannot attribute: the holder of a key runs its own transaction on another connection, which
+// waits for a row that the waiter's transaction has locked (the waiter's process took the row, then waits for the
+// key). ls --tree shows what can be seen: the row wait, who blocks it, and that each end's client also holds or
+// waits for the key; it marks no DEADLOCK, since nothing ties those sessions to the advisory ones.
+func TestLsTreeShowsOtherWaits(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	tag := fmt.Sprint(time.Now().UnixNano())
+	podA, podB := "pod-a-"+tag, "pod-b-"+tag
+	as := func(app string) *pgx.Conn {
+		u, err := neturl.Parse(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		q := u.Query()
+		q.Set("application_name", app)
+		u.RawQuery = q.Encode()
+		return pgtest.Conn(t, u.String())
+	}
+	setup := pgtest.Conn(t, url)
+	if _, err := setup.Exec(ctx, "CREATE TABLE jobs (id int PRIMARY KEY, v int); INSERT INTO jobs VALUES (1, 0)"); err != nil {
+		t.Fatal(err)
+	}
+	k := time.Now().UnixNano()
+	holder, holderTx := as(podA), as(podA) // pod A: holds the key; its migration's transaction on another connection
+	waiter, waiterTx := as(podB), as(podB) // pod B: its transaction locked the row; then it waits for the key
+	var holderPID, rowPID, waitPID int32
+	if err := holder.QueryRow(ctx, "SELECT pg_backend_pid(), pg_advisory_lock($1)::text", k).Scan(&holderPID, new(string)); err != nil {
+		t.Fatal(err)
+	}
+	if err := waiterTx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&rowPID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := waiterTx.Exec(ctx, "BEGIN; UPDATE jobs SET v = 1 WHERE id = 1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := waiter.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&waitPID); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer cancel()
+	wg.Add(2)
+	go func() { defer wg.Done(); _, _ = waiter.Exec(ctx, "SELECT pg_advisory_lock($1)", k) }()
+	go func() { defer wg.Done(); _, _ = holderTx.Exec(ctx, "BEGIN; UPDATE jobs SET v = 2 WHERE id = 1") }()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		code, out, errs := run(t, "", "ls", "--tree", "--dsn", url)
+		if code != 0 {
+			t.Fatalf("ls --tree: exit %d: %s", code, errs)
+		}
+		keyText := fmt.Sprintf("int:%d", k)
+		if strings.Contains(out, "waits for other locks") && strings.Contains(out, "blocked by") &&
+			strings.Contains(out, fmt.Sprintf("pid %d exclusive %q", waitPID, podB)) {
+			for _, want := range []string{
+				fmt.Sprintf("held by pid %d exclusive %q", holderPID, podA),
+				"ShareLock on transactionid",
+				fmt.Sprintf("[its client also holds %s]", keyText),
+				fmt.Sprintf("blocked by pid %d %q from ", rowPID, podB),
+				fmt.Sprintf("[its client also waits for %s]", keyText),
+			} {
+				if !strings.Contains(out, want) {
+					t.Errorf("ls --tree does not show %q:\n%s", want, out)
+				}
+			}
+			if strings.Contains(out, "DEADLOCK") {
+				t.Errorf("ls --tree marked a cycle it cannot attribute:\n%s", out)
+			}
+			t.Logf("ls --tree:\n%s", out)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ls --tree never showed the row wait:\n%s", out)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}

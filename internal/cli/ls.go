@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -28,9 +29,12 @@ or wait for them: a Locker from advlock.Open uses at most %d connections, shared
 
 Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 usage error.
 `, advlock.DefaultOpenConns))
-	asJSON := fs.Bool("json", false, "print a JSON array (stable field names; client_sessions counts the sessions of each row's client) instead of a table")
-	tree := fs.Bool("tree", false, "show who waits for whom: each key with its holders, then the sessions waiting for it, indented, with how long they have waited")
-	watch := fs.Bool("watch", false, "redraw every --interval until interrupted (in place on a terminal, like top; one snapshot after another on a pipe or a dumb terminal)")
+	asJSON := fs.Bool("json", false, "print a JSON array instead of a table (stable field names;\n"+
+		"client_sessions counts the sessions of each row's client)")
+	tree := fs.Bool("tree", false, "show who waits for whom: each key with its holders, then the sessions waiting for it,\n"+
+		"indented, with how long they have waited")
+	watch := fs.Bool("watch", false, "redraw every --interval until interrupted (in place on a terminal, like top;\n"+
+		"one snapshot after another on a pipe or a dumb terminal)")
 	interval := durationFlag(fs, "interval", time.Second, "with --watch, redraw every `DURATION`")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	if code, done := parse(fs, args, std); done {
@@ -58,7 +62,12 @@ Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 
 	if bad {
 		return code
 	}
+	l := &lister{conn: conn, withOthers: *tree && filter == nil}
 	show := func(w io.Writer, rows []advlock.LockInfo, use *advlock.LockTableUse, now time.Time) {
+		var others []otherWait
+		if *tree {
+			others = l.others
+		}
 		switch {
 		case *asJSON:
 			if rows == nil {
@@ -70,6 +79,7 @@ Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 
 			return
 		case *tree:
 			printTree(w, rows, now)
+			printOtherWaits(w, others, rows)
 		default:
 			printTable(w, rows, now)
 		}
@@ -78,7 +88,6 @@ Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 
 			printLockTable(w, *use)
 		}
 	}
-	l := &lister{conn: conn}
 	defer l.close()
 	if *watch {
 		return watchLs(ctx, std, *interval, *asJSON, func() ([]advlock.LockInfo, *advlock.LockTableUse, error) {
@@ -313,6 +322,9 @@ type lister struct {
 	conn string // connection string
 	c    *pgx.Conn
 	db   string // current_database(), for naming other tools' keys
+
+	withOthers bool        // also read the waits for other kinds of locks (--tree without KEY)
+	others     []otherWait // what the last read found of them
 }
 
 func (l *lister) close() {
@@ -373,6 +385,12 @@ func (l *lister) read(ctx context.Context, keyText *string) ([]advlock.LockInfo,
 	if u, uerr := advlock.LockTable(ctx, l.c); uerr == nil {
 		use = &u
 	}
+	l.others = nil
+	if l.withOthers {
+		if l.others, err = readOtherWaits(ctx, l.c); err != nil {
+			return nil, nil, key, err
+		}
+	}
 	if key == nil {
 		return rows, use, nil, nil
 	}
@@ -422,4 +440,116 @@ func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 			app, r.ClientAddr, start, r.State)
 	}
 	tw.Flush()
+}
+
+// otherWait is a session of the current database waiting for a lock that is not advisory (a row, a transaction
+// id, a table), and the sessions that block it (pg_blocking_pids).
+type otherWait struct {
+	PID       int32
+	App, Addr string
+	What      string // e.g. "ShareLock on transactionid 745", "RowExclusiveLock on relation jobs"
+	Waited    time.Duration
+	BlockedBy []otherSession
+}
+
+type otherSession struct {
+	PID       int32
+	App, Addr string
+}
+
+// otherWaitsSQL reads the waits for locks other than advisory ones in the current database, with their blockers.
+const otherWaitsSQL = `
+SELECT a.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'),
+       l.mode || ' on ' || l.locktype || coalesce(' ' || l.relation::regclass::text, ' ' || l.transactionid::text, ''),
+       extract(epoch FROM clock_timestamp() - coalesce(l.waitstart, a.query_start, clock_timestamp()))::float8,
+       ARRAY(SELECT p FROM unnest(x.bp) AS p ORDER BY p),
+       ARRAY(SELECT coalesce(s.application_name, '') FROM unnest(x.bp) AS p
+             LEFT JOIN pg_stat_activity s ON s.pid = p ORDER BY p),
+       ARRAY(SELECT coalesce(host(s.client_addr), 'local') FROM unnest(x.bp) AS p
+             LEFT JOIN pg_stat_activity s ON s.pid = p ORDER BY p)
+FROM pg_locks l
+JOIN pg_stat_activity a ON a.pid = l.pid
+CROSS JOIN LATERAL (SELECT pg_blocking_pids(l.pid) AS bp) x
+WHERE NOT l.granted AND l.locktype <> 'advisory' AND a.datname = current_database() AND a.pid <> pg_backend_pid()
+ORDER BY 5 DESC, 1`
+
+// readOtherWaits lists the waits for other kinds of locks (see otherWait), longest first.
+func readOtherWaits(ctx context.Context, c *pgx.Conn) ([]otherWait, error) {
+	rows, err := c.Query(ctx, otherWaitsSQL)
+	if err != nil {
+		return nil, err
+	}
+	var out []otherWait
+	for rows.Next() {
+		var w otherWait
+		var secs float64
+		var pids []int32
+		var apps, addrs []string
+		if err := rows.Scan(&w.PID, &w.App, &w.Addr, &w.What, &secs, &pids, &apps, &addrs); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		w.Waited = time.Duration(secs * float64(time.Second))
+		for i, p := range pids {
+			if i < len(apps) && i < len(addrs) {
+				w.BlockedBy = append(w.BlockedBy, otherSession{PID: p, App: apps[i], Addr: addrs[i]})
+			}
+		}
+		out = append(out, w)
+	}
+	return out, rows.Err()
+}
+
+// printOtherWaits writes, after the tree, the waits for locks that are not advisory and who blocks them. advlock
+// cannot tell which of its waits such a session's work belongs to (the holder's own transaction runs on another
+// connection than its lock), so a cycle through them is not marked; what it shows is a hint: a session whose
+// client (address and application name) also holds or waits for an advisory key says so.
+func printOtherWaits(w io.Writer, others []otherWait, rows []advlock.LockInfo) {
+	if len(others) == 0 {
+		return
+	}
+	type client struct{ addr, app string }
+	holds, waits := map[client][]string{}, map[client][]string{}
+	for _, r := range rows {
+		c := client{r.ClientAddr, r.ApplicationName}
+		m := waits
+		if r.Granted {
+			m = holds
+		}
+		if k := r.Key.String(); !slices.Contains(m[c], k) {
+			m[c] = append(m[c], k)
+		}
+	}
+	hint := func(addr, app string) string {
+		c := client{addr, app}
+		var parts []string
+		if len(holds[c]) > 0 {
+			parts = append(parts, "holds "+strings.Join(holds[c], ", "))
+		}
+		if len(waits[c]) > 0 {
+			parts = append(parts, "waits for "+strings.Join(waits[c], ", "))
+		}
+		if len(parts) == 0 {
+			return ""
+		}
+		return " [its client also " + strings.Join(parts, " and ") + "]"
+	}
+	name := func(pid int32, app, addr string) string {
+		s := fmt.Sprintf("pid %d", pid)
+		if app != "" {
+			s += fmt.Sprintf(" %q", app)
+		}
+		return s + " from " + addr
+	}
+	fmt.Fprintln(w, "\nwaits for other locks (rows, transactions, tables), which advlock cannot attribute to its locks:")
+	for _, o := range others {
+		fmt.Fprintf(w, "  %s waiting %s: %s%s\n", name(o.PID, o.App, o.Addr), o.Waited.Round(100*time.Millisecond), o.What,
+			hint(o.Addr, o.App))
+		for _, b := range o.BlockedBy {
+			fmt.Fprintf(w, "    blocked by %s%s\n", name(b.PID, b.App, b.Addr), hint(b.Addr, b.App))
+		}
+		if len(o.BlockedBy) == 0 {
+			fmt.Fprintln(w, "    blocked by nobody now (granted since)")
+		}
+	}
 }

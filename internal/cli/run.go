@@ -44,9 +44,9 @@ An advlock run inside COMMAND knows what this one holds ($ADVLOCK_HOLDING): if i
 for ever; its parent run then exits 71 too (COMMAND's status), releasing its key, and the other proceeds.
 
 Exit status: COMMAND's (128+N if it died of signal N); 75 KEY not acquired (--no-wait, --wait 0, or --wait
-elapsed); 71 deadlock: the wait for KEY closed a cycle of waits; 69 database unreachable or refused; 70 lock lost while COMMAND ran (COMMAND's group got SIGTERM, then
-SIGKILL after --grace); 126 COMMAND could not be run; 127 COMMAND not found; 2 usage error; 128+N if advlock
-got signal N before COMMAND started.
+elapsed); 71 deadlock: the wait for KEY closed a cycle of waits; 69 database unreachable or refused; 70 lock
+lost while COMMAND ran (COMMAND's group got SIGTERM, then SIGKILL after --grace); 126 COMMAND could not be run;
+127 COMMAND not found; 2 usage error; 128+N if advlock got signal N before COMMAND started.
 `
 
 // runArgs splits run's arguments into flags (parsed into fs), KEY and COMMAND. Flags may come before or after
@@ -98,9 +98,10 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	wait := durationFlag(fs, "wait", 0, "give up (exit 75) if KEY is not acquired within `DURATION` (0: do not wait); default: wait as long as it takes")
 	noWait := fs.Bool("no-wait", false, "exit 75 at once if KEY is held elsewhere")
 	shared := fs.Bool("shared", false, "take KEY in shared mode (any number of shared holders, no exclusive one)")
-	fence := fs.Bool("fence", false, "pass a fencing token to COMMAND in $ADVLOCK_TOKEN (greater than every token before it; needs the sequence public.advlock_fence, created if missing)")
+	fence := fs.Bool("fence", false, "pass a fencing token to COMMAND in $ADVLOCK_TOKEN (greater than every token before it;\n"+
+		"needs the sequence public.advlock_fence, created if missing)")
 	grace := durationFlag(fs, "grace", 10*time.Second, "after the lock is lost, COMMAND has `DURATION` between SIGTERM and SIGKILL")
-	keepalive := durationFlag(fs, "keepalive", 5*time.Second, "ping the lock's session after `DURATION` of silence; the server ends it after 3 of them, "+
+	keepalive := durationFlag(fs, "keepalive", 5*time.Second, "ping the lock's session after `DURATION` of silence; the server ends it after 3 of them,\n"+
 		"so if advlock freezes (SIGSTOP, a stuck VM) a waiter gets KEY within about 3x this")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	keyArg, command, err := runArgs(fs, args)
@@ -115,7 +116,7 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		return usageError(std, "run: %s", describe(err))
 	}
 	if len(command) == 0 {
-		return usageError(std, "run: missing COMMAND after KEY --")
+		return usageError(std, "run: missing COMMAND after KEY %s\nUsage: advlock run %s", keyArg, runSynopsis)
 	}
 	waitSet := false
 	fs.Visit(func(f *flag.Flag) { waitSet = waitSet || f.Name == "wait" })

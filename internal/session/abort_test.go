@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"testing"
 	"time"
@@ -62,6 +63,7 @@ func TestMuxTrailingErrorToken(t *testing.T) {
 		}
 	})
 	n, outcomes := 400, map[string]int{}
+	timeout := 5 // ms: the session's statement_timeout, raised when a loaded machine cannot even prepare within it
 	base := time.Now().UnixNano()
 	start := time.Now()
 	for it := 0; time.Since(start) < 90*time.Second; it++ {
@@ -75,7 +77,7 @@ func TestMuxTrailingErrorToken(t *testing.T) {
 		// The session's statement_timeout (a role's or a pool's default; advlock.New leaves it) is set once the
 		// new backend has loaded its caches (its first statement alone may take a few ms), and long enough for the
 		// shared session's preparation: 5 ms. The round trip below grows until it lasts about that long.
-		if _, err := pc.Exec(ctx, "SELECT pg_is_in_recovery(); SET statement_timeout = 5").ReadAll(); err != nil {
+		if _, err := pc.Exec(ctx, fmt.Sprintf("SELECT pg_is_in_recovery(); SET statement_timeout = %d", timeout)).ReadAll(); err != nil {
 			t.Fatal(err)
 		}
 		m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
@@ -83,6 +85,9 @@ func TestMuxTrailingErrorToken(t *testing.T) {
 			outcomes["open failed"]++
 			if outcomes["open failed"] == 1 {
 				t.Log("open:", err) // shown only if the window is never hit
+			}
+			if timeout < 100 { // the round trip below grows with it
+				timeout, n = timeout*5/4+1, n*5/4
 			}
 			continue
 		}
@@ -143,7 +148,8 @@ func TestMuxTrailingErrorToken(t *testing.T) {
 		t.Logf("after the restart nextval returned %d, above the token", next)
 		return
 	}
-	t.Fatalf("outcomes %v; the window was never hit in 90 s: nothing shown", outcomes)
+	t.Fatalf("outcomes %v (statement_timeout %d ms at the end); the window was never hit in 90 s: nothing shown",
+		outcomes, timeout)
 }
 
 // The undo-and-resend of a fenced round trip refused for lack of lock-table space, where the key of a granted try
