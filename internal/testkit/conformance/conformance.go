@@ -877,6 +877,7 @@ func (s *suite) databaseDown(t *testing.T) {
 
 	hp, p := s.proxied(t)
 	p.Blackhole(true)
+	defer func() { p.Cut(); p.Blackhole(false) }() // the pool's close does not wait on the blackhole
 	start = time.Now()
 	ctx2, cancel2 := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel2()

@@ -82,6 +82,8 @@ func (s *suite) sharedOpenBounded(t *testing.T) {
 			<-done
 			t.Fatal("TryLock under a context without a deadline hung opening a shared session in a blackhole")
 		}
+		p.Cut() // the pool's connections end now, not after a close that waits on the blackhole
+		p.Blackhole(false)
 	})
 	t.Run("close", func(t *testing.T) {
 		// Every statement of the open goes unanswered (as into a network that drops everything), after the

@@ -152,15 +152,19 @@ func (s *suite) lossIsLoss(t *testing.T) {
 // unlockDuringKeepalive: an Unlock that arrives while the watcher's keepalive round trip is in flight (a slow link,
 // a short keepalive) returns nil, every time, and the session goes back to the pool.
 func (s *suite) unlockDuringKeepalive(t *testing.T) {
-	// A round trip takes at least 10 ms (5 ms each way) of every 60 ms or so; the ping may take 50 ms before it
-	// counts as a real timeout, far more than it needs even on a loaded machine.
-	const keepalive = 50 * time.Millisecond
+	// A round trip takes at least 20 ms (10 ms each way) of every 120 ms or so; the ping may take 100 ms before it
+	// counts as a real timeout, far more than it needs on a quiet machine. On a loaded one (the race detector, two
+	// cores, every package's tests at once) a round trip does miss it now and then: the session is then judged
+	// dead, and the lock lost, which is right. Such an iteration is done again (at most 15 of them); the unlock
+	// this test is about is one that lands during a keepalive that is answered in time.
+	const keepalive = 100 * time.Millisecond
 	h, p := s.proxied(t, advlock.WithKeepalive(keepalive))
 	obs := s.observer(t)
-	ctx := ctxT(t, 60*time.Second)
-	p.Latency(5 * time.Millisecond)
+	ctx := ctxT(t, 90*time.Second)
+	p.Latency(10 * time.Millisecond)
 	defer p.Latency(0)
-	for i := range 60 {
+	timedOut := 0
+	for i := 0; i < 40; i++ {
 		lk, err := h.L.TryLock(ctx, Key(t))
 		for try := 0; err != nil && strings.Contains(err.Error(), "no answer within") && try < 3; try++ {
 			// A shared session's round trip is bounded by the keepalive too: on a loaded machine a try may
@@ -171,8 +175,14 @@ func (s *suite) unlockDuringKeepalive(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(time.Duration(mrand.IntN(120)) * time.Millisecond)
+		time.Sleep(time.Duration(mrand.IntN(240)) * time.Millisecond)
 		if err := lk.Unlock(ctx); err != nil {
+			if errors.Is(err, advlock.ErrLockLost) && strings.Contains(err.Error(), "no answer within") && timedOut < 15 {
+				t.Logf("iteration %d: a round trip really missed the bound (%v); again", i, err)
+				timedOut++
+				i--
+				continue
+			}
 			t.Fatalf("iteration %d: Unlock of a healthy lock over a slow link: %v, want nil", i, err)
 		}
 		if len(holders(t, obs, lk.Key())) != 0 {
