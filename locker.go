@@ -302,10 +302,14 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 			if errors.Is(err, session.ErrNoShared) {
 				break
 			}
-			if err != nil && wait && ctx.Err() == nil && !errors.Is(err, ErrClosed) {
+			if err != nil && wait && !errors.Is(err, ErrClosed) {
 				// No shared session now (no connection free for one, or its open failed): a wait takes a session
-				// of its own, waiting for a connection as long as ctx allows.
-				break
+				// of its own, waiting for a connection as long as ctx allows; one whose ctx ended meanwhile says
+				// so (never ErrPoolExhausted, which is a try's answer).
+				if ctx.Err() == nil {
+					break
+				}
+				return nil, session.WithContext(ctx, errors.New("waiting for a shared session"))
 			}
 			if err != nil {
 				return nil, err

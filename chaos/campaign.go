@@ -45,10 +45,15 @@ type Options struct {
 	// mutant's short campaign aims at its bug).
 	Faults []string
 	Ops    []string
+	// Failover runs the locks on a primary and a streaming standby (the ledger on a server of its own), the
+	// workers with a DSN that names both (target_session_attrs=read-write), and adds the fault kind "failover":
+	// the standby made to lag, the primary stopped (immediate), the standby promoted, the old primary rebuilt as
+	// the new standby; the campaign goes on with the roles swapped (see failover.go).
+	Failover bool
 }
 
 // Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
-// workers themselves and counted with them.
+// workers themselves and counted with them, and "failover" is drawn only in a failover campaign.
 var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackhole", "latency", "sigstop",
 	"sigkill", "restart_fast", "restart_immediate", "close_locker"}
 
@@ -71,7 +76,7 @@ func via(i int) (shared bool, path string) {
 
 type slot struct {
 	cfg     workerConfig
-	proxy   *faults.Proxy
+	proxies []*faults.Proxy // the worker's path to the server (to each server, in a failover campaign); nil: direct
 	stderr  *os.File
 	mu      sync.Mutex
 	cmd     *exec.Cmd
@@ -85,7 +90,7 @@ type slot struct {
 type campaign struct {
 	opt     Options
 	dir     string
-	cluster *pgcluster.Cluster
+	cluster *pgcluster.Cluster // the server the locks are on: in a failover campaign, the primary now (srvMu)
 	bouncer *pgcluster.Bouncer
 	slots   []*slot
 	self    string
@@ -99,6 +104,30 @@ type campaign struct {
 	faults  []fault
 	pauses  []Pause
 	samples []Sample
+
+	// A failover campaign (failover.go); cluster changes with each failover, under srvMu.
+	srvMu     sync.Mutex
+	standby   *pgcluster.Cluster   // the streaming standby; nil while it is being rebuilt
+	repl      *faults.Proxy        // the standby's replication stream goes through it
+	servers   []*pgcluster.Cluster // every server that held locks: their logs are evidence
+	ledgerDB  *pgcluster.Cluster   // the resource, on a server of its own that never fails over
+	failovers int
+}
+
+// primary is the server the locks are on now.
+func (c *campaign) primary() *pgcluster.Cluster {
+	c.srvMu.Lock()
+	defer c.srvMu.Unlock()
+	return c.cluster
+}
+
+// ledgerURL is where the protected resource (the ledger) lives: the lock server, or a server of its own in a
+// failover campaign (a failover loses the commits its standby had not received, which the checker must not lose).
+func (c *campaign) ledgerURL() string {
+	if c.ledgerDB != nil {
+		return c.ledgerDB.URL
+	}
+	return c.cluster.URL
 }
 
 func (c *campaign) logf(f string, a ...any) {
@@ -133,8 +162,9 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		}
 	}
 	for _, k := range opt.Faults {
-		if !slices.Contains(faultKinds, k) {
-			return nil, fmt.Errorf("chaos: no fault kind %q (there are: %s)", k, strings.Join(faultKinds, ", "))
+		if !slices.Contains(faultKinds, k) && !(k == "failover" && opt.Failover) {
+			return nil, fmt.Errorf("chaos: no fault kind %q (there are: %s, and failover with -failover)", k,
+				strings.Join(faultKinds, ", "))
 		}
 	}
 	dir, err := os.MkdirTemp("", "advlock-chaos-")
@@ -150,17 +180,33 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	c := &campaign{opt: opt, dir: dir, self: self}
 	c.logf("starting a private cluster")
 	// The server's log says when each backend ended, by pid and application name: evidence the checker reads.
-	if c.cluster, err = pgcluster.Start("max_connections = 300", "log_disconnections = on",
-		"log_line_prefix = '%n|%p|%a|'"); err != nil {
+	settings := []string{"max_connections = 300", "log_disconnections = on", "log_line_prefix = '%n|%p|%a|'"}
+	if opt.Failover {
+		// The standby copies these with its base backup. A standby whose stream broke retries after this long,
+		// and a promotion that comes meanwhile may wait for it (5 s by default).
+		settings = append(settings, "wal_retrieve_retry_interval = '200ms'")
+	}
+	if c.cluster, err = pgcluster.Start(settings...); err != nil {
 		return nil, err
 	}
-	defer c.cluster.Remove()
+	c.servers = []*pgcluster.Cluster{c.cluster}
+	defer func() {
+		for _, s := range c.servers {
+			s.Remove()
+		}
+	}()
+	if opt.Failover {
+		if err := c.startFailover(); err != nil {
+			return nil, err
+		}
+		defer c.stopFailover()
+	}
 	if err := c.setupLedger(ctx); err != nil {
 		return nil, err
 	}
 	needBouncer := false
 	for i := range opt.Workers {
-		if _, p := via(i); p == "pgbouncer" {
+		if _, p := c.via(i); p == "pgbouncer" {
 			needBouncer = true
 		}
 	}
@@ -177,8 +223,8 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if err != nil {
 			return nil, err
 		}
-		if s.proxy != nil {
-			defer s.proxy.Close()
+		for _, p := range s.proxies {
+			defer p.Close()
 		}
 		defer s.stderr.Close()
 		c.slots = append(c.slots, s)
@@ -213,34 +259,75 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	return r, err
 }
 
+// setupLedger makes the ledger's tables. In a failover campaign the lock server has them too (the standby gets
+// them by replication): DoTx writes in its own transaction, on the server its lock is on, and those writes are
+// not read (a failover loses the last commits of the old primary, with their locks).
 func (c *campaign) setupLedger(ctx context.Context) error {
-	conn, err := pgx.Connect(ctx, c.cluster.URL)
-	if err != nil {
-		return err
+	urls := []string{c.ledgerURL()}
+	if c.ledgerDB != nil {
+		urls = append(urls, c.cluster.URL)
 	}
-	defer conn.Close(ctx)
-	_, err = conn.Exec(ctx, `CREATE TABLE chaos_fence (key text PRIMARY KEY, fence bigint NOT NULL);
-		CREATE TABLE chaos_writes (id bigserial PRIMARY KEY, key text NOT NULL, token bigint NOT NULL,
-			cs text NOT NULL, worker int NOT NULL, mode text NOT NULL, accepted bool, at timestamptz NOT NULL)`)
-	return err
+	for _, u := range urls {
+		conn, err := pgx.Connect(ctx, u)
+		if err != nil {
+			return err
+		}
+		_, err = conn.Exec(ctx, `CREATE TABLE chaos_fence (key text PRIMARY KEY, fence bigint NOT NULL);
+			CREATE TABLE chaos_writes (id bigserial PRIMARY KEY, key text NOT NULL, token bigint NOT NULL,
+				cs text NOT NULL, worker int NOT NULL, mode text NOT NULL, accepted bool, at timestamptz NOT NULL)`)
+		conn.Close(ctx)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// via says how worker i reaches the server; a failover campaign has no PgBouncer (it would point at one server),
+// its workers go through a proxy instead.
+func (c *campaign) via(i int) (shared bool, path string) {
+	shared, path = via(i)
+	if c.opt.Failover && path == "pgbouncer" {
+		path = "proxy"
+	}
+	return shared, path
 }
 
 func (c *campaign) newSlot(i int) (*slot, error) {
-	shared, path := via(i)
+	shared, path := c.via(i)
 	s := &slot{}
-	dsn := c.cluster.URL
+	dsn, locks := c.cluster.URL, ""
+	servers := []*pgcluster.Cluster{c.cluster}
+	if c.opt.Failover {
+		servers = append(servers, c.standby)
+	}
 	switch path {
-	case "proxy":
-		p, err := faults.New(fmt.Sprintf("127.0.0.1:%d", c.cluster.Port))
-		if err != nil {
-			return nil, err
+	case "direct":
+		if c.opt.Failover {
+			dsn = c.multiHost(nil)
 		}
-		s.proxy = p
-		u, _ := url.Parse(dsn)
-		u.Host = p.Addr()
-		dsn = u.String()
+	case "proxy":
+		var addrs []string
+		for _, srv := range servers {
+			p, err := faults.New(fmt.Sprintf("127.0.0.1:%d", srv.Port))
+			if err != nil {
+				return nil, err
+			}
+			s.proxies = append(s.proxies, p)
+			addrs = append(addrs, p.Addr())
+		}
+		if c.opt.Failover {
+			dsn = c.multiHost(addrs)
+		} else {
+			u, _ := url.Parse(dsn)
+			u.Host = addrs[0]
+			dsn = u.String()
+		}
 	case "pgbouncer":
 		dsn = c.bouncer.URL
+	}
+	if c.opt.Failover {
+		locks = c.multiHost(nil) // the worker's own look at pg_locks follows the primary
 	}
 	dsn += "&pool_max_conns=10"
 	f, err := os.Create(filepath.Join(c.dir, fmt.Sprintf("w%d.stderr", i)))
@@ -248,7 +335,7 @@ func (c *campaign) newSlot(i int) (*slot, error) {
 		return nil, err
 	}
 	s.stderr = f
-	s.cfg = workerConfig{ID: i, Name: fmt.Sprintf("chaos-w%d", i), DSN: dsn, Ledger: c.cluster.URL, Shared: shared,
+	s.cfg = workerConfig{ID: i, Name: fmt.Sprintf("chaos-w%d", i), DSN: dsn, Ledger: c.ledgerURL(), Locks: locks, Shared: shared,
 		Broken: c.opt.Broken, Seed: c.opt.Seed*1000 + uint64(i), Keepalive: c.opt.Keepalive,
 		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4, Ops: c.opt.Ops}
 	return s, nil
@@ -319,9 +406,9 @@ func (c *campaign) stopAll() {
 		s.mu.Unlock()
 	}
 	for _, s := range c.slots {
-		if s.proxy != nil {
-			s.proxy.Blackhole(false)
-			s.proxy.Latency(0)
+		for _, p := range s.proxies {
+			p.Blackhole(false)
+			p.Latency(0)
 		}
 		c.signal(s, syscall.SIGCONT)
 		c.signal(s, syscall.SIGTERM)
@@ -366,7 +453,7 @@ func (c *campaign) sample(ctx context.Context) {
 		qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		if conn == nil || conn.IsClosed() {
 			var err error
-			if conn, err = pgx.Connect(qctx, c.cluster.URL); err != nil {
+			if conn, err = pgx.Connect(qctx, c.primary().URL); err != nil {
 				conn = nil
 				cancel()
 				continue
@@ -444,7 +531,7 @@ func (c *campaign) inject(ctx context.Context) {
 	var deck []string
 	var proxied []*slot
 	for _, s := range c.slots {
-		if s.proxy != nil {
+		if len(s.proxies) > 0 {
 			proxied = append(proxied, s)
 		}
 	}
@@ -481,21 +568,31 @@ func (c *campaign) inject(ctx context.Context) {
 			f.Worker, f.Held = s.cfg.ID, heldIn(now, s.cfg.Name)
 			switch kind {
 			case "cut":
-				s.proxy.Cut()
+				for _, p := range s.proxies {
+					p.Cut()
+				}
 				c.record(f)
 			case "blackhole":
-				s.proxy.Blackhole(true)
+				for _, p := range s.proxies {
+					p.Blackhole(true)
+				}
 				f.Detail = fmt.Sprintf("%v, holding %d", long, f.Held)
 				sleepCtx(ctx, long)
-				s.proxy.Blackhole(false)
+				for _, p := range s.proxies {
+					p.Blackhole(false)
+				}
 				f.Until = time.Now()
 				c.record(f)
 			case "latency":
 				d := time.Duration(10+rng.IntN(70)) * time.Millisecond
-				s.proxy.Latency(d)
+				for _, p := range s.proxies {
+					p.Latency(d)
+				}
 				f.Detail = d.String()
 				sleepCtx(ctx, time.Duration(1000+rng.IntN(1000))*time.Millisecond)
-				s.proxy.Latency(0)
+				for _, p := range s.proxies {
+					p.Latency(0)
+				}
 				f.Until = time.Now()
 				c.record(f)
 			}
@@ -526,10 +623,14 @@ func (c *campaign) inject(ctx context.Context) {
 		case "restart_fast", "restart_immediate":
 			f.Worker, f.Held = -1, heldIn(now, "")
 			c.record(f)
-			if err := c.cluster.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
+			p := c.primary()
+			if err := p.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
 				c.logf("restart: %v", err)
-				_ = c.cluster.Start()
+				_ = p.Start()
 			}
+		case "failover":
+			f.Worker, f.Held = -1, heldIn(now, "")
+			c.failover(ctx, rng, f)
 		}
 	}
 }
@@ -538,6 +639,9 @@ func (c *campaign) inject(ctx context.Context) {
 func (c *campaign) kinds() []string {
 	if len(c.opt.Faults) > 0 {
 		return c.opt.Faults
+	}
+	if c.opt.Failover {
+		return append(slices.Clone(faultKinds), "failover")
 	}
 	return faultKinds
 }
@@ -609,7 +713,7 @@ func pickBackend(now Sample, holder bool, rng *rand.Rand) (pid int32, worker int
 func (c *campaign) locksNow(ctx context.Context) Sample {
 	qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(qctx, c.cluster.URL)
+	conn, err := pgx.Connect(qctx, c.primary().URL)
 	if err != nil {
 		return Sample{}
 	}
@@ -622,7 +726,7 @@ func (c *campaign) locksNow(ctx context.Context) Sample {
 func (c *campaign) execRows(ctx context.Context, sql string, args ...any) (int64, error) {
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	conn, err := pgx.Connect(qctx, c.cluster.URL)
+	conn, err := pgx.Connect(qctx, c.primary().URL)
 	if err != nil {
 		return 0, err
 	}
@@ -635,8 +739,8 @@ func (c *campaign) execRows(ctx context.Context, sql string, args ...any) (int64
 // behind a blackhole ends at the server's idle timeout, so it waits for a while first.
 func (c *campaign) leftovers(ctx context.Context) []string {
 	for _, s := range c.slots {
-		if s.proxy != nil {
-			s.proxy.Cut()
+		for _, p := range s.proxies {
+			p.Cut()
 		}
 	}
 	var out []string
@@ -644,7 +748,7 @@ func (c *campaign) leftovers(ctx context.Context) []string {
 	for {
 		out = out[:0]
 		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		conn, err := pgx.Connect(qctx, c.cluster.URL)
+		conn, err := pgx.Connect(qctx, c.primary().URL)
 		if err == nil {
 			var s Sample
 			s, err = readLocks(qctx, conn)
@@ -667,10 +771,19 @@ func (c *campaign) leftovers(ctx context.Context) []string {
 	}
 }
 
-// sessionEnds reads the server's log: one piece of evidence per backend of a worker that ended (log_disconnections,
-// with the prefix "epoch.ms|pid|application_name|").
+// sessionEnds reads the servers' logs: one piece of evidence per backend of a worker that ended
+// (log_disconnections, with the prefix "epoch.ms|pid|application_name|"). Backend pids are the machine's process
+// ids, which two servers on one machine never share at once.
 func (c *campaign) sessionEnds() []Evidence {
-	f, err := os.Open(c.cluster.LogFile())
+	var out []Evidence
+	for _, s := range c.servers {
+		out = append(out, logEnds(s.LogFile())...)
+	}
+	return out
+}
+
+func logEnds(file string) []Evidence {
+	f, err := os.Open(file)
 	if err != nil {
 		return nil
 	}
@@ -801,7 +914,7 @@ func (c *campaign) ledger(ctx context.Context) ([]Write, error) {
 	var err error
 	for range 20 { // the last restart may still be finishing
 		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		conn, err = pgx.Connect(qctx, c.cluster.URL)
+		conn, err = pgx.Connect(qctx, c.ledgerURL())
 		cancel()
 		if err == nil {
 			break

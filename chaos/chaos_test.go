@@ -173,6 +173,17 @@ func evidence(h *History, e ...Evidence) *History {
 	return h
 }
 
+// onKey moves the critical section id, and its writes, to key.
+func onKey(h *History, id, key string) *History {
+	h.CS[id].Key = key
+	for i := range h.Writes {
+		if h.Writes[i].CS == id {
+			h.Writes[i].Key = key
+		}
+	}
+	return h
+}
+
 // begins sets grant times (ms) where they differ from the first write.
 func begins(h *History, ms map[string]int) *History {
 	for id, t := range ms {
@@ -260,6 +271,27 @@ func TestChecker(t *testing.T) {
 		{"later grant, smaller token, refused", build(
 			csSpec{"a", 0, "x", 5, true, -1, []int{0, 10}, nil},
 			csSpec{"b", 1, "x", 3, true, -1, []int{20, 30}, []bool{true, true}}), map[string]int{VTokenOrder: 2}},
+		// Failover: a token granted after the promotion, on another key, lower than one granted before the primary
+		// was lost (a promoted standby that lagged, its sequence behind).
+		{"failover, a token after the promotion lower than one before", onKey(evidence(build(
+			csSpec{"a", 0, "x", 100, true, -1, []int{0, 10}, nil},
+			csSpec{"b", 1, "x", 40, true, -1, []int{3000, 3010}, nil}),
+			Evidence{Kind: "failover", At: at(1000), Until: at(2000), Worker: -1}), "b", "k2"), map[string]int{VTokenOrder: 1}},
+		{"failover, tokens go on above", onKey(evidence(build(
+			csSpec{"a", 0, "x", 100, true, -1, []int{0, 10}, nil},
+			csSpec{"b", 1, "x", 140, true, -1, []int{3000, 3010}, nil}),
+			Evidence{Kind: "failover", At: at(1000), Until: at(2000), Worker: -1}), "b", "k2"), map[string]int{}},
+		{"no failover, tokens of two keys are not compared", onKey(build(
+			csSpec{"a", 0, "x", 100, true, -1, []int{0, 10}, nil},
+			csSpec{"b", 1, "x", 40, true, -1, []int{3000, 3010}, nil}), "b", "k2"), map[string]int{}},
+		{"failover, a holder paused across it recorded its grant late", func() *History {
+			h := onKey(evidence(build(
+				csSpec{"a", 0, "x", 100, true, -1, []int{0, 10}, nil},
+				csSpec{"b", 1, "x", 40, true, -1, []int{3000, 3010}, nil}),
+				Evidence{Kind: "failover", At: at(1000), Until: at(2000), Worker: -1}), "b", "k2")
+			h.Pauses = []Pause{{Worker: 1, From: at(900), To: at(2900)}}
+			return h
+		}(), map[string]int{}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -480,6 +480,36 @@ func Check(h *History) []Violation {
 		}
 	}
 
+	// Failover: every token granted after a promotion is greater than every token granted before the primary was
+	// lost, whatever the key (one sequence draws them all). A grant is before when its holder recorded it before the
+	// primary stopped, after when it recorded it once the standby was promoted; a holder paused or killed in
+	// between may have been granted by the old primary and recorded it late, and is not judged.
+	for _, e := range h.Evidence {
+		if e.Kind != "failover" {
+			continue
+		}
+		var before, after *CS
+		for _, id := range sortedKeys(h.CS) {
+			c := h.CS[id]
+			b := c.begin()
+			switch {
+			case c.Token <= 0 || b.IsZero():
+			case b.Before(e.At):
+				if before == nil || c.Token > before.Token {
+					before = c
+				}
+			case b.After(e.Until) && !h.paused(c.Worker, e.At, b) && !h.killed(c.Worker, e.At, b):
+				if after == nil || c.Token < after.Token {
+					after = c
+				}
+			}
+		}
+		if before != nil && after != nil && after.Token <= before.Token {
+			add(VTokenOrder, "failover at %s (promoted %s): %s %s was granted token %d after the promotion, not greater than token %d of %s %s granted before",
+				ts(e.At), ts(e.Until), after.Op, after.ID, after.Token, before.Token, before.Op, before.ID)
+		}
+	}
+
 	// pg_locks: while a holder believes it holds, the server shows its session holding the key.
 	if h.AppName != nil {
 		var all []*CS

@@ -186,7 +186,7 @@ func (h *History) deadlocks() []Violation {
 				eto = e.Until
 			}
 			switch {
-			case e.Kind == "restart_fast" || e.Kind == "restart_immediate":
+			case e.Kind == "restart_fast" || e.Kind == "restart_immediate" || e.Kind == "failover":
 				efrom = efrom.Add(-time.Second)
 			case e.Kind == "cut" || e.Kind == "blackhole" || e.Kind == "latency" || e.Kind == "sigstop":
 				if !slices.Contains(ws, e.Worker) {

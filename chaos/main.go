@@ -1,6 +1,6 @@
 // Command chaos runs advlock under injected faults and checks the history afterwards.
 //
-//	go run ./chaos [-duration 2m] [-seed N] [-workers 6] [-json FILE] [-v] [-faults KIND,...|none] [-ops OP,...]
+//	go run ./chaos [-duration 2m] [-seed N] [-workers 6] [-json FILE] [-v] [-faults KIND,...|none] [-ops OP,...] [-failover]
 //	go run -tags advlock_mutants ./chaos -mutant NAME ...   (the library with one deliberate bug; see internal/mutant)
 //
 // It starts a private PostgreSQL cluster and PgBouncer (session pooling), runs worker processes (this binary
@@ -10,7 +10,9 @@
 // guarded by the fencing token. Meanwhile faults are injected, drawn from the seed: pg_terminate_backend of
 // holders and waiters, network cut, blackhole and latency, SIGSTOP and SIGCONT of a worker, SIGKILL of a worker
 // (restarted), fast and immediate server restarts, a worker's Locker closed mid-flight, each aimed at what pg_locks
-// shows holding a lock. Afterwards a checker reads the history, the ledger, pg_locks samples, the faults and the
+// shows holding a lock. With -failover the locks run on a primary and a streaming standby, the workers connect
+// with a DSN naming both, and failovers are injected too: the standby made to lag, the primary stopped, the standby
+// promoted, the old primary rebuilt as the new standby (PgBouncer's workers go through a proxy instead). Afterwards a checker reads the history, the ledger, pg_locks samples, the faults and the
 // server's log of backend ends, and counts violations. Exit status: 0 with zero violations and zero leaked locks, 1
 // otherwise (with examples printed) or when the run was not exercised (no write refused, no loss told inside a
 // section, a kind of fault that never hit a holder), 2 when the campaign itself could not run.
@@ -43,6 +45,7 @@ func mainCampaign() int {
 	mutantName := flag.String("mutant", "", "switch one deliberate bug on in the library (a build with -tags advlock_mutants)")
 	opList := flag.String("ops", "", "run only these operations (comma-separated; default: the usual mix)")
 	faultList := flag.String("faults", "", "inject only these fault kinds (comma-separated; none: no faults; default: every kind)")
+	failover := flag.Bool("failover", false, "run the locks on a primary and a streaming standby, and inject failovers too (the ledger on a server of its own)")
 	flag.Parse()
 	if flag.NArg() > 0 || *duration <= 0 || *workers < 1 {
 		flag.Usage()
@@ -50,7 +53,7 @@ func mainCampaign() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName}
+	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName, Failover: *failover}
 	if *opList != "" {
 		opt.Ops = strings.Split(*opList, ",")
 	}

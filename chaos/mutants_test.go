@@ -32,6 +32,7 @@ func TestMutants(t *testing.T) {
 	terminate := Options{Faults: []string{"terminate_holder"}, Ops: []string{"hold", "hold_try"}} // losses inside long sections
 	cancels := Options{NoFaults: true, Ops: []string{"lock_cancel"}}                              // waits cancelled as the key is granted
 	pairs := Options{NoFaults: true, Ops: []string{"pair"}}                                       // two keys in a random order: cycles of waits
+	failover := Options{Failover: true, Faults: []string{"failover"}, Ops: []string{"do", "trylock", "lock_deadline"}} // a lagging standby promoted
 	cases := []struct {
 		mutant string
 		opt    Options
@@ -52,6 +53,8 @@ func TestMutants(t *testing.T) {
 		{mutant.DeadlockUndetected, pairs, []string{VDeadlockHang}},
 		{mutant.DeadlockEveryMember, pairs, []string{VDoubleDeadlock}},
 		{mutant.DeadlockFalse, pairs, []string{VFalseDeadlock}},
+		{"", failover, nil},
+		{mutant.TokenNoTimeline, failover, []string{VTokenOrder, VStaleToken}},
 	}
 	covered := map[string]bool{}
 	for _, c := range cases {
@@ -82,7 +85,7 @@ func TestMutants(t *testing.T) {
 			defer func() { <-running }()
 			opt := c.opt
 			opt.Duration, opt.Seed, opt.Workers, opt.Mutant, opt.Binary = 10*time.Second, seed, 2, c.mutant, bin
-			if c.opt.Faults != nil && c.mutant != "" {
+			if c.opt.Faults != nil && c.mutant != "" && !c.opt.Failover { // a failover comes within seconds
 				opt.Duration = 25 * time.Second // a loss must land early in a long section on the session kind at fault
 			}
 			r, err := Run(context.Background(), opt)

@@ -55,6 +55,12 @@ type Report struct {
 	DeadlockMS      Percentiles    `json:"deadlock_ms"`
 	DeadlockMaxMS   float64        `json:"deadlock_max_ms"`
 	DeadlockBoundMS float64        `json:"deadlock_bound_ms"`
+	// Failovers (a -failover campaign): how long each took from the primary's stop to the standby's promotion, and
+	// from the promotion to the first grant a worker recorded on the new primary.
+	Failovers        int         `json:"failovers,omitempty"`
+	PromoteMS        Percentiles `json:"promote_ms"`
+	FirstGrantMS     Percentiles `json:"first_grant_after_promotion_ms"`
+	FirstGrantMaxMS  float64     `json:"first_grant_after_promotion_max_ms"`
 	NotExercised    []string       `json:"not_exercised,omitempty"` // why a run under faults proves nothing
 	Dir             string         `json:"dir,omitempty"`           // kept when something was found
 }
@@ -143,6 +149,35 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	}
 	if cancels > 0 {
 		r.Faults["cancel"] = int(cancels)
+	}
+	var promote, first []float64
+	for _, f := range faults {
+		if f.Kind != "failover" {
+			continue
+		}
+		r.Failovers++
+		promote = append(promote, float64(f.Until.Sub(f.At).Microseconds())/1000)
+		var next time.Time
+		for _, cs := range css {
+			if b := cs.begin(); b.After(f.Until) && (next.IsZero() || b.Before(next)) {
+				next = b
+			}
+		}
+		if !next.IsZero() {
+			first = append(first, float64(next.Sub(f.Until).Microseconds())/1000)
+		}
+	}
+	if len(promote) > 0 {
+		sort.Float64s(promote)
+		r.PromoteMS = Percentiles{P50: pct(promote, 0.5), P99: pct(promote, 0.99), N: len(promote)}
+	}
+	if len(first) > 0 {
+		sort.Float64s(first)
+		r.FirstGrantMS = Percentiles{P50: pct(first, 0.5), P99: pct(first, 0.99), N: len(first)}
+		r.FirstGrantMaxMS = pct(first, 1)
+	}
+	if c.opt.Failover && !c.opt.NoFaults && r.Failovers == 0 && (len(c.opt.Faults) == 0 || slices.Contains(c.opt.Faults, "failover")) {
+		r.NotExercised = append(r.NotExercised, "no failover took place")
 	}
 	for _, cs := range css {
 		r.Grants++
@@ -243,6 +278,10 @@ func (r *Report) Print(w io.Writer) {
 	tw.Flush()
 	fmt.Fprintln(w)
 
+	if r.Failovers > 0 {
+		fmt.Fprintf(w, "failovers: %d; the standby promoted %.0f ms after the primary stopped (p50; max %.0f ms), the first grant on the new primary %.0f ms after the promotion (p50; max %.0f ms)\n\n",
+			r.Failovers, r.PromoteMS.P50, r.PromoteMS.P99, r.FirstGrantMS.P50, r.FirstGrantMaxMS)
+	}
 	if r.Cycles > 0 {
 		fmt.Fprintf(w, "cycles of waits: %d formed; broken by one ErrDeadlock %d (after p50 %.0f ms, p99 %.0f ms, max %.0f ms; bound %v), by a fault, loss or timeout first %d, never %d; past the bound during a fault that kept a Locker from reading %d\n\n",
 			r.Cycles, r.CyclesBroken["deadlock"], r.DeadlockMS.P50, r.DeadlockMS.P99, r.DeadlockMaxMS,

@@ -30,7 +30,8 @@ type workerConfig struct {
 	Inc        int           `json:"inc"` // incarnation: 0, then one more per restart after SIGKILL
 	Name       string        `json:"name"`
 	DSN        string        `json:"dsn"`    // where its Locker connects: the server, a proxy or PgBouncer
-	Ledger     string        `json:"ledger"` // the protected resource: always the server, directly
+	Ledger     string        `json:"ledger"` // the protected resource: the server, directly (a server of its own with failover)
+	Locks      string        `json:"locks,omitempty"` // where its own look at pg_locks goes, when not the ledger's server
 	Shared     bool          `json:"shared"`
 	Broken     bool          `json:"broken"` // a deliberately wrong locker (the checker's own test)
 	Seed       uint64        `json:"seed"`
@@ -357,7 +358,22 @@ func (w *worker) heldByMe() []string {
 	for deadline := time.Now().Add(3*w.cfg.Keepalive + 5*time.Second); ; time.Sleep(200 * time.Millisecond) {
 		rows = rows[:0]
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		r, err := w.ledger.Query(ctx, `SELECT l.classid, l.objid, l.objsubid, l.pid, l.granted,
+		var q interface {
+			Query(context.Context, string, ...any) (pgx.Rows, error)
+		} = w.ledger
+		if w.cfg.Locks != "" {
+			c, err := pgx.Connect(ctx, w.cfg.Locks)
+			if err != nil {
+				cancel()
+				if time.Now().After(deadline) {
+					return append(rows, "could not read pg_locks: "+err.Error())
+				}
+				continue
+			}
+			defer c.Close(context.Background())
+			q = c
+		}
+		r, err := q.Query(ctx, `SELECT l.classid, l.objid, l.objsubid, l.pid, l.granted,
 				l.mode || coalesce(' in ' || a.state, '') || CASE WHEN l.virtualtransaction IS NOT NULL AND a.xact_start IS NOT NULL
 					THEN ' (transaction since ' || a.xact_start::text || ')' ELSE '' END
 			FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
@@ -488,8 +504,13 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 		err = w.sessionLock(op, key, "x", d, within(d, func(ctx context.Context) (*advlock.Lock, error) { return l.Lock(ctx, key) }))
 	case "lock_cancel":
 		d := time.Duration(rng.IntN(30_000)) * time.Microsecond
-		if rng.IntN(2) == 0 {
+		switch rng.IntN(4) {
+		case 0, 1:
 			d = time.Duration(rng.IntN(2_000)) * time.Microsecond // within the first round trips: a grant races it
+		case 2:
+			// Late enough that a loaded machine (the race detector, every package's tests at once) still grants
+			// some: a campaign whose every Lock was cancelled before its grant tests no grant racing a cancel.
+			d = time.Duration(rng.IntN(300)) * time.Millisecond
 		}
 		err = w.sessionLock(op, key, "x", d, func(ctx context.Context) (*advlock.Lock, error) {
 			ctx, cancel := context.WithCancel(ctx)

@@ -33,11 +33,15 @@ const (
 	DeadlockEveryMember = "deadlock_every_member"
 	// DeadlockFalse: a watched wait blocked by any holder, seen on two readings, is ended as if it closed a cycle.
 	DeadlockFalse = "deadlock_false"
+	// TokenNoTimeline: a fencing token is the sequence's value alone, without the server's timeline above it, so a
+	// promoted standby whose sequence lagged hands out tokens lower than the lost primary's.
+	TokenNoTimeline = "token_no_timeline"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
-	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse}
+	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
+	TokenNoTimeline}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

@@ -64,6 +64,7 @@ func TestMuxTrailingErrorToken(t *testing.T) {
 	})
 	n, outcomes := 400, map[string]int{}
 	timeout := 5 // ms: the session's statement_timeout, raised when a loaded machine cannot even prepare within it
+	openFails := 0
 	base := time.Now().UnixNano()
 	start := time.Now()
 	for it := 0; time.Since(start) < 90*time.Second; it++ {
@@ -86,11 +87,12 @@ func TestMuxTrailingErrorToken(t *testing.T) {
 			if outcomes["open failed"] == 1 {
 				t.Log("open:", err) // shown only if the window is never hit
 			}
-			if timeout < 100 { // the round trip below grows with it
-				timeout, n = timeout*5/4+1, n*5/4
+			if openFails++; openFails >= 2 && timeout < 40 { // a load spike is not enough: two in a row
+				timeout, n, openFails = timeout*5/4+1, n*5/4, 0
 			}
 			continue
 		}
+		openFails = 0
 		hit.err, hit.rows, hit.trailing = nil, -1, false
 		// One round trip: a granted try of a fresh key (its nextval logs), then tries of a key held elsewhere
 		// (answered 0, no token) that make the statement last about statement_timeout.

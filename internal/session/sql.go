@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+
+	"github.com/advlock/advlock/internal/mutant"
 )
 
 // ID is a lock key as PostgreSQL sees it: one int8, or a pair of int4 (the two key spaces never overlap).
@@ -71,7 +73,11 @@ const FenceSeq = "public.advlock_fence"
 // file being written (the control file's lags until the next checkpoint), in the same expression: no round trip.
 func grant(fenced bool) string {
 	if fenced {
-		return "(" + tokenExpr + " + 0 * length(set_config('synchronous_commit', 'local', true)) + " +
+		draw := tokenExpr
+		if mutant.On(mutant.TokenNoTimeline) {
+			draw = "nextval('" + FenceSeq + "')"
+		}
+		return "(" + draw + " + 0 * length(set_config('synchronous_commit', 'local', true)) + " +
 			"0 * length(CASE WHEN txid_current_if_assigned() IS NULL AND " +
 			"pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn() " +
 			"THEN pg_logical_emit_message(true, 'advlock', '')::text ELSE '' END))"
