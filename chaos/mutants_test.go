@@ -28,10 +28,10 @@ func TestMutants(t *testing.T) {
 	seed := uint64(time.Now().UnixNano() % 1_000_000)
 	// Three short campaigns, each aimed at its bugs, each with a control: the same build, no mutant on, must find
 	// nothing under the same workload.
-	plain := Options{NoFaults: true}                                                              // exclusion, semaphores, leaks
-	terminate := Options{Faults: []string{"terminate_holder"}, Ops: []string{"hold", "hold_try"}} // losses inside long sections
-	cancels := Options{NoFaults: true, Ops: []string{"lock_cancel"}}                              // waits cancelled as the key is granted
-	pairs := Options{NoFaults: true, Ops: []string{"pair"}}                                       // two keys in a random order: cycles of waits
+	plain := Options{NoFaults: true}                                                                                   // exclusion, semaphores, leaks
+	terminate := Options{Faults: []string{"terminate_holder"}, Ops: []string{"hold", "hold_try"}}                      // losses inside long sections
+	cancels := Options{NoFaults: true, Ops: []string{"lock_cancel"}}                                                   // waits cancelled as the key is granted
+	pairs := Options{NoFaults: true, Ops: []string{"pair"}}                                                            // two keys in a random order: cycles of waits
 	failover := Options{Failover: true, Faults: []string{"failover"}, Ops: []string{"do", "trylock", "lock_deadline"}} // a lagging standby promoted
 	cases := []struct {
 		mutant string

@@ -57,12 +57,12 @@ type Report struct {
 	DeadlockBoundMS float64        `json:"deadlock_bound_ms"`
 	// Failovers (a -failover campaign): how long each took from the primary's stop to the standby's promotion, and
 	// from the promotion to the first grant a worker recorded on the new primary.
-	Failovers        int         `json:"failovers,omitempty"`
-	PromoteMS        Percentiles `json:"promote_ms"`
-	FirstGrantMS     Percentiles `json:"first_grant_after_promotion_ms"`
-	FirstGrantMaxMS  float64     `json:"first_grant_after_promotion_max_ms"`
-	NotExercised    []string       `json:"not_exercised,omitempty"` // why a run under faults proves nothing
-	Dir             string         `json:"dir,omitempty"`           // kept when something was found
+	Failovers       int         `json:"failovers,omitempty"`
+	PromoteMS       Percentiles `json:"promote_ms"`
+	FirstGrantMS    Percentiles `json:"first_grant_after_promotion_ms"`
+	FirstGrantMaxMS float64     `json:"first_grant_after_promotion_max_ms"`
+	NotExercised    []string    `json:"not_exercised,omitempty"` // why a run under faults proves nothing
+	Dir             string      `json:"dir,omitempty"`           // kept when something was found
 }
 
 // OK is true with zero violations and zero leaks.

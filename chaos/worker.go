@@ -29,8 +29,8 @@ type workerConfig struct {
 	ID         int           `json:"id"`
 	Inc        int           `json:"inc"` // incarnation: 0, then one more per restart after SIGKILL
 	Name       string        `json:"name"`
-	DSN        string        `json:"dsn"`    // where its Locker connects: the server, a proxy or PgBouncer
-	Ledger     string        `json:"ledger"` // the protected resource: the server, directly (a server of its own with failover)
+	DSN        string        `json:"dsn"`             // where its Locker connects: the server, a proxy or PgBouncer
+	Ledger     string        `json:"ledger"`          // the protected resource: the server, directly (a server of its own with failover)
 	Locks      string        `json:"locks,omitempty"` // where its own look at pg_locks goes, when not the ledger's server
 	Shared     bool          `json:"shared"`
 	Broken     bool          `json:"broken"` // a deliberately wrong locker (the checker's own test)
