@@ -168,7 +168,8 @@ func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed 
 		case err == nil:
 			cancel()
 			return h, nil, nil
-		case errors.Is(err, ErrNotAcquired), errors.Is(err, session.ErrMuxGone):
+		case errors.Is(err, ErrNotAcquired), errors.Is(err, session.ErrMuxGone), session.Ended(err):
+			// Held elsewhere, or the shared session died (with the try's grant, if any): go on waiting.
 		default:
 			cancel()
 			return nil, nil, err

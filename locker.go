@@ -320,6 +320,10 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 				return h, nil
 			case errors.Is(err, session.ErrMuxGone) && attempt < 3:
 				continue // never sent: try another session
+			case wait && session.Ended(err) && ctx.Err() == nil && attempt < 3:
+				// The shared session died with the try on the wire: a grant, if any, ended with it, so nothing is
+				// held, and a wait goes on (on another shared session, or one of its own) until granted or ctx ends.
+				continue
 			case errors.Is(err, ErrNotAcquired) && wait:
 			default:
 				return nil, err

@@ -423,3 +423,57 @@ func TestSharedTryUnansweredEndsSession(t *testing.T) {
 	b.waitFree(t, k1)
 	b.waitFree(t, k2)
 }
+
+// A Lock whose first try goes out on a shared session that dies while the try is on the wire (the network cut as
+// the answer crawls back) goes on waiting, and gets the key, instead of failing: the try's grant, if any, ended with
+// the session. It returned the session's end before.
+func TestLockTryOnDyingSharedSession(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := faults.Start(t, u.Host)
+	u.Host = p.Addr()
+	pool := pgtest.Pool(t, u.String(), func(c *pgxpool.Config) { c.MaxConns = 4 })
+	l := New(pool)
+	t.Cleanup(l.Close)
+	obs := pgtest.Conn(t, url)
+	b := &bundle{url: url, pool: pool, l: l, obs: obs}
+	ctx := ctxT(t, 20*time.Second)
+	warm, err := l.TryLock(ctx, key(t)) // the shared session is open
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	k := key(t)
+	p.Latency(300 * time.Millisecond)
+	done := make(chan error, 1)
+	var lk *Lock
+	go func() {
+		var err error
+		lk, err = l.Lock(ctx, k)
+		done <- err
+	}()
+	time.Sleep(150 * time.Millisecond) // the try is on its way
+	p.Cut()
+	p.Latency(0)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Lock whose try died with its shared session: %v, want the key", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("Lock whose try died with its shared session did not return")
+	}
+	if pid := b.pidOf(t, lk); pid != lk.PID() {
+		t.Errorf("the lock is on pid %d, pg_locks says %d", lk.PID(), pid)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.waitFree(t, k)
+}

@@ -284,6 +284,10 @@ func TestChecker(t *testing.T) {
 		{"no failover, tokens of two keys are not compared", onKey(build(
 			csSpec{"a", 0, "x", 100, true, -1, []int{0, 10}, nil},
 			csSpec{"b", 1, "x", 40, true, -1, []int{3000, 3010}, nil}), "b", "k2"), map[string]int{}},
+		{"failover, an old primary's grant recorded late without a pause lost its session", begins(onKey(evidence(build(
+			csSpec{"a", 0, "x", 105, true, -1, []int{900, 910}, nil},
+			csSpec{"b", 1, "x", 100, false, 2101, []int{2100}, nil}),
+			Evidence{Kind: "failover", At: at(1000), Until: at(2000), Worker: -1}), "b", "k2"), map[string]int{"b": 2100}), map[string]int{}},
 		{"failover, a holder paused across it recorded its grant late", func() *History {
 			h := onKey(evidence(build(
 				csSpec{"a", 0, "x", 100, true, -1, []int{0, 10}, nil},

@@ -482,8 +482,9 @@ func Check(h *History) []Violation {
 
 	// Failover: every token granted after a promotion is greater than every token granted before the primary was
 	// lost, whatever the key (one sequence draws them all). A grant is before when its holder recorded it before the
-	// primary stopped, after when it recorded it once the standby was promoted; a holder paused or killed in
-	// between may have been granted by the old primary and recorded it late, and is not judged.
+	// primary stopped, after when it recorded it once the standby was promoted and held it cleanly to the end: a
+	// grant of the old primary that its holder recorded late (descheduled, paused or killed in between) lost its
+	// session with the stop, so it is never clean.
 	for _, e := range h.Evidence {
 		if e.Kind != "failover" {
 			continue
@@ -498,7 +499,7 @@ func Check(h *History) []Violation {
 				if before == nil || c.Token > before.Token {
 					before = c
 				}
-			case b.After(e.Until) && !h.paused(c.Worker, e.At, b) && !h.killed(c.Worker, e.At, b):
+			case b.After(e.Until) && c.Clean && !h.paused(c.Worker, e.At, b) && !h.killed(c.Worker, e.At, b):
 				if after == nil || c.Token < after.Token {
 					after = c
 				}

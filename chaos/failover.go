@@ -96,7 +96,7 @@ func (c *campaign) failover(ctx context.Context, rng *rand.Rand, f fault) {
 	c.srvMu.Lock()
 	p, s, repl := c.cluster, c.standby, c.repl
 	c.srvMu.Unlock()
-	if s == nil {
+	if s == nil || repl == nil {
 		c.logf("failover: no standby")
 		return
 	}
@@ -117,33 +117,44 @@ func (c *campaign) failover(ctx context.Context, rng *rand.Rand, f fault) {
 	}
 	repl.Cut()
 	repl.Close()
+	c.srvMu.Lock()
+	c.standby, c.repl = nil, nil
+	c.srvMu.Unlock()
 	err := s.Promote()
 	f.Until = time.Now()
 	if err != nil {
-		// The campaign cannot go on without a primary: start the old one again, as an operator would.
-		c.logf("failover: %v", err)
-		_ = p.Start()
-		c.srvMu.Lock()
-		c.repl = nil
-		c.srvMu.Unlock()
+		// The stop ended every session all the same: it is evidence. The campaign cannot go on without a primary:
+		// the old one starts again, as an operator would, and the standby is thrown away and rebuilt from it (a
+		// promotion that timed out may still finish: a second server accepting writes must not be left).
+		f.Detail = fmt.Sprintf("the primary %d stopped; promoting the standby %d failed: %v", p.Port, s.Port, err)
+		c.record(f)
+		if err := p.Start(); err != nil {
+			c.logf("failover: starting the old primary again: %v", err)
+			return
+		}
+		c.rebuild(p, s)
 		return
 	}
 	c.srvMu.Lock()
-	c.cluster, c.standby, c.repl = s, nil, nil
+	c.cluster = s
 	c.failovers++
 	c.srvMu.Unlock()
 	f.Detail = fmt.Sprintf("the standby %d lagged %v, promoted %v after the primary %d stopped", s.Port,
 		lag.Round(time.Millisecond), f.Until.Sub(f.At).Round(time.Millisecond), p.Port)
 	c.record(f)
+	c.rebuild(s, p)
+}
+
+// rebuild makes old (its data thrown away) the standby of p, streaming through a new proxy.
+func (c *campaign) rebuild(p, old *pgcluster.Cluster) {
 	start := time.Now()
-	ns, nrepl, err := c.newStandby(s, p)
+	ns, nrepl, err := c.newStandby(p, old)
 	if err != nil {
-		c.logf("failover: rebuilding the old primary: %v", err)
+		c.logf("failover: rebuilding %d as the standby of %d: %v", old.Port, p.Port, err)
 		return
 	}
 	c.srvMu.Lock()
 	c.standby, c.repl = ns, nrepl
 	c.srvMu.Unlock()
-	c.logf("failover: the old primary %d streams from %d again (rebuilt in %v)", p.Port, s.Port,
-		time.Since(start).Round(time.Millisecond))
+	c.logf("failover: %d streams from %d again (rebuilt in %v)", old.Port, p.Port, time.Since(start).Round(time.Millisecond))
 }

@@ -159,7 +159,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		promote = append(promote, float64(f.Until.Sub(f.At).Microseconds())/1000)
 		var next time.Time
 		for _, cs := range css {
-			if b := cs.begin(); b.After(f.Until) && (next.IsZero() || b.Before(next)) {
+			if b := cs.begin(); b.After(f.Until) && cs.Clean && (next.IsZero() || b.Before(next)) { // a late record of an old grant is never clean
 				next = b
 			}
 		}

@@ -370,7 +370,6 @@ func (w *worker) heldByMe() []string {
 				}
 				continue
 			}
-			defer c.Close(context.Background())
 			q = c
 		}
 		r, err := q.Query(ctx, `SELECT l.classid, l.objid, l.objsubid, l.pid, l.granted,
@@ -391,6 +390,9 @@ func (w *worker) heldByMe() []string {
 				}
 			}
 			err = r.Err()
+		}
+		if c, ok := q.(*pgx.Conn); ok {
+			c.Close(context.Background()) // one connection at a time, whatever the loop's length
 		}
 		cancel()
 		if (err == nil && len(rows) == 0) || time.Now().After(deadline) {

@@ -65,8 +65,9 @@ Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 
 	l := &lister{conn: conn, withOthers: *tree && filter == nil}
 	show := func(w io.Writer, rows []advlock.LockInfo, use *advlock.LockTableUse, now time.Time) {
 		var others []otherWait
+		var othersErr error
 		if *tree {
-			others = l.others
+			others, othersErr = l.others, l.othersErr
 		}
 		switch {
 		case *asJSON:
@@ -80,6 +81,9 @@ Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 
 		case *tree:
 			printTree(w, rows, now)
 			printOtherWaits(w, others, rows)
+			if othersErr != nil {
+				fmt.Fprintf(w, "\nwaits for other locks: could not read them: %s\n", describe(othersErr))
+			}
 		default:
 			printTable(w, rows, now)
 		}
@@ -325,6 +329,7 @@ type lister struct {
 
 	withOthers bool        // also read the waits for other kinds of locks (--tree without KEY)
 	others     []otherWait // what the last read found of them
+	othersErr  error       // why it found nothing
 }
 
 func (l *lister) close() {
@@ -385,11 +390,9 @@ func (l *lister) read(ctx context.Context, keyText *string) ([]advlock.LockInfo,
 	if u, uerr := advlock.LockTable(ctx, l.c); uerr == nil {
 		use = &u
 	}
-	l.others = nil
-	if l.withOthers {
-		if l.others, err = readOtherWaits(ctx, l.c); err != nil {
-			return nil, nil, key, err
-		}
+	l.others, l.othersErr = nil, nil
+	if l.withOthers { // like the lock table's use: a failed read is said, the listing still shown
+		l.others, l.othersErr = readOtherWaits(ctx, l.c)
 	}
 	if key == nil {
 		return rows, use, nil, nil
@@ -521,6 +524,9 @@ func printOtherWaits(w io.Writer, others []otherWait, rows []advlock.LockInfo) {
 		}
 	}
 	hint := func(addr, app string) string {
+		if app == "" { // nothing tells such clients apart
+			return ""
+		}
 		c := client{addr, app}
 		var parts []string
 		if len(holds[c]) > 0 {
