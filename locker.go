@@ -48,6 +48,7 @@ type Locker struct {
 	fenceOK  atomic.Bool   // the fencing sequence exists and may be used
 
 	slots       *ownSlots    // sessions of their own, when the pool is the Locker's own (budget.go); nil: no limit
+	contended   contention   // keys whose waits found them held a moment ago
 	waitingSlot atomic.Int64 // waits queued for a slot
 	connsNow    atomic.Int64 // connections taken from the pool now (countingPool)
 	connsPeak   atomic.Int64 // the most at once
@@ -296,7 +297,7 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 // shared session) takes a session of its own at once, and never tries on a shared session. w is the wait's
 // deadlock watch, if any.
 func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, w *waiter, onEnd func()) (handle, error) {
-	if l.shared != nil && !passed {
+	if l.shared != nil && !passed && !(wait && l.contended.recent(t.ID)) {
 		for attempt := 0; ; attempt++ {
 			m, err := l.shared.Get(ctx, wait)
 			if errors.Is(err, session.ErrNoShared) {
@@ -325,6 +326,7 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 				// held, and a wait goes on (on another shared session, or one of its own) until granted or ctx ends.
 				continue
 			case errors.Is(err, ErrNotAcquired) && wait:
+				l.contended.mark(t.ID)
 			default:
 				return nil, err
 			}
@@ -616,4 +618,53 @@ func FenceToken(ctx context.Context) int64 {
 		return h.lk.Token()
 	}
 	return 0
+}
+
+// contention remembers, per key, when a wait of this Locker last found it held elsewhere. For contendedFor after
+// that, a wait for the key goes straight to a session of its own, whose first statement tries and then queues in
+// the server in one round trip, instead of trying on a shared session first: under contention that try fails
+// every time, and the round trip it costs before queueing is a window in which the server's queue may be empty, so
+// that a caller arriving later takes the key ahead of callers that came before it (one key contended by 8
+// processes: 1.2 to 1.5x between the process served most and least, against 1.02x for a session per lock).
+type contention struct {
+	mu sync.Mutex
+	at map[session.ID]time.Time
+}
+
+const contendedFor = time.Second
+
+// recent reports whether a wait found id held less than contendedFor ago; a wait that goes on as contended counts
+// as finding it held again, so that a key stays contended while its waits keep coming (each of them would find it
+// held: the shared try that would say so is what is skipped).
+func (c *contention) recent(id session.ID) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	at, ok := c.at[id]
+	if !ok {
+		return false
+	}
+	now := time.Now()
+	if now.Sub(at) >= contendedFor {
+		delete(c.at, id)
+		return false
+	}
+	c.at[id] = now
+	return true
+}
+
+func (c *contention) mark(id session.ID) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := time.Now()
+	if c.at == nil {
+		c.at = map[session.ID]time.Time{}
+	}
+	if len(c.at) >= 1024 { // forget keys no longer contended, so that the map does not grow with every key
+		for k, at := range c.at {
+			if now.Sub(at) >= contendedFor {
+				delete(c.at, k)
+			}
+		}
+	}
+	c.at[id] = now
 }

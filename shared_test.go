@@ -477,3 +477,82 @@ func TestLockTryOnDyingSharedSession(t *testing.T) {
 	}
 	b.waitFree(t, k)
 }
+
+// A wait that found its key held marks it contended: for a second after (while waits for it keep coming), a wait
+// for that key goes straight to a session of its own, whose one statement tries and queues, instead of first
+// trying on a shared session (a round trip that fails under contention, and in which the server's queue may run
+// empty for a later caller to take the key first). Afterwards a wait tries on a shared session again.
+func TestContendedKeySkipsSharedTry(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	other := New(pgtest.Pool(t, b.url, nil))
+	t.Cleanup(other.Close)
+	ctx := ctxT(t, 20*time.Second)
+	k := key(t)
+	onShared := func(lk *Lock) bool { _, ok := lk.h.(*session.Held); return ok }
+	first, err := b.l.Lock(ctx, k) // free: a shared session's try takes it
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !onShared(first) {
+		t.Fatal("an uncontended Lock is not on a shared session")
+	}
+	if err := first.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	held, err := other.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { time.Sleep(100 * time.Millisecond); _ = held.Unlock(ctx) }()
+	waited, err := b.l.Lock(ctx, k) // held elsewhere: tries, then waits on a session of its own
+	if err != nil {
+		t.Fatal(err)
+	}
+	if onShared(waited) {
+		t.Fatal("a Lock that waited is on a shared session")
+	}
+	if err := waited.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	again, err := b.l.Lock(ctx, k) // free, but contended a moment ago: straight to a session of its own
+	if err != nil {
+		t.Fatal(err)
+	}
+	if onShared(again) {
+		t.Error("a Lock of a key contended a moment ago tried on a shared session first")
+	}
+	if pid := b.pidOf(t, again); pid != again.PID() {
+		t.Errorf("the lock is on pid %d, pg_locks says %d", again.PID(), pid)
+	}
+	if err := again.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(contendedFor + 100*time.Millisecond)
+	later, err := b.l.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !onShared(later) {
+		t.Error("a Lock of a key contended more than a second ago did not take it on a shared session")
+	}
+	if err := later.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	b.waitFree(t, k)
+}
+
+// The contention map forgets keys no longer contended once it holds many.
+func TestContentionForgets(t *testing.T) {
+	var c contention
+	for i := range 1024 {
+		c.mark(session.ID{V: int64(i)})
+	}
+	for id := range c.at {
+		c.at[id] = time.Now().Add(-2 * contendedFor)
+	}
+	c.mark(session.ID{V: -1})
+	if len(c.at) != 1 || !c.recent(session.ID{V: -1}) || c.recent(session.ID{V: 5}) {
+		t.Errorf("after 1024 stale keys and a new one the map has %d entries", len(c.at))
+	}
+}
