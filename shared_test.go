@@ -17,6 +17,18 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
+// proxiedPool is a pool of conns connections that reach url's server through a fault proxy.
+func proxiedPool(t *testing.T, url string, conns int32) (*faults.Proxy, *pgxpool.Pool) {
+	t.Helper()
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := faults.Start(t, u.Host)
+	u.Host = p.Addr()
+	return p, pgtest.Pool(t, u.String(), func(c *pgxpool.Config) { c.MaxConns = conns })
+}
+
 // heldBy returns, from pg_locks, the server pid holding each int8 key granted in the current database.
 func heldBy(t *testing.T, b *bundle) map[int64]uint32 {
 	t.Helper()
@@ -259,13 +271,7 @@ func TestSharedNoStallAfterQuiet(t *testing.T) {
 func TestSharedOpenDefaultBound(t *testing.T) {
 	t.Parallel()
 	url := pgtest.URL(t)
-	u, err := neturl.Parse(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := faults.Start(t, u.Host)
-	u.Host = p.Addr()
-	pool := pgtest.Pool(t, u.String(), func(c *pgxpool.Config) { c.MaxConns = 2 })
+	p, pool := proxiedPool(t, url, 2)
 	if err := pool.Ping(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -384,13 +390,7 @@ func TestPoolOfOne(t *testing.T) {
 func TestSharedTryUnansweredEndsSession(t *testing.T) {
 	t.Parallel()
 	url := pgtest.URL(t)
-	u, err := neturl.Parse(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := faults.Start(t, u.Host)
-	u.Host = p.Addr()
-	pool := pgtest.Pool(t, u.String(), func(c *pgxpool.Config) { c.MaxConns = 4 })
+	p, pool := proxiedPool(t, url, 4)
 	l := New(pool, WithKeepalive(300*time.Millisecond))
 	t.Cleanup(l.Close)
 	obs := pgtest.Conn(t, url)
@@ -430,13 +430,7 @@ func TestSharedTryUnansweredEndsSession(t *testing.T) {
 func TestLockTryOnDyingSharedSession(t *testing.T) {
 	t.Parallel()
 	url := pgtest.URL(t)
-	u, err := neturl.Parse(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := faults.Start(t, u.Host)
-	u.Host = p.Addr()
-	pool := pgtest.Pool(t, u.String(), func(c *pgxpool.Config) { c.MaxConns = 4 })
+	p, pool := proxiedPool(t, url, 4)
 	l := New(pool)
 	t.Cleanup(l.Close)
 	obs := pgtest.Conn(t, url)
