@@ -90,6 +90,10 @@ var testHookReaderStarting atomic.Pointer[func(asked func() bool)]
 // another goroutine must still be settled by someone.
 var testHookSettle atomic.Pointer[func(m *Mux, at string)]
 
+// testHookMessage, in tests only, sees every message a reader receives and may put another in its place: a fault
+// on the wire, such as an error after a round trip's last row.
+var testHookMessage atomic.Pointer[func(m *Mux, msg pgproto3.BackendMessage) pgproto3.BackendMessage]
+
 // SetTestHookReaderStarting makes every background reader that starts on a quiet socket call f first, outside the
 // Mux's lock; asked reports whether a caller has asked for the socket back. nil removes it. Tests only.
 func SetTestHookReaderStarting(f func(asked func() bool)) {

@@ -87,6 +87,9 @@ func (m *Mux) wait(r *req) {
 func (m *Mux) read(me *req) {
 	for {
 		msg, err := m.fe.Receive()
+		if h := testHookMessage.Load(); h != nil && err == nil {
+			msg = (*h)(m, msg)
+		}
 		if err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
