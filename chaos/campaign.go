@@ -549,16 +549,28 @@ func (c *campaign) inject(ctx context.Context) {
 		f := fault{Kind: kind, At: time.Now(), Worker: target.cfg.ID, Held: heldIn(now, target.cfg.Name)}
 		switch kind {
 		case "terminate_holder", "terminate_waiter":
-			pid, w, keys, ok := pickBackend(now, kind == "terminate_holder", rng)
-			if !ok {
-				deck = append(deck, kind) // nobody holds (or waits) now: try again later in this round
-				continue
+			// A waiter (or holder) may be there only now and then: look again for a while before giving up, and
+			// then try again later in this round of the deck.
+			done := false
+			for try := 0; try < 10 && !done && ctx.Err() == nil; try++ {
+				if try > 0 {
+					sleepCtx(ctx, 100*time.Millisecond)
+					now = c.locksNow(ctx)
+				}
+				pid, w, keys, ok := pickBackend(now, kind == "terminate_holder", rng)
+				if !ok {
+					continue
+				}
+				f.Worker, f.PID, f.Keys, f.Held, f.Detail = w, pid, keys, len(keys), fmt.Sprintf("pid %d holding %v", pid, keys)
+				f.At = time.Now()
+				// Counted only when it took effect: the backend was still there to be signalled.
+				if n, err := c.execRows(ctx, `SELECT 1 WHERE pg_terminate_backend($1)`, pid); err == nil && n == 1 {
+					c.record(f)
+					done = true
+				}
 			}
-			f.Worker, f.PID, f.Keys, f.Held, f.Detail = w, pid, keys, len(keys), fmt.Sprintf("pid %d holding %v", pid, keys)
-			f.At = time.Now()
-			// Counted only when it took effect: the backend was still there to be signalled.
-			if n, err := c.execRows(ctx, `SELECT 1 WHERE pg_terminate_backend($1)`, pid); err == nil && n == 1 {
-				c.record(f)
+			if !done {
+				deck = append(deck, kind)
 			}
 		case "cut", "blackhole", "latency":
 			if len(proxied) == 0 {
