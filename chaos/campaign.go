@@ -633,13 +633,17 @@ func (c *campaign) inject(ctx context.Context) {
 			c.record(f)
 			c.signal(target, syscall.SIGUSR1)
 		case "restart_fast", "restart_immediate":
+			// From the stop to the server accepting connections again (a crash recovery on a loaded machine can take
+			// seconds): no Locker can read the server meanwhile.
 			f.Worker, f.Held = -1, heldIn(now, "")
-			c.record(f)
 			p := c.primary()
 			if err := p.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
 				c.logf("restart: %v", err)
 				_ = p.Start()
 			}
+			f.Until = time.Now()
+			f.Detail = fmt.Sprintf("back after %v", f.Until.Sub(f.At).Round(time.Millisecond))
+			c.record(f)
 		case "failover":
 			f.Worker, f.Held = -1, heldIn(now, "")
 			c.failover(ctx, rng, f)

@@ -645,6 +645,18 @@ func TestCheckerDeadlocks(t *testing.T) {
 			pairSpec{"x", 0, "A", "B", [2]int{0, 4010}, [2]int{100, 4000}, -1, "deadlock"},
 			pairSpec{"y", 1, "B", "A", [2]int{50, 4100}, [2]int{150, 4050}, -1, "ok"}),
 			Evidence{Kind: "restart_fast", At: at(1000), Worker: -1}), map[string]int{}},
+		{"a victim past the bound, the server restarting until just after the cycle formed", evidence(pairs(
+			pairSpec{"x", 0, "A", "B", [2]int{0, 4010}, [2]int{100, 4000}, -1, "deadlock"},
+			pairSpec{"y", 1, "B", "A", [2]int{50, 4100}, [2]int{150, 4050}, -1, "ok"}),
+			Evidence{Kind: "restart_immediate", At: at(-3000), Until: at(200), Worker: -1}), map[string]int{}},
+		{"a victim past the bound, a restart long before", evidence(pairs(
+			pairSpec{"x", 0, "A", "B", [2]int{0, 4010}, [2]int{100, 4000}, -1, "deadlock"},
+			pairSpec{"y", 1, "B", "A", [2]int{50, 4100}, [2]int{150, 4050}, -1, "ok"}),
+			Evidence{Kind: "restart_immediate", At: at(-3000), Until: at(-2500), Worker: -1}), map[string]int{VDeadlockHang: 1}},
+		{"ErrDeadlock while another worker was behind a blackhole", evidence(pairs(
+			pairSpec{"x", 0, "A", "B", [2]int{0, 1210}, [2]int{100, 1200}, -1, "deadlock"},
+			pairSpec{"y", 1, "B", "C", [2]int{50, 2000}, [2]int{150, 300}, -1, "ok"}),
+			Evidence{Kind: "blackhole", At: at(500), Until: at(1500), Worker: 2}), map[string]int{}},
 		{"both waits of a cycle gave up", pairs(
 			pairSpec{"x", 0, "A", "B", [2]int{0, 1210}, [2]int{100, 1200}, -1, "deadlock"},
 			pairSpec{"y", 1, "B", "A", [2]int{50, 1260}, [2]int{150, 1250}, -1, "deadlock"}), map[string]int{VDoubleDeadlock: 1}},

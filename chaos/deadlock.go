@@ -238,6 +238,11 @@ func (h *History) deadlocks() []Violation {
 		if disturbed([]int{m.w.Worker}, m.waitTo.Add(-h.DeadlockBound), m.waitTo) {
 			continue // a reading answered before a pause or a cut, judged after it
 		}
+		if h.strandedNear(m.w.Worker, m.waitTo.Add(-h.DeadlockBound), m.waitTo) {
+			// Another worker was behind a blackhole or stopped: its server sessions go on holding and waiting after
+			// its own records say it gave up, so the server's cycle may run through them.
+			continue
+		}
 		add(VFalseDeadlock, "worker %d: %s's wait for key %s (holding %s) ended with ErrDeadlock at %s, in no cycle",
 			m.w.Worker, m.w.CS, m.w.Key, m.cs.Key, ts(m.waitTo))
 	}
@@ -281,4 +286,27 @@ func describe(c *Cycle) string {
 		parts = append(parts, fmt.Sprintf("%s(w%d waits %s)", m.CS, m.Worker, m.Key))
 	}
 	return strings.Join(parts, " ")
+}
+
+// strandedNear reports whether a worker other than w was behind a blackhole or stopped (SIGSTOP) between from and
+// to: its sessions stay in the server, holding and waiting, whatever its client has given up since.
+func (h *History) strandedNear(w int, from, to time.Time) bool {
+	for _, e := range h.Evidence {
+		if (e.Kind != "blackhole" && e.Kind != "sigstop") || e.Worker == w || e.Worker == -1 {
+			continue
+		}
+		eto := e.At
+		if e.Until.After(eto) {
+			eto = e.Until
+		}
+		if !e.At.After(to) && !eto.Before(from) {
+			return true
+		}
+	}
+	for _, p := range h.Pauses {
+		if p.Worker != w && p.From.Before(to) && p.To.After(from) {
+			return true
+		}
+	}
+	return false
 }
