@@ -322,6 +322,18 @@ func TestChecker(t *testing.T) {
 		if got := kinds(Check(h)); got[VPhantom] != 1 {
 			t.Fatalf("another holder in pg_locks: got %v", got)
 		}
+		// A sample whose statement began at 150 ms but read pg_locks only by 190 ms (a loaded server), after the
+		// holder's last write at 200 ms less the margin: it may show the moment after the release.
+		h = build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 100, 200}, nil})
+		h.Samples = []Sample{{At: at(150), Read: at(190), Held: map[string][]Holder{}}}
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("a sample read after the belief's end was judged: got %v", got)
+		}
+		h = build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 100, 200}, nil})
+		h.Samples = []Sample{{At: at(150), Read: at(160), Held: map[string][]Holder{}}}
+		if got := kinds(Check(h)); got[VPhantom] != 1 {
+			t.Fatalf("a sample read well inside the belief, nothing held: got %v", got)
+		}
 	})
 	t.Run("paused holder is judged by the fence", func(t *testing.T) {
 		// Stopped from 10 ms to 2.9 s; the server ended its idle session at 25 ms (its log says so, and pg_locks had

@@ -79,7 +79,16 @@ type Holder struct {
 // Sample is pg_locks at one moment (server clock), advisory rows only.
 type Sample struct {
 	At   time.Time
+	Read time.Time           // pg_locks was read between At (the statement's start) and Read (zero: At)
 	Held map[string][]Holder // Key.String() -> rows
+}
+
+// readBy is the latest moment the sample may show.
+func (s Sample) readBy() time.Time {
+	if s.Read.After(s.At) {
+		return s.Read
+	}
+	return s.At
 }
 
 // Pause is a span in which a worker was stopped (SIGSTOP to SIGCONT).
@@ -522,7 +531,9 @@ func Check(h *History) []Violation {
 			for _, c := range all {
 				bw := c.believing()
 				first, lastW := bw[0].At, bw[len(bw)-1].At
-				if !first.Before(s.At.Add(-margin)) || !lastW.After(s.At.Add(margin)) {
+				// The sample shows one moment between its statement's start and its first row (a loaded server may
+				// start reading pg_locks many milliseconds after the statement began): the belief must span both.
+				if !first.Before(s.At.Add(-margin)) || !lastW.After(s.readBy().Add(margin)) {
 					continue
 				}
 				held := false
