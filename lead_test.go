@@ -38,16 +38,22 @@ func TestLead(t *testing.T) {
 	var terms []*term // in the order they began
 	lostSeen := make(chan time.Time, 8)
 	started := make(chan struct{}, 64)
-	holdTerm := atomic.Bool{} // when set, a leader holds its term until its ctx ends
+	holding := make(chan struct{}, 8) // a term that holds on began
+	holdTerm := atomic.Bool{}         // when set, a term that begins holds on until its ctx ends
 	fn := func(fctx context.Context) error {
+		hold := holdTerm.Load() // read once, before the term says it began
 		tm := &term{token: FenceToken(fctx), start: time.Now()}
 		mu.Lock()
 		terms = append(terms, tm)
 		mu.Unlock()
-		started <- struct{}{}
+		select {
+		case started <- struct{}{}:
+		default: // nobody counts terms any more
+		}
 		d := 20 * time.Millisecond
-		if holdTerm.Load() {
+		if hold {
 			d = time.Hour
+			holding <- struct{}{}
 		}
 		select {
 		case <-time.After(d):
@@ -77,10 +83,11 @@ func TestLead(t *testing.T) {
 	}
 	// Now a leader that holds on: terminate its backend.
 	holdTerm.Store(true)
-	for len(started) > 0 {
-		<-started
+	select {
+	case <-holding:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no term that holds on began")
 	}
-	<-started // a term that holds
 	time.Sleep(20 * time.Millisecond)
 	who, ok, err := Leader(ctx, obs, k)
 	if err != nil || !ok {
@@ -100,7 +107,7 @@ func TestLead(t *testing.T) {
 		t.Fatal("the deposed leader's fn ctx was not cancelled")
 	}
 	select {
-	case <-started:
+	case <-holding:
 		took := time.Since(terminated)
 		t.Logf("a new leader ran %v after the old leader's backend was terminated", took)
 		if took > time.Second {
