@@ -473,37 +473,40 @@ func (c *campaign) sample(ctx context.Context) {
 }
 
 func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
-	// pg_lock_status() is read once, as the scan starts; clock_timestamp() in each row comes after it.
+	// pg_lock_status() is read once, as the scan starts; clock_timestamp() in each row comes after it. The outer
+	// join from one row gives a row (of NULLs) when nothing is held, so an empty sample has its window too.
 	rows, err := conn.Query(ctx, `SELECT statement_timestamp(), clock_timestamp(), l.classid, l.objid, l.objsubid,
 			l.granted, coalesce(a.application_name, ''), l.pid
-		FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory'`)
+		FROM (SELECT 1) one LEFT JOIN (pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid)
+			ON l.locktype = 'advisory'`)
 	if err != nil {
 		return Sample{}, err
 	}
 	s := Sample{Held: map[string][]Holder{}}
 	for rows.Next() {
 		var at, read time.Time
-		var classid, objid uint32
-		var sub int16
-		var granted bool
+		var classid, objid *uint32
+		var sub *int16
+		var granted *bool
 		var app string
-		var pid int32
+		var pid *int32
 		if err := rows.Scan(&at, &read, &classid, &objid, &sub, &granted, &app, &pid); err != nil {
 			return Sample{}, err
 		}
 		if s.At.IsZero() {
 			s.At, s.Read = at, read // the first row's: the read came before it
 		}
-		k, _ := advlock.KeyFromPgLocks(classid, objid, sub)
-		s.Held[canon(k)] = append(s.Held[canon(k)], Holder{App: app, PID: pid, Granted: granted})
+		if classid == nil || objid == nil || sub == nil || granted == nil || pid == nil {
+			continue // nothing held
+		}
+		k, _ := advlock.KeyFromPgLocks(*classid, *objid, *sub)
+		s.Held[canon(k)] = append(s.Held[canon(k)], Holder{App: app, PID: *pid, Granted: *granted})
 	}
 	if err := rows.Err(); err != nil {
 		return Sample{}, err
 	}
 	if s.At.IsZero() {
-		if err := conn.QueryRow(ctx, `SELECT statement_timestamp()`).Scan(&s.At); err != nil {
-			return Sample{}, err
-		}
+		return Sample{}, errors.New("pg_locks sample: no row")
 	}
 	return s, nil
 }

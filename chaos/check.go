@@ -211,7 +211,7 @@ func (h *History) pids(c *CS) map[int32]time.Time {
 	}
 	from, to := c.begin(), c.until()
 	for _, s := range h.Samples {
-		if s.At.Before(from) || s.At.After(to) {
+		if s.At.Before(from) || s.readBy().After(to) {
 			continue
 		}
 		for _, r := range s.Held[c.Key] {
@@ -546,7 +546,7 @@ func Check(h *History) []Violation {
 					h.Confirmed++
 					continue
 				}
-				if c.Clean || lastW.Sub(s.At) > h.Bound && !h.paused(c.Worker, s.At, lastW) {
+				if c.Clean || lastW.Sub(s.readBy()) > h.Bound && !h.paused(c.Worker, s.At, lastW) {
 					add(VPhantom, "key %s: %s %s believed it held at %s (wrote until %s) but pg_locks showed no such holder",
 						c.Key, c.Op, c.ID, ts(s.At), ts(lastW))
 				}
