@@ -100,7 +100,7 @@ type waiter struct {
 	// passed by its gate), so until it waits in the server it is a wait only its Locker sees.
 	ownPath bool
 	cancel  context.CancelCauseFunc
-	seen    int // read and written by the detector only: readings that chose it, with at most one miss between
+	seen    int // read and written by the detector's goroutine only: readings that chose it, at most one miss between
 	missed  int // readings in a row that did not
 }
 
@@ -195,6 +195,9 @@ func (l *Locker) detect() {
 		if l.deadlockRound(&own) {
 			next = deadlockConfirm
 		}
+		if h := testHookNextReading.Load(); h != nil {
+			(*h)(l, next)
+		}
 		t.Reset(next)
 	}
 }
@@ -233,8 +236,10 @@ func graphQuery(keys []session.ID) string {
 }
 
 // deadlockRound reads the graph once, and ends the waits of this Locker that are the least of a cycle on two
-// readings in a row. It reports whether one of them was found this time (so the next reading comes sooner).
-func (l *Locker) deadlockRound(own *session.TextConn) (found bool) {
+// readings in a row (one miss between them allowed). It reports whether the next reading should come sooner: a
+// cycle through one of its waits was seen this time, or was seen before and is not yet confirmed or cleared (a
+// reading that failed or missed it does not make the confirmation wait a whole round).
+func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 	ctx, cancel := context.WithTimeout(l.closeCtx, session.VerifyBound)
 	defer cancel()
 	var local []session.ID
@@ -246,44 +251,80 @@ func (l *Locker) deadlockRound(own *session.TextConn) (found bool) {
 	}
 	l.mu.Unlock()
 	rows, err := l.readGraph(ctx, graphQuery(local), own)
-	if err != nil {
-		return false // no connection free, or the server is away: the next reading tries again
+	if err == nil {
+		if h := testHookGraphRead.Load(); h != nil && (*h)(l) {
+			err = errors.New("advlock: the reading's answer dropped by a test")
+		}
 	}
-	if h := testHookGraphRead.Load(); h != nil {
-		(*h)(l)
+	if err != nil {
+		return l.suspected() // no connection free, or the server is away: the next reading tries again
 	}
 	l.mu.Lock()
 	g := l.localGraph(rows)
 	l.mu.Unlock()
+	judged := map[*waiter]bool{}
 	for _, n := range g.nodes {
 		w := n.w
 		if w == nil {
 			continue
 		}
+		judged[w] = true
 		cycle := g.cycleFrom(n)
 		if cycle == nil && len(n.out) > 0 && mutant.On(mutant.DeadlockFalse) {
 			cycle = []string{n.desc}
 		}
 		if cycle == nil {
-			// One reading may miss a member: a wait is out of the server's queue for a moment each slice, when it
-			// is sent again. Two misses in a row clear it.
-			if w.missed++; w.missed >= 2 {
-				w.seen = 0
-			}
+			w.miss()
 			continue
 		}
-		found = true
+		soon = true
 		w.missed = 0
 		if w.seen++; w.seen >= 2 && !mutant.On(mutant.DeadlockUndetected) {
 			w.cancel(&DeadlockError{Cycle: cycle})
 		}
 	}
-	return found
+	// A wait of this Locker that was between two slices as pg_locks was read is in no row: a miss too.
+	l.mu.Lock()
+	for w := range l.waiters {
+		if !judged[w] {
+			w.miss()
+		}
+		if w.seen > 0 {
+			soon = true
+		}
+	}
+	l.mu.Unlock()
+	return soon
+}
+
+// miss counts a reading that did not find w the least of a cycle. One reading may miss a member of a cycle: a
+// wait is out of the server's queue for a moment each slice, when it is sent again. Two misses in a row clear it.
+func (w *waiter) miss() {
+	if w.missed++; w.missed >= 2 {
+		w.seen = 0
+	}
+}
+
+// suspected reports whether a reading found a cycle through a wait of this Locker that is neither confirmed nor
+// cleared yet.
+func (l *Locker) suspected() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for w := range l.waiters {
+		if w.seen > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // testHookGraphRead, in tests only, is called by a reading once the server answered and before the answer is
-// judged: what changes then, the reading cannot see.
-var testHookGraphRead atomic.Pointer[func(l *Locker)]
+// judged: what changes then, the reading cannot see. When it returns true, the answer is dropped as if the reading
+// had failed.
+var testHookGraphRead atomic.Pointer[func(l *Locker) bool]
+
+// testHookNextReading, in tests only, is told when the detector's next reading is due.
+var testHookNextReading atomic.Pointer[func(l *Locker, next time.Duration)]
 
 // readGraph runs the graph query on a connection of the pool, or, when every one of them is taken (by waits that
 // may be the very cycle to find), on a connection of its own outside the pool, dialed once and kept (own) until

@@ -39,9 +39,9 @@ func TestDeadlockDialedConnGoes(t *testing.T) {
 			read := make(chan struct{})
 			closed := make(chan struct{})
 			first := true
-			hook := func(hl *Locker) {
+			hook := func(hl *Locker) bool {
 				if hl != l || !first {
-					return
+					return false
 				}
 				first = false
 				close(read)
@@ -49,6 +49,7 @@ func TestDeadlockDialedConnGoes(t *testing.T) {
 					go func() { l.Close(); close(closed) }()
 					time.Sleep(200 * time.Millisecond) // Close runs while this reading is judged
 				}
+				return false
 			}
 			testHookGraphRead.Store(&hook)
 			defer testHookGraphRead.Store(nil)

@@ -67,14 +67,14 @@ func TestDeadlockFormsDuringReading(t *testing.T) {
 	errs := make(chan error, 2)
 	var ends sync.WaitGroup
 	ends.Add(1)
-	hook := func(l *Locker) {
+	hook := func(l *Locker) bool {
 		mu.Lock()
 		defer mu.Unlock()
 		if l != b.l {
-			return
+			return false
 		}
 		if readings++; readings != 1 {
-			return
+			return false
 		}
 		// The first reading of caller 1's Locker has its answer, in which caller 1 waits for b and caller 2
 		// waits for nothing. Now caller 2 asks for a, and the cycle forms before that answer is judged.
@@ -86,6 +86,7 @@ func TestDeadlockFormsDuringReading(t *testing.T) {
 			time.Sleep(2 * time.Millisecond)
 		}
 		formed = time.Now()
+		return false
 	}
 	testHookGraphRead.Store(&hook)
 	defer testHookGraphRead.Store(nil)
@@ -181,15 +182,15 @@ func victimGrantedRace(t *testing.T) string {
 	var mu sync.Mutex
 	var victim, other *caller
 	judged, raced := 0, false
-	hook := func(l *Locker) {
+	hook := func(l *Locker) bool {
 		mu.Lock()
 		defer mu.Unlock()
 		if judged >= 2 {
-			return
+			return false
 		}
 		if victim == nil {
 			if c1.pid, c2.pid = waiter(vb), waiter(va); c1.pid == 0 || c2.pid == 0 {
-				return
+				return false
 			}
 			victim, other = c1, c2 // the least pid gives up
 			if c2.pid < c1.pid {
@@ -197,10 +198,10 @@ func victimGrantedRace(t *testing.T) string {
 			}
 		}
 		if l != victim.l {
-			return
+			return false
 		}
 		if judged++; judged < 2 {
-			return
+			return false
 		}
 		// This reading's answer ends the victim's wait (the cycle's second sighting). The other caller gives up
 		// now and releases its first key, which the server grants to the victim before the answer is judged.
@@ -209,17 +210,17 @@ func victimGrantedRace(t *testing.T) string {
 		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
 			select {
 			case <-victim.done: // its Lock returned the grant before this answer was judged: no race this time
-				return
+				return false
 			default:
 			}
 			pids, err := pgtest.Holders(context.Background(), b.obs, victimKey)
 			if err != nil || time.Now().After(deadline) {
 				t.Errorf("the victim was not granted %s: %v", victim.next, err)
-				return
+				return false
 			}
 			if len(pids) == 1 && pids[0] == victim.pid {
 				raced = true
-				return
+				return false
 			}
 		}
 	}
@@ -359,4 +360,103 @@ func TestDeadlockPoolExhausted(t *testing.T) {
 			b.waitFree(t, bk)
 		})
 	}
+}
+
+// A reading that fails right after the one that first saw a cycle (the server away for a moment, no connection
+// free) does not make the cycle's confirmation wait a whole round: the next reading comes at deadlockConfirm, and
+// the cycle still ends with exactly one ErrDeadlock. (The same holds for a reading that misses a member of the
+// cycle between two of its slices.)
+func TestDeadlockConfirmAfterFailedReading(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 30*time.Second)
+	a, bk := key(t), key(t)
+
+	var mu sync.Mutex
+	dropNext := map[*Locker]bool{}      // its next reading is to fail
+	dropped := map[*Locker]bool{}       // one of its readings failed
+	afterDrop := map[*Locker][]string{} // the delays it chose from then on
+	next := func(l *Locker, d time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case dropped[l]:
+			afterDrop[l] = append(afterDrop[l], d.String())
+		case d == deadlockConfirm: // this reading saw a cycle through one of its waits: fail the next one
+			dropNext[l] = true
+		}
+	}
+	read := func(l *Locker) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if !dropNext[l] {
+			return false
+		}
+		dropNext[l], dropped[l] = false, true
+		return true
+	}
+	testHookNextReading.Store(&next)
+	defer testHookNextReading.Store(nil)
+	testHookGraphRead.Store(&read)
+	defer testHookGraphRead.Store(nil)
+
+	la, err := b.l.Lock(ctx, a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lb, err := l2.Lock(ctx, bk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	take := func(l *Locker, first *Lock, k Key) error {
+		lk, err := l.Lock(Holding(ctx, first), k)
+		if err == nil {
+			err = lk.Unlock(ctx)
+		}
+		if uerr := first.Unlock(ctx); uerr != nil {
+			t.Errorf("unlock %s: %v", first.Key(), uerr)
+		}
+		return err
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- take(b.l, la, bk) }()
+	go func() { errs <- take(l2, lb, a) }()
+	var victim *Locker
+	dead := 0
+	for range 2 {
+		select {
+		case err := <-errs:
+			switch {
+			case errors.Is(err, ErrDeadlock):
+				dead++
+			case err != nil:
+				t.Errorf("a wait of the cycle ended with %v, want ErrDeadlock or the key", err)
+			}
+		case <-ctx.Done():
+			t.Fatal("the cycle did not end")
+		}
+	}
+	testHookNextReading.Store(nil)
+	testHookGraphRead.Store(nil)
+	if dead != 1 {
+		t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	for _, l := range []*Locker{b.l, l2} {
+		if dropped[l] {
+			victim = l
+		}
+	}
+	if victim == nil {
+		t.Fatal("no Locker saw the cycle and had a reading fail after it (the test did not exercise the case)")
+	}
+	t.Logf("delays chosen after the failed reading: %v", afterDrop[victim])
+	if len(afterDrop[victim]) == 0 || afterDrop[victim][0] != deadlockConfirm.String() {
+		t.Errorf("after a failed reading with a cycle seen once, the next reading was due after %v, want %v",
+			afterDrop[victim], deadlockConfirm)
+	}
+	b.waitFree(t, a)
+	b.waitFree(t, bk)
 }
