@@ -257,7 +257,14 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 		}
 	}
 	if err != nil {
-		return l.suspected() // no connection free, or the server is away: the next reading tries again
+		// No connection free, or the server is away: the next reading tries again, soon only the first time (a
+		// server away for long is not asked twice a second).
+		l.readFails++
+		return l.readFails == 1 && l.suspected()
+	}
+	l.readFails = 0
+	if h := testHookGraphRows.Load(); h != nil {
+		rows = (*h)(l, rows)
 	}
 	l.mu.Lock()
 	g := l.localGraph(rows)
@@ -322,6 +329,10 @@ func (l *Locker) suspected() bool {
 // judged: what changes then, the reading cannot see. When it returns true, the answer is dropped as if the reading
 // had failed.
 var testHookGraphRead atomic.Pointer[func(l *Locker) bool]
+
+// testHookGraphRows, in tests only, may change a reading's answer (one line per row of graphSQL) before it is
+// judged.
+var testHookGraphRows atomic.Pointer[func(l *Locker, rows string) string]
 
 // testHookNextReading, in tests only, is told when the detector's next reading is due.
 var testHookNextReading atomic.Pointer[func(l *Locker, next time.Duration)]

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -363,10 +364,20 @@ func TestDeadlockPoolExhausted(t *testing.T) {
 }
 
 // A reading that fails right after the one that first saw a cycle (the server away for a moment, no connection
-// free) does not make the cycle's confirmation wait a whole round: the next reading comes at deadlockConfirm, and
-// the cycle still ends with exactly one ErrDeadlock. (The same holds for a reading that misses a member of the
-// cycle between two of its slices.)
+// free), or whose answer lacks the wait (between two of its slices), does not make the cycle's confirmation wait a
+// whole round: the next reading comes at deadlockConfirm, and the cycle still ends with exactly one ErrDeadlock. A
+// second failure in a row waits a round (a server away for long is not asked twice a second).
 func TestDeadlockConfirmAfterFailedReading(t *testing.T) {
+	for _, miss := range []bool{false, true} {
+		name := "failed reading"
+		if miss {
+			name = "reading without the wait"
+		}
+		t.Run(name, func(t *testing.T) { testDeadlockConfirmSoon(t, miss) })
+	}
+}
+
+func testDeadlockConfirmSoon(t *testing.T, miss bool) {
 	b := setup(t)
 	l2 := New(pgtest.Pool(t, b.url, nil))
 	defer l2.Close()
@@ -374,32 +385,58 @@ func TestDeadlockConfirmAfterFailedReading(t *testing.T) {
 	a, bk := key(t), key(t)
 
 	var mu sync.Mutex
-	dropNext := map[*Locker]bool{}      // its next reading is to fail
-	dropped := map[*Locker]bool{}       // one of its readings failed
-	afterDrop := map[*Locker][]string{} // the delays it chose from then on
+	spoilNext := map[*Locker]int{}        // its next readings to fail or miss its wait
+	spoilt := map[*Locker]bool{}          // one of its readings did
+	afterSpoilt := map[*Locker][]string{} // the delays it chose from then on
 	next := func(l *Locker, d time.Duration) {
 		mu.Lock()
 		defer mu.Unlock()
 		switch {
-		case dropped[l]:
-			afterDrop[l] = append(afterDrop[l], d.String())
-		case d == deadlockConfirm: // this reading saw a cycle through one of its waits: fail the next one
-			dropNext[l] = true
+		case spoilt[l]:
+			afterSpoilt[l] = append(afterSpoilt[l], d.String())
+		case d == deadlockConfirm: // this reading saw a cycle through one of its waits: spoil the next (two)
+			spoilNext[l] = 1
+			if !miss {
+				spoilNext[l] = 2
+			}
 		}
 	}
-	read := func(l *Locker) bool {
+	spoil := func(l *Locker) bool {
 		mu.Lock()
 		defer mu.Unlock()
-		if !dropNext[l] {
+		if spoilNext[l] == 0 {
 			return false
 		}
-		dropNext[l], dropped[l] = false, true
+		spoilNext[l]--
+		spoilt[l] = true
 		return true
+	}
+	read := func(l *Locker) bool { return !miss && spoil(l) }
+	rows := func(l *Locker, rows string) string {
+		if !miss || !spoil(l) {
+			return rows
+		}
+		// the answer as if the Locker's waits had been between two slices as pg_locks was read
+		own := map[string]bool{}
+		l.mu.Lock()
+		for w := range l.waiters {
+			own[strconv.FormatUint(uint64(w.tag.PID()), 10)] = true
+		}
+		l.mu.Unlock()
+		var kept []string
+		for line := range strings.SplitSeq(rows, "\n") {
+			if pid, _, _ := strings.Cut(line, "\t"); !own[pid] {
+				kept = append(kept, line)
+			}
+		}
+		return strings.Join(kept, "\n")
 	}
 	testHookNextReading.Store(&next)
 	defer testHookNextReading.Store(nil)
 	testHookGraphRead.Store(&read)
 	defer testHookGraphRead.Store(nil)
+	testHookGraphRows.Store(&rows)
+	defer testHookGraphRows.Store(nil)
 
 	la, err := b.l.Lock(ctx, a)
 	if err != nil {
@@ -422,7 +459,6 @@ func TestDeadlockConfirmAfterFailedReading(t *testing.T) {
 	errs := make(chan error, 2)
 	go func() { errs <- take(b.l, la, bk) }()
 	go func() { errs <- take(l2, lb, a) }()
-	var victim *Locker
 	dead := 0
 	for range 2 {
 		select {
@@ -439,23 +475,28 @@ func TestDeadlockConfirmAfterFailedReading(t *testing.T) {
 	}
 	testHookNextReading.Store(nil)
 	testHookGraphRead.Store(nil)
+	testHookGraphRows.Store(nil)
 	if dead != 1 {
 		t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
 	}
 	mu.Lock()
 	defer mu.Unlock()
+	var victim *Locker
 	for _, l := range []*Locker{b.l, l2} {
-		if dropped[l] {
+		if spoilt[l] {
 			victim = l
 		}
 	}
 	if victim == nil {
-		t.Fatal("no Locker saw the cycle and had a reading fail after it (the test did not exercise the case)")
+		t.Fatal("no Locker saw the cycle and then had a reading spoilt (the test did not exercise the case)")
 	}
-	t.Logf("delays chosen after the failed reading: %v", afterDrop[victim])
-	if len(afterDrop[victim]) == 0 || afterDrop[victim][0] != deadlockConfirm.String() {
-		t.Errorf("after a failed reading with a cycle seen once, the next reading was due after %v, want %v",
-			afterDrop[victim], deadlockConfirm)
+	t.Logf("delays chosen after the spoilt reading: %v", afterSpoilt[victim])
+	if len(afterSpoilt[victim]) == 0 || afterSpoilt[victim][0] != deadlockConfirm.String() {
+		t.Errorf("after a spoilt reading with a cycle seen once, the next reading was due after %v, want %v",
+			afterSpoilt[victim], deadlockConfirm)
+	}
+	if !miss && (len(afterSpoilt[victim]) < 2 || afterSpoilt[victim][1] == deadlockConfirm.String()) {
+		t.Errorf("after a second failed reading in a row, the next was due after %v, want a round", afterSpoilt[victim])
 	}
 	b.waitFree(t, a)
 	b.waitFree(t, bk)

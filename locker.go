@@ -61,6 +61,7 @@ type Locker struct {
 	dlSeq     int64
 	detecting bool           // a detector goroutine runs
 	detectWG  sync.WaitGroup // the detector
+	readFails int            // readings of the lock graph that failed in a row (the detector's goroutine only)
 }
 
 // New returns a Locker over a pool the caller owns and closes (after [Locker.Close]). A nil pool gives a Locker
