@@ -31,6 +31,19 @@ func (b *bundle) waiting(t *testing.T, k Key) bool {
 	return false
 }
 
+// takeNext waits for next while holding first, as a caller does inside Do, and then releases both; on ErrDeadlock
+// it releases first, so that the other can go on.
+func takeNext(ctx context.Context, t *testing.T, l *Locker, first *Lock, next Key) error {
+	lk, err := l.Lock(Holding(ctx, first), next)
+	if err == nil {
+		err = lk.Unlock(ctx)
+	}
+	if uerr := first.Unlock(ctx); uerr != nil {
+		t.Errorf("unlock %s: %v", first.Key(), uerr)
+	}
+	return err
+}
+
 // A cycle that forms while a detection query runs: the reading that was under way sees no cycle, and is judged
 // after the cycle formed. The next readings find it, and exactly one of the two waits ends with ErrDeadlock; the
 // other gets its key.
@@ -50,18 +63,7 @@ func TestDeadlockFormsDuringReading(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// take waits for next while holding first, as a caller does inside Do, and then releases both; on
-	// ErrDeadlock it releases first, so that the other can go on.
-	take := func(l *Locker, first *Lock, next Key) error {
-		lk, err := l.Lock(Holding(ctx, first), next)
-		if err == nil {
-			err = lk.Unlock(ctx)
-		}
-		if uerr := first.Unlock(ctx); uerr != nil {
-			t.Errorf("unlock %s: %v", first.Key(), uerr)
-		}
-		return err
-	}
+	take := func(l *Locker, first *Lock, next Key) error { return takeNext(ctx, t, l, first, next) }
 	var mu sync.Mutex
 	var formed time.Time
 	readings := 0
@@ -322,16 +324,7 @@ func TestDeadlockPoolExhausted(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			take := func(first *Lock, next Key) error {
-				lk, err := l.Lock(Holding(ctx, first), next)
-				if err == nil {
-					err = lk.Unlock(ctx)
-				}
-				if uerr := first.Unlock(ctx); uerr != nil {
-					t.Errorf("unlock %s: %v", first.Key(), uerr)
-				}
-				return err
-			}
+			take := func(first *Lock, next Key) error { return takeNext(ctx, t, l, first, next) }
 			errs := make(chan error, 2)
 			go func() { errs <- take(la, bk) }()
 			for !b.waiting(t, bk) { // in the server's queue, on the pool's last connection
@@ -446,19 +439,9 @@ func testDeadlockConfirmSoon(t *testing.T, miss bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	take := func(l *Locker, first *Lock, k Key) error {
-		lk, err := l.Lock(Holding(ctx, first), k)
-		if err == nil {
-			err = lk.Unlock(ctx)
-		}
-		if uerr := first.Unlock(ctx); uerr != nil {
-			t.Errorf("unlock %s: %v", first.Key(), uerr)
-		}
-		return err
-	}
 	errs := make(chan error, 2)
-	go func() { errs <- take(b.l, la, bk) }()
-	go func() { errs <- take(l2, lb, a) }()
+	go func() { errs <- takeNext(ctx, t, b.l, la, bk) }()
+	go func() { errs <- takeNext(ctx, t, l2, lb, a) }()
 	dead := 0
 	for range 2 {
 		select {

@@ -180,15 +180,7 @@ func TestMuxTrailingErrorInjected(t *testing.T) {
 	if _, err := obs.Exec(ctx, fmt.Sprintf("CREATE SEQUENCE %s; SELECT pg_advisory_lock(%d)", FenceSeq, held)).ReadAll(); err != nil {
 		t.Fatal(err)
 	}
-	pc, err := pgconn.Connect(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m, _ := openMuxAt(t, url, true)
 	a, b := held+1, held+2
 	rs := []*req{{op: opTry, key: a}, {op: opTry, key: held}, {op: opTry, key: b}}
 	for _, r := range rs {
@@ -234,7 +226,7 @@ func TestMuxTrailingErrorInjected(t *testing.T) {
 		}
 	}
 	// The server: the Mux's session holds a and b once each (one unlock frees each), and not the held key.
-	pid := pc.PID()
+	pid := m.pid
 	for _, k := range []int64{a, b} {
 		u := &req{op: opUnlock, key: k, sig: make(chan struct{}, 1)}
 		m.do(u)
@@ -282,15 +274,7 @@ func TestMuxUndoSameKey(t *testing.T) {
 		{"try A, try A, try B", false, []int16{opTryShared, opTryShared}, 2, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			pc, err := pgconn.Connect(ctx, c.URL)
-			if err != nil {
-				t.Fatal(err)
-			}
-			m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer m.Close()
+			m, _ := openMuxAt(t, c.URL, true)
 			do := func(rs ...*req) {
 				t.Helper()
 				for _, r := range rs {

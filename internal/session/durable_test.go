@@ -277,15 +277,7 @@ func TestMuxFencedBatchTokensSurviveCrash(t *testing.T) {
 	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
 		t.Fatal(err)
 	}
-	pc, err := pgconn.Connect(ctx, c.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m, _ := openMuxAt(t, c.URL, true)
 	a, b := time.Now().UnixNano(), time.Now().UnixNano()+1
 	if _, err := m.Try(ctx, Target{ID: ID{V: a}, Shared: true}, nil); err != nil { // A held: trying it again needs no space
 		t.Fatal(err)

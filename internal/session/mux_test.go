@@ -38,14 +38,20 @@ func (c *wireConn) Release()                                   { c.Destroy() }
 // openTestMux opens a Mux on a connection of its own.
 func openTestMux(t *testing.T) (*Mux, chan struct{}) {
 	t.Helper()
+	return openMuxAt(t, pgtest.URL(t), false)
+}
+
+// openMuxAt opens a Mux on a connection of its own to url, fenced or not; gone is closed once its session ends.
+func openMuxAt(t *testing.T, url string, fenced bool) (*Mux, chan struct{}) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	pc, err := pgconn.Connect(ctx, pgtest.URL(t))
+	pc, err := pgconn.Connect(ctx, url)
 	if err != nil {
 		t.Fatal(err)
 	}
 	gone := make(chan struct{})
-	m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, func(*Mux) { close(gone) }, nil, false)
+	m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, func(*Mux) { close(gone) }, nil, fenced)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -239,15 +245,7 @@ func TestMuxFencedTryUndone(t *testing.T) {
 	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
 		t.Fatal(err)
 	}
-	pc, err := pgconn.Connect(ctx, c.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := OpenMux(ctx, &wireConn{pc: pc}, 5*time.Second, nil, nil, true)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
+	m, _ := openMuxAt(t, c.URL, true)
 	b := time.Now().UnixNano()
 	for round := range 3 {
 		key := b + int64(round)
