@@ -23,7 +23,10 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-// TestCampaign is the bounded campaign: a fixed seed, every fault kind, and the checker must find nothing.
+// TestCampaign is the bounded campaign: a fixed seed, every fault kind, and the checker must find nothing. A run
+// that found nothing but did not exercise everything (on a loaded machine a minute may bring no write refused by
+// its token, or too few grants) proves less than it seems: it runs once more with the next seed, and that run must
+// be exercised in full. A violation in any run fails at once.
 func TestCampaign(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the campaign starts a private cluster and runs for a minute (-short)")
@@ -36,29 +39,47 @@ func TestCampaign(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	r, err := Run(context.Background(), Options{Duration: d, Seed: 1, Workers: 6, Log: testLog{t}})
-	if err != nil {
-		t.Fatal(err)
+	const runs = 2
+	for seed := uint64(1); seed <= runs; seed++ {
+		r, err := Run(context.Background(), Options{Duration: d, Seed: seed, Workers: 6, Log: testLog{t}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var b strings.Builder
+		r.Print(&b)
+		t.Log("\n" + b.String())
+		if r.Violations > 0 || r.LeakedLocks > 0 {
+			t.Fatalf("seed %d: %d violations, %d leaked locks", seed, r.Violations, r.LeakedLocks)
+		}
+		short := shortfalls(r)
+		if len(short) == 0 {
+			return
+		}
+		if seed == runs {
+			t.Fatalf("seed %d: not exercised: %v", seed, short)
+		}
+		t.Logf("seed %d found nothing but did not exercise everything (%v): running again with seed %d", seed, short, seed+1)
+		os.RemoveAll(r.Dir) // kept because the run was not exercised in full; the next one stands for it
 	}
-	var b strings.Builder
-	r.Print(&b)
-	t.Log("\n" + b.String())
-	if !r.OK() {
-		t.Fatalf("%d violations, %d leaked locks, not exercised: %v", r.Violations, r.LeakedLocks, r.NotExercised)
-	}
-	// About 1,300 grants a minute alone on 2 cores, 800 beside the other packages' tests: the floor only says
-	// that the locks were used, not how fast.
+}
+
+// shortfalls lists what a campaign under every fault kind did not exercise.
+func shortfalls(r *Report) []string {
+	short := append([]string(nil), r.NotExercised...)
+	// About 1,300 grants a minute alone on 2 cores, 500 to 800 beside the other packages' tests: the floor only
+	// says that the locks were used, not how fast.
 	if r.Grants < 400 {
-		t.Errorf("only %d grants: the campaign did not exercise the locks", r.Grants)
+		short = append(short, fmt.Sprintf("only %d grants", r.Grants))
 	}
 	for _, k := range append(faultKinds, "cancel") {
 		if r.Faults[k] < 2 {
-			t.Errorf("fault %s injected %d times, want at least 2", k, r.Faults[k])
+			short = append(short, fmt.Sprintf("fault %s injected %d times, want at least 2", k, r.Faults[k]))
 		}
 	}
 	if r.LossesTold == 0 || r.Refused == 0 {
-		t.Errorf("losses told %d, refused writes %d: the faults did not reach the holders", r.LossesTold, r.Refused)
+		short = append(short, fmt.Sprintf("losses told %d, refused writes %d: the faults did not reach the holders", r.LossesTold, r.Refused))
 	}
+	return short
 }
 
 // TestCampaignBrokenLocker runs the campaign with the classic wrong locker (lock and unlock on any pooled
