@@ -24,7 +24,13 @@ import (
 //
 // A Lock that needs a session of its own when all of them are in use waits in this process, in the order it came,
 // until one is given back or its ctx ends (it never fails for want of a connection); meanwhile it tries its key
-// again on a shared session every 20 ms (see slotRetry), and takes it there if it is free. A try fails at once with
+// again on a shared session every 20 ms (see slotRetry), and takes it there if it is free. The sessions are shared
+// out among the waits one slice at a time: while a wait queues for a session, each wait in the server that has
+// waited a whole slice without a grant gives its session up (settled: it holds nothing, its intent included) to
+// the first in the queue and queues again at the back. So a wait queued here is not overtaken for ever by waits
+// in the server's queue (the server hands a busy key from each holder straight to its next waiter, which a try
+// every 20 ms would never be), and waits that last (a Lead campaign for a key led elsewhere, a semaphore slot)
+// do not hold the sessions hostage. A try fails at once with
 // ErrPoolExhausted instead. Deadlock detection counts such a wait as a wait for the key's holders (see
 // deadlock.go), and its readings take the kept connection, so a cycle that holds every session of its own is
 // still found.
@@ -100,6 +106,14 @@ func (s *ownSlots) queue() (got <-chan struct{}, cancel func(), ok bool) {
 	}, false
 }
 
+// queued reports whether a caller queues for a slot: a wait that holds one gives it up at the end of a slice then
+// (session.WithYield), so that every wait gets its turn in the server.
+func (s *ownSlots) queued() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.waiters.Len() > 0
+}
+
 // give returns a slot: to the first caller in the queue, else to the free ones.
 func (s *ownSlots) give() {
 	s.mu.Lock()
@@ -117,7 +131,7 @@ func (s *ownSlots) give() {
 // again every slotRetry or so, and returns the lock it got there (h) instead of a slot. give, when not nil, hands
 // the slot back; it must be called once the session is given up, or at once when no session is made.
 // A wait that passed by its gate never tries on a shared session, which may hold the key for the caller it passed.
-func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed bool, onEnd func()) (h handle, give func(), err error) {
+func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed bool, onEnd func(error)) (h handle, give func(), err error) {
 	if l.slots == nil {
 		return nil, nil, nil
 	}

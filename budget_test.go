@@ -539,3 +539,85 @@ func TestDoTxCounted(t *testing.T) {
 		}
 	}
 }
+
+// A wait of a Locker from Open is served when its sessions of their own are all taken by waits that last: 3 Lead
+// campaigns for keys another Locker leads take all 3, and a Lock(Wait(10s)) for a key that three other Lockers
+// take in turn (each waiting for it in the server, so the server hands it from each holder straight to the next)
+// must be granted. Before, it tried the key every 20 ms from the process and was never granted while the others
+// took it about 195 times. The budget holds throughout (at most 5 sessions in pg_stat_activity), the campaigns
+// gave their sessions up (Stats().WaitYields), and nothing is left held.
+func TestBudgetWaitServed(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, time.Minute)
+	app := appName(t, "budget-served")
+	l := openApp(t, url, app, "")
+	leader := New(pgtest.Pool(t, url, nil))
+	defer leader.Close()
+	var bg sync.WaitGroup
+	cctx, stop := context.WithCancel(ctx)
+	defer func() { stop(); bg.Wait() }()
+	for i := range 3 { // led elsewhere: l's campaigns wait for ever, each on a session of its own
+		k := key(t)
+		lk, err := leader.TryLock(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = lk.Unlock(ctx) }()
+		bg.Add(1)
+		go func() {
+			defer bg.Done()
+			err := l.Lead(cctx, k, func(context.Context) error { t.Errorf("campaign %d led a key held elsewhere", i); return nil })
+			if cctx.Err() == nil {
+				t.Errorf("campaign %d: %v", i, err)
+			}
+		}()
+	}
+	for deadline := time.Now().Add(10 * time.Second); l.Stats().WaitingInServer < 3; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the campaigns did not take the sessions: %+v", l.Stats())
+		}
+	}
+	hot := key(t)
+	var taken atomic.Int64
+	for range 3 {
+		o := New(pgtest.Pool(t, url, nil))
+		defer o.Close()
+		bg.Add(1)
+		go func() {
+			defer bg.Done()
+			for cctx.Err() == nil {
+				lk, err := o.Lock(cctx, hot)
+				if err != nil {
+					return
+				}
+				taken.Add(1)
+				time.Sleep(5 * time.Millisecond)
+				_ = lk.Unlock(context.Background())
+			}
+		}()
+	}
+	s := sample(t, url, app)
+	time.Sleep(200 * time.Millisecond) // the others take the key in turn
+	start := time.Now()
+	lk, err := l.Lock(ctx, hot, Wait(10*time.Second))
+	if err != nil {
+		t.Fatalf("a wait behind a hot key with every session of its own taken, while the others took it %d times: %v",
+			taken.Load(), err)
+	}
+	t.Logf("granted after %v (the others took it %d times meanwhile); %d yields", time.Since(start).Round(time.Millisecond),
+		taken.Load(), l.Stats().WaitYields)
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if l.Stats().WaitYields == 0 {
+		t.Error("no wait gave its session up")
+	}
+	stop()
+	bg.Wait()
+	if peak := s.end(t)[app]; peak > DefaultOpenConns {
+		t.Errorf("the Locker had %d sessions at once, over its budget of %d", peak, DefaultOpenConns)
+	}
+	if st := l.Stats(); st.PeakConns > DefaultOpenConns {
+		t.Errorf("PeakConns %d, over the budget", st.PeakConns)
+	}
+}

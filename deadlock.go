@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -32,9 +33,11 @@ import (
 //     caller waits, through further such waits, for what the first caller holds.
 //   - A watched wait on its way to a session of its own (queued for one, waiting for a pool connection) is in no
 //     server queue: its Locker adds it to the graph as a wait for its key's holders.
-//   - Every client sees the same graph, and the wait of a cycle that gives up is the one on the lowest pid (a
-//     wait only its own Locker sees first: the youngest of them). A Locker ends only its own waits, and only when the cycle was there on two readings in a row; the wait then
-//     fails with an error matching ErrDeadlock. The others proceed once the caller that gave up lets go of what
+//   - Every client sees the same graph, and chooses the same waits to give up, as few as break every cycle
+//     (victims): in one cycle the least of it, the wait on the lowest pid (a wait only its own Locker sees first:
+//     the youngest of them); where cycles share a wait, the one most of them pass through. A Locker ends only its
+//     own waits, and only when the choice stood on two readings in a row; the wait then fails with an error
+//     matching ErrDeadlock. The others proceed once the caller that gave up lets go of what
 //     it holds (Do does that by returning).
 
 // deadlockRound is how often a Locker with a watched wait reads the server's lock graph, and deadlockConfirm how
@@ -111,14 +114,13 @@ type noDetectKey struct{}
 func (l *Locker) watchWait(ctx context.Context, key Key, t session.Target, held []session.Ref) (*waiter, context.Context) {
 	w := &waiter{t: t, key: key, held: held}
 	var b strings.Builder
-	b.WriteString("/*advlock w=" + session.Ref{ID: t.ID, Shared: t.Shared}.Lock() + " h=")
+	b.WriteString("w=" + session.Ref{ID: t.ID, Shared: t.Shared}.Lock() + " h=")
 	for i, r := range held {
 		if i > 0 {
 			b.WriteByte(',')
 		}
 		b.WriteString(r.String())
 	}
-	b.WriteString("*/ ")
 	w.tag.Comment = b.String()
 	ctx, w.cancel = context.WithCancelCause(ctx)
 	ctx = session.WithWaitTag(ctx, &w.tag)
@@ -270,13 +272,17 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 	g := l.localGraph(rows)
 	l.mu.Unlock()
 	judged := map[*waiter]bool{}
+	victims := g.victims()
 	for _, n := range g.nodes {
 		w := n.w
 		if w == nil {
 			continue
 		}
 		judged[w] = true
-		cycle := g.cycleFrom(n)
+		var cycle []string
+		if victims[n] {
+			cycle = g.cycleFrom(n)
+		}
 		if cycle == nil && len(n.out) > 0 && mutant.On(mutant.DeadlockFalse) {
 			cycle = []string{n.desc}
 		}
@@ -412,8 +418,12 @@ func parseGraph(s string) []lockRow {
 	return rows
 }
 
-// parseComment reads "w=LOCK h=REF,REF" (what watchWait writes, without "advlock ").
+// parseComment reads "w=LOCK h=REF,REF" (what watchWait writes, without "advlock "), after how long the wait had
+// waited ("q=MS ", see commentWaited).
 func parseComment(s string) (wait session.Ref, held []session.Ref, ok bool) {
+	if _, rest, ok := strings.Cut(s, "q="); ok && strings.HasPrefix(s, "q=") {
+		_, s, _ = strings.Cut(rest, " ")
+	}
 	w, h, found := strings.Cut(s, " h=")
 	w, okW := strings.CutPrefix(w, "w=")
 	if !found || !okW {
@@ -429,6 +439,21 @@ func parseComment(s string) (wait session.Ref, held []session.Ref, ok bool) {
 		}
 	}
 	return session.Ref{ID: id, Shared: shared}, held, true
+}
+
+// commentWaited reads how long a wait had waited when it sent its current statement ("q=MS", the start of what
+// every wait's statement says in its comment).
+func commentWaited(s string) (time.Duration, bool) {
+	v, ok := strings.CutPrefix(s, "q=")
+	if !ok {
+		return 0, false
+	}
+	v, _, _ = strings.Cut(v, " ")
+	ms, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || ms < 0 {
+		return 0, false
+	}
+	return time.Duration(ms) * time.Millisecond, true
 }
 
 // graph is a wait-for graph: each node is a wait, each edge goes to a wait whose caller holds what the first waits
@@ -520,7 +545,126 @@ func (l *Locker) localGraph(s string) *graph {
 	return g
 }
 
-// cycleFrom returns the cycle through n in which n is the least, described from n, or nil.
+// victims chooses the waits that give up, so that no cycle is left: as few as it can, the same on every client that
+// reads the same graph. Greedily, while a cycle remains: of the waits in cycles (strongly connected components of
+// more than one wait, or one that waits for its own caller), the one with the most edges into and out of its
+// component (in x out: the wait most cycles pass through; a wait that every cycle shares is ended alone), the
+// least by rank among equals; it is taken out and the components are found again. With one cycle, that is its
+// least wait, as before.
+func (g *graph) victims() map[*node]bool {
+	out := map[*node]bool{}
+	alive := map[*node]bool{}
+	for _, n := range g.nodes {
+		alive[n] = true
+	}
+	for {
+		comps := g.components(alive)
+		if len(comps) == 0 {
+			return out
+		}
+		if mutant.On(mutant.DeadlockEveryMember) {
+			for _, c := range comps {
+				for _, n := range c {
+					out[n] = true
+				}
+			}
+			return out
+		}
+		var best *node
+		bestScore := -1
+		for _, c := range comps {
+			in := map[*node]bool{}
+			for _, n := range c {
+				in[n] = true
+			}
+			for _, n := range c {
+				outs, ins := 0, 0
+				for _, m := range uniq(n.out) {
+					if in[m] {
+						outs++
+					}
+				}
+				for _, m := range c {
+					if slices.Contains(m.out, n) {
+						ins++
+					}
+				}
+				if score := outs * ins; score > bestScore || score == bestScore && n.rank < best.rank {
+					best, bestScore = n, score
+				}
+			}
+		}
+		out[best] = true
+		delete(alive, best)
+	}
+}
+
+func uniq(ns []*node) []*node {
+	var out []*node
+	for _, n := range ns {
+		if !slices.Contains(out, n) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// components returns the strongly connected components of the alive nodes that contain a cycle (more than one
+// node, or one with an edge to itself), each in the order of g.nodes (Tarjan's algorithm).
+func (g *graph) components(alive map[*node]bool) [][]*node {
+	index, low := map[*node]int{}, map[*node]int{}
+	onStack := map[*node]bool{}
+	var stack []*node
+	var comps [][]*node
+	next := 0
+	var connect func(n *node)
+	connect = func(n *node) {
+		index[n], low[n] = next, next
+		next++
+		stack = append(stack, n)
+		onStack[n] = true
+		for _, m := range n.out {
+			if !alive[m] {
+				continue
+			}
+			if _, seen := index[m]; !seen {
+				connect(m)
+				low[n] = min(low[n], low[m])
+			} else if onStack[m] {
+				low[n] = min(low[n], index[m])
+			}
+		}
+		if low[n] != index[n] {
+			return
+		}
+		var c []*node
+		for {
+			m := stack[len(stack)-1]
+			stack = stack[:len(stack)-1]
+			onStack[m] = false
+			c = append(c, m)
+			if m == n {
+				break
+			}
+		}
+		if len(c) > 1 || slices.Contains(n.out, n) {
+			order := map[*node]int{}
+			for i, x := range g.nodes {
+				order[x] = i
+			}
+			slices.SortFunc(c, func(a, b *node) int { return order[a] - order[b] })
+			comps = append(comps, c)
+		}
+	}
+	for _, n := range g.nodes {
+		if _, seen := index[n]; !seen && alive[n] {
+			connect(n)
+		}
+	}
+	return comps
+}
+
+// cycleFrom returns a cycle through n, described from n, or nil.
 func (g *graph) cycleFrom(n *node) []string {
 	seen := map[*node]bool{}
 	var path []*node
@@ -530,7 +674,7 @@ func (g *graph) cycleFrom(n *node) []string {
 			if next == n {
 				return true
 			}
-			if seen[next] || next.rank <= n.rank && !mutant.On(mutant.DeadlockEveryMember) {
+			if seen[next] {
 				continue
 			}
 			seen[next] = true

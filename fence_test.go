@@ -2,6 +2,7 @@ package advlock
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -199,5 +200,40 @@ func TestFenceSQL(t *testing.T) {
 	}
 	if <-late {
 		t.Error("token 15 accepted after token 20 committed")
+	}
+}
+
+// A fencing sequence whose values would not come out in grant order is refused, with what to run: CACHE n > 1
+// (each session draws from a block of its own: a later grant on another session got a smaller token), a
+// decreasing one, a cycling one. Nothing is locked; once fixed, the next call works.
+func TestFencingSequenceOrder(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	ctx := ctxT(t, 30*time.Second)
+	admin := pgtest.Conn(t, url)
+	for _, tc := range []struct{ create, want, fix string }{
+		{"CREATE SEQUENCE public.advlock_fence CACHE 10", "CACHE 10", "ALTER SEQUENCE public.advlock_fence CACHE 1"},
+		{"CREATE SEQUENCE public.advlock_fence INCREMENT -1", "INCREMENT", "ALTER SEQUENCE public.advlock_fence INCREMENT 1 MINVALUE 1 MAXVALUE 9223372036854775807 START WITH 1 RESTART WITH 1"},
+		{"CREATE SEQUENCE public.advlock_fence CYCLE", "CYCLE", "ALTER SEQUENCE public.advlock_fence NO CYCLE"},
+	} {
+		if _, err := admin.Exec(ctx, "DROP SEQUENCE IF EXISTS public.advlock_fence; "+tc.create); err != nil {
+			t.Fatal(err)
+		}
+		l := New(pgtest.Pool(t, url, nil), WithFencing())
+		k := key(t)
+		if _, err := l.TryLock(ctx, k); !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), tc.want) {
+			t.Fatalf("%s: TryLock: %v, want ErrFencing naming %s", tc.create, err, tc.want)
+		}
+		if pids, err := pgtest.Holders(ctx, admin, k.id.V); err != nil || len(pids) != 0 {
+			t.Fatalf("%s: the refused key is held by %v (%v)", tc.create, pids, err)
+		}
+		if _, err := admin.Exec(ctx, tc.fix); err != nil {
+			t.Fatal(err)
+		}
+		lk, err := l.TryLock(ctx, k)
+		if err != nil {
+			t.Fatalf("after %s: %v", tc.fix, err)
+		}
+		_ = lk.Unlock(ctx)
+		l.Close()
 	}
 }

@@ -70,9 +70,9 @@ func (g *gate) handOff() {
 }
 
 // enter takes t's in-process slot, waiting (if wait) its turn behind the callers before it, until the slot is
-// free or ctx ends. A watched wait (w, else nil) does not wait: when the slot is not free it passes by (passed is
-// true), and must then lock on a session of its own.
-func (l *Locker) enter(ctx context.Context, t session.Target, wait bool, w *waiter) (passed bool, err error) {
+// free or ctx ends. A wait that may pass (pass: a watched wait, or one that takes any of several keys) does not
+// wait: when the slot is not free it passes by (passed is true), and must then lock on a session of its own.
+func (l *Locker) enter(ctx context.Context, t session.Target, wait, pass bool) (passed bool, err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed {
@@ -91,7 +91,7 @@ func (l *Locker) enter(ctx context.Context, t session.Target, wait bool, w *wait
 	case !wait:
 		l.gc(t.ID, g)
 		return false, errHeldInProcess
-	case w != nil:
+	case pass:
 		passed = true
 	default:
 		gw := &gateWaiter{shared: t.Shared, ready: make(chan struct{})}

@@ -16,11 +16,11 @@ func TestGateEnterAfterClose(t *testing.T) {
 	tg := session.Target{ID: session.ID{V: 42}}
 	for i := 0; i < 2000; i++ {
 		l := &Locker{gates: make(map[session.ID]*gate)}
-		if _, err := l.enter(context.Background(), tg, true, nil); err != nil {
+		if _, err := l.enter(context.Background(), tg, true, false); err != nil {
 			t.Fatal(err)
 		}
 		werr := make(chan error, 1)
-		go func() { _, err := l.enter(context.Background(), tg, true, nil); werr <- err }()
+		go func() { _, err := l.enter(context.Background(), tg, true, false); werr <- err }()
 		for {
 			l.mu.Lock()
 			n := l.gates[tg.ID].queue.Len()
@@ -36,7 +36,7 @@ func TestGateEnterAfterClose(t *testing.T) {
 		l.closeGates()
 		l.leaveLocked(tg)
 		l.mu.Unlock()
-		_, err := l.enter(context.Background(), tg, true, nil) // a call that was past begin
+		_, err := l.enter(context.Background(), tg, true, false) // a call that was past begin
 		if werr := <-werr; !errors.Is(werr, ErrClosed) {
 			t.Fatalf("the woken waiter: %v, want ErrClosed", werr)
 		}

@@ -23,12 +23,14 @@ type Querier interface {
 // LockInfo is one advisory lock held or waited for, as the server sees it: a pg_locks row joined with
 // pg_stat_activity.
 type LockInfo struct {
-	Key             Key        // decoded from classid/objid/objsubid; a NameKey shows as the Int64Key of its hash
-	Shared          bool       // ShareLock (RLock) rather than ExclusiveLock
-	Granted         bool       // held; false means waiting
-	WaitStart       *time.Time // when the wait began (nil while held)
-	BlockedBy       []int32    // pids the waiter waits for (pg_blocking_pids); empty while held
-	PID             int32      // server process id of the session
+	Key     Key  // decoded from classid/objid/objsubid; a NameKey shows as the Int64Key of its hash
+	Shared  bool // ShareLock (RLock) rather than ExclusiveLock
+	Granted bool // held; false means waiting
+	// WaitStart is when the wait began (nil while held): for a wait of advlock, which is sent again every slice,
+	// when its first statement was sent (what its statements publish); for any other, pg_locks.waitstart.
+	WaitStart       *time.Time
+	BlockedBy       []int32 // pids the waiter waits for (pg_blocking_pids); empty while held
+	PID             int32   // server process id of the session
 	ApplicationName string
 	ClientAddr      string // IP address, or "local" for a Unix socket
 	BackendStart    time.Time
@@ -41,6 +43,10 @@ type LockInfo struct {
 	// cycle that advlock ends (ErrDeadlock) does so within about 2 s; a cycle that lasts passes through a caller
 	// advlock cannot end (another tool's session, or a process that does not detect deadlocks).
 	InCycle bool
+	// Intent marks a writer (an exclusive wait, or the lock it got) that holds the key's intent: it found the key
+	// held by readers, and new shared requests of advlock wait behind it (see "Writers and readers" in
+	// docs/locks.md). The intent's own pg_locks row is not listed.
+	Intent bool
 	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
 	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
@@ -68,7 +74,8 @@ SELECT l.classid::text::int8, l.objid::text::int8, l.objsubid, l.mode = 'ShareLo
            AND (h.granted OR h.waitstart < l.waitstart) ORDER BY h.pid) END,
        l.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'), a.backend_start,
        coalesce(a.state, ''), a.pid IS NOT NULL,
-       coalesce(CASE WHEN NOT l.granted THEN substring(a.query from '^/\*advlock ([^*]*)\*/') END, '')
+       coalesce(CASE WHEN NOT l.granted THEN substring(a.query from '^/\*advlock ([^*]*)\*/') END, ''),
+       CASE WHEN NOT l.granted THEN a.query_start END
 FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid`
 
@@ -196,9 +203,18 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		var start *time.Time
 		var live bool
 		var comment string
+		var queryStart *time.Time
 		if err := r.Scan(&cls, &obj, &sub, &li.Shared, &li.Granted, &li.WaitStart, &li.BlockedBy, &li.PID,
-			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment); err != nil {
+			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment, &queryStart); err != nil {
 			return li, err
+		}
+		// A wait of advlock is sent again every slice (pg_locks.waitstart is the current slice's start); each of
+		// its statements says how long the wait has waited, so it began that long before the statement started
+		// (on the server's clock).
+		if waited, ok := commentWaited(comment); ok && queryStart != nil && li.WaitStart != nil {
+			if began := queryStart.Add(-waited); began.Before(*li.WaitStart) {
+				li.WaitStart = &began
+			}
 		}
 		if wait, held, ok := parseComment(comment); ok && wait.ID == session.LockID(sub == 2, uint32(cls), uint32(obj)) &&
 			wait.Shared == li.Shared {
@@ -216,9 +232,61 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		li.Key = k
 		return li, err
 	})
+	if err == nil {
+		out = foldIntents(out)
+	}
 	markCycles(out)
 	countClients(out)
 	return out, consistent, err
+}
+
+// foldIntents drops the intents of writers from out (a writer that waits behind readers holds its key's intent,
+// see docs/locks.md, "Writers and readers") and marks the rows of their keys instead: an intent is the exclusive
+// int8 lock, held by the session that also waits for or holds a key, that is that key's intent.
+func foldIntents(out []LockInfo) []LockInfo {
+	type lock struct {
+		pid int32
+		id  session.ID
+	}
+	intents := map[lock]bool{}
+	for _, li := range out {
+		if !li.Shared {
+			intents[lock{li.PID, li.Key.id.Intent()}] = true
+		}
+	}
+	if len(intents) == 0 {
+		return out
+	}
+	isIntent := func(li LockInfo) bool {
+		return li.Granted && !li.Shared && !li.Key.id.Pair && intents[lock{li.PID, li.Key.id}]
+	}
+	held := map[lock]bool{}
+	kept := out[:0]
+	for _, li := range out {
+		if isIntent(li) {
+			held[lock{li.PID, li.Key.id}] = true
+			continue
+		}
+		kept = append(kept, li)
+	}
+	writers := map[session.ID][]int32{} // key -> pids of the writers that hold its intent
+	for i, li := range kept {
+		if !li.Shared && held[lock{li.PID, li.Key.id.Intent()}] {
+			kept[i].Intent = true
+			writers[li.Key.id] = append(writers[li.Key.id], li.PID)
+		}
+	}
+	for i, li := range kept { // a reader waiting behind a writer's intent waits for that writer
+		if li.Shared && !li.Granted {
+			for _, pid := range writers[li.Key.id] {
+				if !slices.Contains(li.BlockedBy, pid) {
+					kept[i].BlockedBy = append(kept[i].BlockedBy, pid)
+				}
+			}
+			slices.Sort(kept[i].BlockedBy)
+		}
+	}
+	return kept
 }
 
 // countClients sets ClientSessions on every row of out: the distinct pids of rows with its client address and
@@ -320,9 +388,10 @@ func (li LockInfo) MarshalJSON() ([]byte, error) {
 		State           string     `json:"state"`
 		CallerHolds     []heldJSON `json:"caller_holds,omitempty"`
 		InCycle         bool       `json:"in_cycle,omitempty"`
+		Intent          bool       `json:"intent,omitempty"`
 		ClientSessions  int        `json:"client_sessions"`
 	}{li.Key.String(), li.Mode(), li.Granted, li.WaitStart, blocked, li.PID, li.ApplicationName, li.ClientAddr,
-		start, li.State, holds, li.InCycle, li.ClientSessions})
+		start, li.State, holds, li.InCycle, li.Intent, li.ClientSessions})
 }
 
 // LockTableUse is how full the server's shared lock table is. Every advisory lock takes an entry, in a table that

@@ -50,6 +50,7 @@ type Locker struct {
 	slots       *ownSlots    // sessions of their own, when the pool is the Locker's own (budget.go); nil: no limit
 	contended   contention   // keys whose waits found them held a moment ago
 	waitingSlot atomic.Int64 // waits queued for a slot
+	yields      atomic.Int64 // waits that gave their session up to a wait queued for one
 	connsNow    atomic.Int64 // connections taken from the pool now (countingPool)
 	connsPeak   atomic.Int64 // the most at once
 
@@ -214,6 +215,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 		}
 	}
 	t := session.Target{ID: key.id, Shared: shared}
+	start := time.Now()
 	var w *waiter
 	if wait && ctx.Value(noDetectKey{}) == nil {
 		if held := heldRefs(ctx); len(held) > 0 {
@@ -228,25 +230,31 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 			}()
 		}
 	}
-	passed, err := l.enter(ctx, t, wait, w)
+	// A wait for any of several keys (a semaphore's slots) passes too: the slot it waits for may be held in this
+	// process for long while another frees, which only its wait in the server would see.
+	_, anyOf := ctx.Value(alternativesKey{}).([]Key)
+	passed, err := l.enter(ctx, t, wait, w != nil || anyOf && !shared)
 	if err != nil {
 		return nil, err
 	}
 	// nlk, not the result lk: the handle's end may run on another goroutine at any moment (the session dies),
 	// while a return below writes lk.
 	nlk := &Lock{l: l, key: key, shared: shared}
-	// The in-process slot is given back when the lock ends, however it ends: a lost lock's session is gone, so
-	// nothing can be shared, and a holder that re-acquires without calling Unlock on the lost handle must not wait
-	// on itself.
-	h, err := l.take(ctx, t, wait, passed, w, func() { l.lockEnded(nlk); l.forget(nlk) })
+	// The in-process slot is given back when the lock ends, however it ends, before Done closes: a lost lock's
+	// session is gone, so nothing can be shared, and a holder that re-acquires as soon as it is told of the loss,
+	// without calling Unlock on the lost handle, must find the key free in this Locker.
+	h, err := l.take(ctx, t, wait, passed, w, start, func(err error) { l.forget(nlk, err); l.lockEnded(nlk, err) })
 	if err != nil {
 		// forget, not leave: a handle that existed for a moment (granted, then handed back because ctx ended)
 		// may have ended already and freed the slot; freeing it twice would free another holder's. Errors from a
 		// Close that aborted this call match ErrClosed (session.Waits).
-		l.forget(nlk)
+		l.forget(nlk, nil)
 		return nil, err
 	}
 	nlk.h = h
+	if s, ok := h.(*session.Session); ok && s.Target().ID != t.ID {
+		l.granted1(ctx, nlk, t, s.Target().ID)
+	}
 	l.mu.Lock()
 	if l.closed {
 		l.mu.Unlock()
@@ -261,6 +269,30 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 	l.mu.Unlock()
 	l.granted(nlk)
 	return nlk, nil
+}
+
+// granted1 moves lk, granted one of its call's alternatives (id) instead of its key, to that key: its in-process
+// slot moves from t's gate to id's (taken whatever that gate says: the server granted the key, so no holder of
+// this Locker holds it), unless the lock has ended already (its end gave t's slot back).
+func (l *Locker) granted1(ctx context.Context, lk *Lock, t session.Target, id session.ID) {
+	alts, _ := ctx.Value(alternativesKey{}).([]Key)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if lk.forgotten {
+		return
+	}
+	for _, k := range alts {
+		if k.id == id {
+			lk.key = k
+		}
+	}
+	l.leaveLocked(t)
+	g := l.gates[id]
+	if g == nil {
+		g = &gate{}
+		l.gates[id] = g
+	}
+	g.take(false)
 }
 
 // ensureFence checks (once per Locker, until it succeeds) that the fencing sequence exists and may be used. One
@@ -297,7 +329,7 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 // waits in the server. A caller that passed by its gate (another caller of this Locker holds the key, maybe on a
 // shared session) takes a session of its own at once, and never tries on a shared session. w is the wait's
 // deadlock watch, if any.
-func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, w *waiter, onEnd func()) (handle, error) {
+func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, w *waiter, start time.Time, onEnd func(error)) (handle, error) {
 	if l.shared != nil && !passed && !(wait && l.contended.recent(t.ID)) {
 		for attempt := 0; ; attempt++ {
 			m, err := l.shared.Get(ctx, wait)
@@ -339,25 +371,45 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 		w.ownPath = true
 		l.mu.Unlock()
 	}
-	h, give, err := l.ownSession(ctx, t, wait, passed, onEnd)
-	if h != nil || err != nil {
-		return h, err
+	if wait {
+		ctx = session.WithWaitStart(ctx, start) // what the wait publishes: when the call began
+		if alts, _ := ctx.Value(alternativesKey{}).([]Key); len(alts) > 0 && !t.Shared {
+			ids := make([]session.ID, len(alts))
+			for i, k := range alts {
+				ids[i] = k.id
+			}
+			ctx = session.WithAlternatives(ctx, ids)
+		}
+		if l.slots != nil {
+			// Sessions of their own are shared out among the waits, one slice at a time, when some queue for one.
+			ctx = session.WithYield(ctx, l.slots.queued)
+		}
 	}
-	if give != nil {
+	for {
+		h, give, err := l.ownSession(ctx, t, wait, passed, onEnd)
+		if h != nil || err != nil {
+			return h, err
+		}
 		end := onEnd
-		onEnd = func() {
-			end()
-			give() // after the session went back to the pool or was destroyed
-		}
-	}
-	s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, onEnd)
-	if err != nil {
 		if give != nil {
-			give()
+			end = func(err error) {
+				onEnd(err)
+				give() // after the session went back to the pool or was destroyed
+			}
 		}
-		return nil, err
+		s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, end)
+		if err != nil && give != nil {
+			give() // to the first wait queued for a session, if any
+		}
+		if errors.Is(err, session.ErrYielded) {
+			l.yields.Add(1)
+			continue // its session went to another wait: queue for one again, at the back
+		}
+		if err != nil {
+			return nil, err
+		}
+		return s, nil
 	}
-	return s, nil
 }
 
 // begin registers an operation that Close must wait for. For an operation that may wait, it returns a context
@@ -393,14 +445,15 @@ func (l *Locker) releaseCtx(ctx context.Context, lk *Lock, after error) error {
 	return lk.h.Release(ctx, after) // the handle's end frees the slot (forget)
 }
 
-// forget drops lk from the Locker and gives its in-process slot back, once.
-func (l *Locker) forget(lk *Lock) {
+// forget drops lk from the Locker and gives its in-process slot back, once; err is why it ended (nil: it was never
+// handed out).
+func (l *Locker) forget(lk *Lock, err error) {
 	l.mu.Lock()
 	if lk.forgotten {
 		l.mu.Unlock()
 		return
 	}
-	lk.forgotten = true
+	lk.forgotten, lk.endErr = true, err
 	_, wasHeld := l.held[lk]
 	delete(l.held, lk)
 	l.leaveLocked(session.Target{ID: lk.key.id, Shared: lk.shared})
@@ -445,6 +498,9 @@ func (l *Locker) Close() {
 	}
 	wg.Wait()
 	l.heldWG.Wait() // also those a concurrent Unlock is releasing
+	for _, lk := range held {
+		<-lk.Done() // a lock frees its slot (forget) a moment before its Done closes
+	}
 	l.inflight.Wait()
 	l.detectWG.Wait()
 	if l.shared != nil {
@@ -571,7 +627,11 @@ type Stats struct {
 	// queue instead.
 	MaxOwnSessions    int
 	WaitingForSession int
-	Pool              PoolStats
+	// WaitYields counts, since Open, the waits in the server that gave their session of their own to a wait
+	// queued for one (each after a whole slice without a grant), then queued again: with more waits than
+	// MaxOwnSessions, each gets its turn in the server, one slice at a time. 0 with New.
+	WaitYields int64
+	Pool       PoolStats
 }
 
 // PoolStats are the figures of the pool a Locker takes sessions from (pgxpool, or database/sql's pool).
@@ -607,6 +667,7 @@ func (l *Locker) Stats() Stats {
 	if l.slots != nil {
 		st.MaxOwnSessions = l.slots.max
 		st.WaitingForSession = int(l.waitingSlot.Load())
+		st.WaitYields = l.yields.Load()
 	}
 	st.Pool = l.pool.Stats()
 	return st

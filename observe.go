@@ -253,20 +253,21 @@ func (l *Locker) granted(lk *Lock) {
 	}
 	lk.grantedAt = time.Now()
 	lk.observed.Store(true)
-	select {
-	case <-lk.h.Done(): // it ended before we started watching: the end hook may have missed it
-		l.lockEnded(lk)
-	default:
+	l.mu.Lock()
+	ended, err := lk.forgotten, lk.endErr
+	l.mu.Unlock()
+	if ended { // it ended before we started watching: the end hook may have missed it
+		l.lockEnded(lk, err)
 	}
 }
 
 // lockEnded reports lk's end to the observers, once, if its grant was reported.
-func (l *Locker) lockEnded(lk *Lock) {
+func (l *Locker) lockEnded(lk *Lock, err error) {
 	if !lk.observed.CompareAndSwap(true, false) {
 		return
 	}
 	e := LockEnd{Key: lk.key, Shared: lk.shared, Session: "dedicated", PID: lk.h.PID(), Token: lk.Token(),
-		Held: time.Since(lk.grantedAt), Err: lk.h.Err()}
+		Held: time.Since(lk.grantedAt), Err: err}
 	if _, ok := lk.h.(*session.Held); ok {
 		e.Session = "shared"
 	}

@@ -5,7 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"time"
+	"sync/atomic"
 
 	"github.com/advlock/advlock/internal/mutant"
 )
@@ -16,13 +16,27 @@ import (
 // its process dying) and no slot is ever lost. Do not use names with that prefix for other locks. advlock ls shows
 // the slots as the int:N keys of those names; `advlock ls advlock.semaphore/NAME/0` finds slot 0.
 type Semaphore struct {
-	l    *Locker
-	name string
-	keys []Key
+	l       *Locker
+	name    string
+	keys    []Key
+	waiting []atomic.Int32 // Acquire calls of this handle waiting for each slot
 }
 
-// semaphorePoll is how often a waiting Acquire, which waits in the server on one slot, also tries the others once.
-const semaphorePoll = 200 * time.Millisecond
+// spread picks the slot a waiting Acquire waits for: one that the fewest of this handle's waits wait for, at random
+// among those (so that the waits of one process cover different slots, and those of many processes spread), and
+// counts the wait on it.
+func (s *Semaphore) spread() int {
+	start := rand.IntN(len(s.keys))
+	best := start
+	for i := range s.keys {
+		j := (start + i) % len(s.keys)
+		if s.waiting[j].Load() < s.waiting[best].Load() {
+			best = j
+		}
+	}
+	s.waiting[best].Add(1)
+	return best
+}
 
 // Semaphore returns the semaphore name of n slots (n >= 1; calls on one with n < 1 fail with ErrInvalidKey).
 // Every process must use the same n for a name.
@@ -34,6 +48,7 @@ func (l *Locker) Semaphore(name string, n int) *Semaphore {
 	for i := range max(n, 0) {
 		s.keys = append(s.keys, NameKey(fmt.Sprintf("advlock.semaphore/%s/%d", name, i)))
 	}
+	s.waiting = make([]atomic.Int32, len(s.keys))
 	return s
 }
 
@@ -63,43 +78,45 @@ func (s *Semaphore) TryAcquire(ctx context.Context) (*Lock, error) {
 	return nil, &notAcquiredError{why: fmt.Sprintf("all %d slots of semaphore %q are taken", len(s.keys), s.name)}
 }
 
-// Acquire takes a slot, waiting until one is free or ctx ends (or [Wait]'s bound elapses: ErrNotAcquired). The
-// wait is in the server, on one slot at a time: the release of that slot, or its holder's death, wakes the waiter
-// at once; every 200 ms the waiter also tries every slot once, then waits on the next one, so a slot freed
-// elsewhere is found within that bound. It waits for a connection too: a try of the slots that finds the pool with
-// no connection free (ErrPoolExhausted, which TryAcquire returns), or none to prove a new one with (ErrUnverified),
-// counts as "no slot yet", and the wait on a slot waits for a connection as Lock does.
+// Acquire takes a slot, waiting until one is free or ctx ends (or [Wait]'s bound elapses: ErrNotAcquired). It tries
+// every slot once (TryAcquire), then waits in the server for one slot, and each statement of that wait (one a wait
+// slice, 0.9 s) first tries every other slot in the same round trip: the release of the slot waited for, or its
+// holder's death, grants the wait at once; a slot freed elsewhere is taken within a slice. A waiting Acquire costs
+// the server about what a waiting Lock does. It waits for a connection as Lock does: a try of the slots that finds
+// the pool with no connection free (ErrPoolExhausted, which TryAcquire returns), or none to prove a new one with
+// (ErrUnverified), counts as "no slot yet".
 //
-// Acquire never ends with ErrDeadlock: its wait moves from slot to slot, and any slot that frees ends it, so it is
+// Acquire never ends with ErrDeadlock: its wait is for any of n slots, and any slot that frees ends it, so it is
 // not a wait for one holder. A cycle through a semaphore (its caller holds a lock that every slot's holder waits
 // for) lasts until ctx or [Wait]'s bound ends; bound the wait when the caller holds locks. A slot held and passed
 // to [Holding] counts like any held lock for the waits of its holder.
 func (s *Semaphore) Acquire(ctx context.Context, opts ...CallOption) (*Lock, error) {
 	co := callOptions(opts)
-	var deadline time.Time
+	lk, err := s.TryAcquire(ctx)
+	if err == nil || !errors.Is(err, ErrNotAcquired) && !errors.Is(err, ErrPoolExhausted) && !errors.Is(err, ErrUnverified) {
+		return lk, err
+	}
+	// A wait for one of n slots is not part of deadlock detection: any other slot may free while this one stays
+	// held. It waits on a slot drawn at random (so that waiters spread over the slots), the others its
+	// alternatives.
+	slot := s.spread()
+	var alts []Key
+	for i := 1; i < len(s.keys); i++ {
+		alts = append(alts, s.keys[(slot+i)%len(s.keys)])
+	}
+	wctx := context.WithValue(context.WithValue(ctx, noDetectKey{}, true), alternativesKey{}, alts)
+	var wopts []CallOption
 	if co.waitSet {
-		deadline = time.Now().Add(co.wait)
+		wopts = append(wopts, Wait(co.wait))
 	}
-	slot := rand.IntN(max(len(s.keys), 1))
-	for {
-		lk, err := s.TryAcquire(ctx)
-		if err == nil || !errors.Is(err, ErrNotAcquired) && !errors.Is(err, ErrPoolExhausted) && !errors.Is(err, ErrUnverified) {
-			return lk, err
-		}
-		wait := semaphorePoll
-		if co.waitSet {
-			left := time.Until(deadline)
-			if left <= 0 {
-				return nil, &notAcquiredError{why: fmt.Sprintf("no slot of semaphore %q free within %v", s.name, co.wait)}
-			}
-			wait = min(wait, left)
-		}
-		slot = (slot + 1) % len(s.keys)
-		// A wait on one of n slots is not part of deadlock detection: the slot waited on changes every
-		// semaphorePoll, and another slot may free while this one stays held.
-		lk, err = s.l.Lock(context.WithValue(ctx, noDetectKey{}, true), s.keys[slot], Wait(wait))
-		if err == nil || !errors.Is(err, ErrNotAcquired) {
-			return lk, err
-		}
+	lk, err = s.l.Lock(wctx, s.keys[slot], wopts...)
+	s.waiting[slot].Add(-1)
+	if errors.Is(err, ErrNotAcquired) && co.waitSet {
+		return nil, &notAcquiredError{why: fmt.Sprintf("no slot of semaphore %q free within %v", s.name, co.wait)}
 	}
+	return lk, err
 }
+
+// alternativesKey carries, in a Lock's context, keys any of which will do instead of the one asked for (a
+// semaphore's other slots): its wait in the server tries them in each statement (session.WithAlternatives).
+type alternativesKey struct{}

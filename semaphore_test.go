@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -282,4 +283,69 @@ func TestSemaphoreTerminatedUnderLoad(t *testing.T) {
 		}
 	}
 	t.Logf("%d terminations; most inside at once (a terminated holder counts until it notices): %d", kills, worst.Load())
+}
+
+// statements is how many statements the server ran (pg_stat_statements, every statement of every client) since
+// the last call, not counting its own.
+func statements(t *testing.T, obs *pgx.Conn) int64 {
+	t.Helper()
+	var n int64
+	if err := obs.QueryRow(context.Background(), `SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements
+		WHERE query NOT LIKE '%pg_stat_statements%'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := obs.Exec(context.Background(), `SELECT pg_stat_statements_reset()`); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// A waiting Semaphore.Acquire costs the server about what a waiting Lock does: with every slot of a semaphore of 10
+// held, an Acquire that waits 3 s runs about as many statements as a Lock that waits 3 s for a held key (counted by
+// the server, pg_stat_statements on a private cluster), not one for every slot every 200 ms (190 for 3 s before).
+func TestSemaphoreWaitCost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private PostgreSQL cluster")
+	}
+	c := pgtest.StartCluster(t, "shared_preload_libraries = 'pg_stat_statements'", "pg_stat_statements.track = all")
+	obs := pgtest.Conn(t, c.URL)
+	if _, err := obs.Exec(context.Background(), "CREATE EXTENSION pg_stat_statements"); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxT(t, 30*time.Second)
+	holder := New(pgtest.Pool(t, c.URL, nil))
+	defer holder.Close()
+	sem := holder.Semaphore("cost", 10)
+	for range 10 {
+		if _, err := sem.TryAcquire(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	k := key(t)
+	if _, err := holder.TryLock(ctx, k); err != nil {
+		t.Fatal(err)
+	}
+	cost := func(wait func(l *Locker) error) int64 {
+		l := New(pgtest.Pool(t, c.URL, nil))
+		defer l.Close()
+		if lk, err := l.TryLock(ctx, key(t)); err != nil { // its shared session open and proved
+			t.Fatal(err)
+		} else {
+			_ = lk.Unlock(ctx)
+		}
+		if _, err := l.Lock(ctx, k, Wait(50*time.Millisecond)); !errors.Is(err, ErrNotAcquired) { // a session of its own too
+			t.Fatal(err)
+		}
+		statements(t, obs)
+		if err := wait(l); !errors.Is(err, ErrNotAcquired) {
+			t.Fatalf("a wait for what is held: %v", err)
+		}
+		return statements(t, obs)
+	}
+	lock := cost(func(l *Locker) error { _, err := l.Lock(ctx, k, Wait(3*time.Second)); return err })
+	acquire := cost(func(l *Locker) error { _, err := l.Semaphore("cost", 10).Acquire(ctx, Wait(3*time.Second)); return err })
+	t.Logf("statements for a 3 s wait: Lock %d, Semaphore(10).Acquire %d", lock, acquire)
+	if acquire > 2*lock+10 { // the slots tried once first: 10 tries
+		t.Errorf("a waiting Acquire cost %d statements, a waiting Lock %d", acquire, lock)
+	}
 }

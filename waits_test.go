@@ -4,12 +4,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	mrand "math/rand/v2"
+	"os"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // A wait in the server never holds a snapshot for long: the holder's own CREATE INDEX CONCURRENTLY and REINDEX
@@ -21,7 +28,7 @@ func TestWaitsHoldNoSnapshot(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a private PostgreSQL cluster")
 	}
-	c := pgtest.StartCluster(t)
+	c := pgtest.StartCluster(t, "log_lock_waits = on")
 	app := pgtest.Conn(t, c.URL) // the holder's application connection
 	ctx := ctxT(t, 3*time.Minute)
 	if _, err := app.Exec(ctx, `CREATE TABLE w (id int PRIMARY KEY, v int);
@@ -49,7 +56,9 @@ func TestWaitsHoldNoSnapshot(t *testing.T) {
 	wctx, stopWaiting := context.WithCancel(ctx)
 	got := make(chan string, 8)
 	for i, opts := range [][]Option{nil, {WithSharedSessions(2)}} {
-		l := New(pgtest.Pool(t, c.URL, nil), opts...)
+		// Enough connections for its shared sessions (2 may open on a busy machine) and its three waits, each on a
+		// session of its own: pgxpool's default of 4 on a small machine left one wait queued for a connection.
+		l := New(pgtest.Pool(t, c.URL, func(c *pgxpool.Config) { c.MaxConns = 8 }), opts...)
 		defer l.Close()
 		bg.Add(3)
 		go func() {
@@ -83,7 +92,7 @@ func TestWaitsHoldNoSnapshot(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Every waiter queued in the server: seen waiting within the last second (a wait leaves the queue for a moment
-	// at each slice, and the semaphore's every 200 ms, so on a busy machine all five may never show at once).
+	// at each slice, so on a busy machine all five may never show at once).
 	queued := map[uint32]time.Time{}
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		rows, err := pgtest.Locks(ctx, app)
@@ -138,6 +147,17 @@ func TestWaitsHoldNoSnapshot(t *testing.T) {
 		}
 		if pages != 0 {
 			t.Errorf("VACUUM left %d pages of 5,000 rows deleted 2.5 s before (dead rows it could not remove)", pages)
+		}
+	})
+	t.Run("no deadlock checks", func(t *testing.T) {
+		// The waiters have waited for seconds by now; each slice ends before deadlock_timeout (1 s), so the server
+		// never checked them for deadlocks, which with log_lock_waits logs "still waiting" each time.
+		log, err := os.ReadFile(c.LogFile())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := strings.Count(string(log), "still waiting for"); n > 0 {
+			t.Errorf("the server logged %d lock waits past deadlock_timeout (log_lock_waits): a slice outlasted it", n)
 		}
 	})
 	t.Run("no old transaction", func(t *testing.T) {
@@ -225,7 +245,7 @@ func TestWaitRequeueTakesARacedGrant(t *testing.T) {
 				if _, err := conn.Exec(ctx, "SELECT "+tc.lock, args...); err != nil {
 					t.Fatal(err)
 				}
-				res, err := conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true)).ReadAll()
+				res, err := conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true, false)).ReadAll()
 				if err != nil {
 					t.Fatalf("the requeued wait on a session that holds the key: %v", err)
 				}
@@ -241,7 +261,7 @@ func TestWaitRequeueTakesARacedGrant(t *testing.T) {
 					t.Fatalf("second unlock: %v %v: the requeued wait took the key a second time", ok, err)
 				}
 				// And without the lock, it waits (the key is free: granted at once) and takes it once.
-				res, err = conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true)).ReadAll()
+				res, err = conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true, false)).ReadAll()
 				if err != nil || string(res[len(res)-1].Rows[0][0]) == "0" {
 					t.Fatalf("the requeued wait on a free key: %v %v", res, err)
 				}
@@ -250,5 +270,316 @@ func TestWaitRequeueTakesARacedGrant(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// slowEnd is an Observer whose LockEnd takes a while: what runs with it must not keep the key's slot from the
+// holder that was told of the loss.
+type slowEnd struct{}
+
+func (slowEnd) LockStart(ctx context.Context, _ LockCall) (context.Context, func(LockOutcome)) {
+	return ctx, func(LockOutcome) {}
+}
+func (slowEnd) LockEnd(LockEnd)      { time.Sleep(100 * time.Millisecond) }
+func (slowEnd) Session(SessionEvent) {}
+
+// When Done closes for a loss, the key is already free to the same Locker: a holder that takes the key again as
+// soon as it is told (without Unlock) is not refused as "held by another holder in this process", whatever runs
+// as the lock ends (an observer told of its end takes 100 ms here). Both session kinds.
+func TestLossFreesKeyBeforeDone(t *testing.T) {
+	b := setup(t)
+	for _, shared := range []bool{true, false} {
+		t.Run(fmt.Sprintf("shared=%v", shared), func(t *testing.T) {
+			opts := []Option{WithObserver(slowEnd{})}
+			if !shared {
+				opts = append(opts, WithSharedSessions(0))
+			}
+			l := New(b.pool, opts...)
+			defer l.Close()
+			ctx := ctxT(t, 20*time.Second)
+			k := key(t)
+			lk, err := l.TryLock(ctx, k)
+			if err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(10 * time.Millisecond) // watched
+			pgtest.Terminate(t, b.obs, lk.PID())
+			<-lk.Done()
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+				again, err := l.TryLock(ctx, k)
+				if err == nil {
+					_ = again.Unlock(ctx)
+					break
+				}
+				if errors.Is(err, errHeldInProcess) {
+					t.Fatalf("right after Done closed for the loss: %v", err)
+				}
+				if !errors.Is(err, ErrNotAcquired) || time.Now().After(deadline) {
+					t.Fatal(err) // the terminated backend drops its locks as it exits, a moment after its FATAL
+				}
+			}
+		})
+	}
+}
+
+// WaitStart is when the wait began, not the current slice's start: a wait sent again every 100 ms that has waited
+// 800 ms shows a start at least 600 ms ago in Inspect (pg_locks.waitstart says at most 100 ms), on the server's
+// clock, for a plain wait and for a watched one (its caller holds a lock).
+func TestInspectWaitStartAcrossSlices(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	for _, watched := range []bool{false, true} {
+		t.Run(fmt.Sprintf("watched=%v", watched), func(t *testing.T) {
+			holder := New(b.pool)
+			defer holder.Close()
+			l := New(b.pool, withSlice(100*time.Millisecond))
+			defer l.Close()
+			k := key(t)
+			hl, err := holder.TryLock(ctx, k)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = hl.Unlock(ctx) }()
+			wctx := ctx
+			if watched {
+				mine, err := l.TryLock(ctx, key(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer func() { _ = mine.Unlock(ctx) }()
+				wctx = Holding(ctx, mine)
+			}
+			wctx, cancel := context.WithCancel(wctx)
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				_, _ = l.Lock(wctx, k)
+			}()
+			defer func() { cancel(); <-done }()
+			time.Sleep(800 * time.Millisecond)
+			rows, err := Inspect(ctx, b.obs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var now time.Time
+			if err := b.obs.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&now); err != nil {
+				t.Fatal(err)
+			}
+			found := false
+			for _, r := range rows {
+				if r.Key.Equal(k) && !r.Granted {
+					found = true
+					if r.WaitStart == nil || now.Sub(*r.WaitStart) < 600*time.Millisecond {
+						t.Errorf("after 800 ms of waiting WaitStart is %v, %v before now", r.WaitStart, now.Sub(*r.WaitStart))
+					}
+					if watched != (len(r.CallerHolds) == 1) {
+						t.Errorf("CallerHolds = %v", r.CallerHolds)
+					}
+				}
+			}
+			if !found {
+				t.Fatal("the wait is not listed")
+			}
+		})
+	}
+}
+
+// withSlice shortens how long each statement of a wait in the server runs (1 s by default).
+func withSlice(d time.Duration) Option { return func(o *config.Options) { o.WaitSlice = d } }
+
+// intentRows returns the pids that pg_locks shows holding k's intent.
+func intentRows(t *testing.T, obs *pgx.Conn, k Key) []uint32 {
+	t.Helper()
+	pids, err := pgtest.Holders(context.Background(), obs, k.id.Intent().V)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pids
+}
+
+// A writer that waits for a key that readers hold takes the key's intent, and readers respect it: a shared try
+// fails (on a shared session that holds the key shared too, which PostgreSQL would grant again past any waiter),
+// a reader that waits waits behind the writer; the writer holds the intent with the key and gives both back with
+// one unlock. A writer that gives up (its Wait bound, its ctx) leaves no intent behind: a timed-out one's session
+// goes back to the pool holding nothing, a cancelled one's is closed. Inspect shows the writer's rows marked, not
+// the intent's own row. Server truth from pg_locks throughout.
+func TestWriterIntent(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	reader, other := New(b.pool), New(b.pool)
+	defer reader.Close()
+	defer other.Close()
+	wpool := pgtest.Pool(t, b.url, nil)
+	writer := New(wpool)
+	defer writer.Close()
+	k := key(t)
+	rl, err := reader.RLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type res struct {
+		lk  *Lock
+		err error
+	}
+	wgot := make(chan res, 1)
+	go func() {
+		lk, err := writer.Lock(ctx, k)
+		wgot <- res{lk, err}
+	}()
+	for deadline := time.Now().Add(10 * time.Second); len(intentRows(t, b.obs, k)) == 0; time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the writer took no intent")
+		}
+	}
+	wpid := intentRows(t, b.obs, k)[0]
+	for _, tc := range []struct {
+		name string
+		l    *Locker
+	}{{"the Locker whose shared session holds it shared", reader}, {"another Locker", other}} {
+		if lk, err := tc.l.TryRLock(ctx, k); !errors.Is(err, ErrNotAcquired) {
+			_ = lk.Unlock(ctx)
+			t.Fatalf("TryRLock on %s while a writer waits: %v, want ErrNotAcquired", tc.name, err)
+		}
+	}
+	rgot := make(chan res, 1)
+	go func() {
+		lk, err := other.RLock(ctx, k)
+		rgot <- res{lk, err}
+	}()
+	waitRows := func(want int) []LockInfo {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+			rows, err := Inspect(ctx, b.obs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var mine []LockInfo
+			for _, r := range rows {
+				if r.Key.Equal(k) {
+					mine = append(mine, r)
+				}
+				if r.Key.Equal(Int64Key(k.id.Intent().V)) {
+					t.Fatalf("Inspect lists the intent: %+v", r)
+				}
+			}
+			if len(mine) == want || time.Now().After(deadline) {
+				return mine
+			}
+		}
+	}
+	rows := waitRows(3) // the reader holding, the writer waiting, the reader waiting behind it
+	for _, r := range rows {
+		switch {
+		case r.Granted:
+		case !r.Shared && (!r.Intent || uint32(r.PID) != wpid):
+			t.Errorf("the writer's row: %+v", r)
+		case r.Shared && (r.Intent || !slices.Contains(r.BlockedBy, int32(wpid))):
+			t.Errorf("the waiting reader's row (it waits for the writer, pid %d): %+v", wpid, r)
+		}
+	}
+	if err := rl.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	w := <-wgot
+	if w.err != nil {
+		t.Fatal(w.err)
+	}
+	if got := intentRows(t, b.obs, k); len(got) != 1 || got[0] != w.lk.PID() {
+		t.Fatalf("the writer holds the key; the intent is held by %v, want its session %d", got, w.lk.PID())
+	}
+	select {
+	case r := <-rgot:
+		t.Fatalf("a reader was granted while the writer holds the key: %v", r.err)
+	default:
+	}
+	if err := w.lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r := <-rgot
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if got := intentRows(t, b.obs, k); len(got) != 0 {
+		t.Fatalf("after the writer's unlock, %v hold the intent", got)
+	}
+	pgtest.NoIdleLocks(t, wpool, b.obs)
+
+	// Writers that give up behind the reader: a Wait bound, then a cancelled ctx.
+	if _, err := writer.Lock(ctx, k, Wait(300*time.Millisecond)); !errors.Is(err, ErrNotAcquired) {
+		t.Fatalf("a timed writer behind a reader: %v", err)
+	}
+	if got := intentRows(t, b.obs, k); len(got) != 0 {
+		t.Fatalf("after a timed writer gave up, %v hold the intent", got)
+	}
+	pgtest.NoIdleLocks(t, wpool, b.obs)
+	cctx, cancel := context.WithCancel(ctx)
+	go func() {
+		for len(intentRows(t, b.obs, k)) == 0 && cctx.Err() == nil {
+			time.Sleep(2 * time.Millisecond)
+		}
+		cancel()
+	}()
+	if _, err := writer.Lock(cctx, k); !errors.Is(err, context.Canceled) {
+		t.Fatalf("a cancelled writer behind a reader: %v", err)
+	}
+	if got := intentRows(t, b.obs, k); len(got) != 0 {
+		t.Fatalf("after a cancelled writer gave up, %v hold the intent", got)
+	}
+	_ = r.lk.Unlock(ctx)
+	pgtest.NoIdleLocks(t, wpool, b.obs)
+}
+
+// A timed wait that the server ends (lock_timeout at its Wait bound) as the holder lets go may have been granted
+// in the same instant: the lock then survives the error. The wait's session is settled before it goes back to the
+// pool: 300 waits whose bound ends within a millisecond of the holder's unlock, each either granted (and unlocked)
+// or not acquired, and after each no pooled connection of the waiter holds anything (pg_locks) and the key is free.
+func TestTimedWaitRaceSettles(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 2*time.Minute)
+	for _, shared := range []bool{true, false} {
+		t.Run(fmt.Sprintf("shared=%v", shared), func(t *testing.T) {
+			var opts []Option
+			if !shared {
+				opts = append(opts, WithSharedSessions(0))
+			}
+			pool := pgtest.Pool(t, b.url, nil)
+			waiter := New(pool, opts...)
+			defer waiter.Close()
+			k := key(t)
+			granted, notAcquired := 0, 0
+			for i := range 300 {
+				hl, err := b.l.TryLock(ctx, k)
+				if err != nil {
+					t.Fatal(err)
+				}
+				bound := 20 * time.Millisecond
+				release := time.AfterFunc(bound+time.Duration(mrand.IntN(2000)-1200)*time.Microsecond, func() { _ = hl.Unlock(ctx) })
+				lk, err := waiter.Lock(ctx, k, Wait(bound))
+				switch {
+				case err == nil:
+					granted++
+					if err := lk.Unlock(ctx); err != nil {
+						t.Fatalf("iteration %d: %v", i, err)
+					}
+				case errors.Is(err, ErrNotAcquired):
+					notAcquired++
+				default:
+					t.Fatalf("iteration %d: %v", i, err)
+				}
+				for !release.Stop() && hl.Err() == nil {
+					time.Sleep(100 * time.Microsecond) // the unlock is on its way
+				}
+				_ = hl.Unlock(ctx)
+				pgtest.NoIdleLocks(t, pool, b.obs)
+				if t.Failed() {
+					t.Fatalf("iteration %d: a pooled connection holds a lock after a timed wait", i)
+				}
+			}
+			pgtest.WaitFree(t, b.obs, k.id.V, 5*time.Second)
+			t.Logf("%d granted, %d not acquired", granted, notAcquired)
+			if granted == 0 || notAcquired == 0 {
+				t.Errorf("the bound and the unlock never raced: %d granted, %d not acquired", granted, notAcquired)
+			}
+		})
 	}
 }

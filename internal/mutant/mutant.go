@@ -36,12 +36,15 @@ const (
 	// TokenNoTimeline: a fencing token is the sequence's value alone, without the server's timeline above it, so a
 	// promoted standby whose sequence lagged hands out tokens lower than the lost primary's.
 	TokenNoTimeline = "token_no_timeline"
+	// IntentIgnored: readers ignore the intent of a writer waiting for their key (a shared try passes, a shared
+	// wait granted between two of the writer's slices keeps the key), so readers that come and go starve it.
+	IntentIgnored = "intent_ignored"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
-	TokenNoTimeline}
+	TokenNoTimeline, IntentIgnored}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

@@ -271,7 +271,9 @@ func TestMuxUndoSameKey(t *testing.T) {
 		holds int     // how often the session holds A afterwards
 	}{
 		{"unlock A, try A, try B", true, []int16{opUnlockShared, opTryShared}, 1, 1},
-		{"try A, try A, try B", false, []int16{opTryShared, opTryShared}, 2, 2},
+		// Exclusive tries: a shared try tests the key's intent first, which takes a lock table entry for a moment
+		// even when the session holds the key already.
+		{"try A, try A, try B", false, []int16{opTry, opTry}, 2, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m, _ := openMuxAt(t, c.URL, true)
@@ -335,9 +337,13 @@ func TestMuxUndoSameKey(t *testing.T) {
 					t.Errorf("op %d: %d %v", r.op, r.res, r.err)
 				}
 			}
+			unlockA := int16(opUnlockShared)
+			if tc.ops[len(tc.ops)-1] == opTry {
+				unlockA = opUnlock
+			}
 			n := 0
 			for ; n < 10; n++ {
-				r := &req{op: opUnlockShared, key: a}
+				r := &req{op: unlockA, key: a}
 				do(r)
 				if r.err != nil {
 					t.Fatal(r.err)

@@ -104,7 +104,7 @@ func TestTokenDurableWhileAnotherLogs(t *testing.T) {
 				ops.WriteString("}")
 				keys.WriteString("}")
 				go func() {
-					_, err := a.ExecParams(ctx, muxSQL[1], [][]byte{[]byte(ops.String()), []byte(keys.String())},
+					_, err := a.ExecParams(ctx, muxSQL[1], [][]byte{[]byte(ops.String()), []byte(keys.String()), []byte("{}")},
 						nil, nil, nil).Close()
 					aDone <- err
 				}()

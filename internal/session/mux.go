@@ -218,7 +218,7 @@ func (m *Mux) die(cause error) {
 // Try takes t on the Mux if no other session holds it. ctx is looked at before the request goes out; once out, the
 // answer comes within one round trip (or the Mux dies), and if ctx ended meanwhile a grant is undone. onEnd is
 // called once when the returned lock ends, however it ends.
-func (m *Mux) Try(ctx context.Context, t Target, onEnd func()) (*Held, error) {
+func (m *Mux) Try(ctx context.Context, t Target, onEnd func(error)) (*Held, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, WithContext(ctx, err)
 	}
@@ -304,7 +304,7 @@ type Held struct {
 	once   sync.Once
 	done   chan struct{}
 	err    error // set before done is closed
-	onEnd  func()
+	onEnd  func(error)
 	mu     sync.Mutex
 	after  []func()
 	rel    bool
@@ -353,21 +353,26 @@ func (h *Held) AfterEnd(f func()) (stop func() bool) {
 	}
 }
 
+// finish ends the lock with err, once: the owner is told first (onEnd, which gives the key's in-process slot back),
+// then Done closes and what AfterEnd arranged runs.
 func (h *Held) finish(err error) {
 	h.once.Do(func() {
 		h.err = err
 		h.mu.Lock()
+		onEnd := h.onEnd
+		h.mu.Unlock()
+		if onEnd != nil {
+			onEnd(err)
+		}
+		h.mu.Lock()
 		close(h.done)
-		after, onEnd := h.after, h.onEnd
+		after := h.after
 		h.after = nil
 		h.mu.Unlock()
 		for _, f := range after {
 			if f != nil {
 				f()
 			}
-		}
-		if onEnd != nil {
-			onEnd()
 		}
 	})
 }

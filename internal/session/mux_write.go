@@ -44,20 +44,27 @@ func init() {
 		for op := int16(1); op <= 8; op++ {
 			pair, kind := (op-1)/opPair, (op-1)%opPair // kind: try, try shared, unlock, unlock shared
 			shared, try := kind%2 == 1, kind < 2
-			call := func(args string) string {
-				if !try {
+			call := func(args, intent string) string {
+				switch {
+				case !try:
 					return unlockFn(shared, args) + "::int"
+				case shared: // a reader passes only while no writer's intent stands (see Intent)
+					return "CASE WHEN CASE WHEN " + noIntent(intent) + " THEN " + lockFn(true, true, args) +
+						" ELSE false END THEN " + grant(fenced) + " ELSE 0 END"
 				}
-				return "CASE WHEN " + lockFn(true, shared, args) + " THEN " + grant(fenced) + " ELSE 0 END"
+				return "CASE WHEN " + lockFn(true, false, args) + " THEN " + grant(fenced) + " ELSE 0 END"
 			}
-			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair]))
-			singleSQL[f][op-1] = "SELECT " + call(single[pair])
+			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair], "t.x"))
+			singleSQL[f][op-1] = "SELECT " + call(single[pair], "$2::int8")
 			singleStmt[f][op-1] = fmt.Sprintf("%s_%d", muxStmt[f], op)
 		}
 		muxSQL[f] = "SELECT t.i, CASE t.op\n" + cases.String() +
-			" END FROM unnest($1::int2[], $2::int8[]) WITH ORDINALITY AS t(op, k, i)"
+			" END FROM unnest($1::int2[], $2::int8[], $3::int8[]) WITH ORDINALITY AS t(op, k, x, i)"
 	}
 }
+
+// isSharedTry reports whether op is a shared try, whose statement also takes the key's intent as an argument.
+func isSharedTry(op int16) bool { return (op-1)%opPair == opTryShared-1 }
 
 func unlockFn(shared bool, args string) string {
 	if shared {
@@ -114,23 +121,49 @@ func (m *Mux) takeLocked() []*req {
 // send writes one round trip. Only the reader writes.
 func (m *Mux) send(batch []*req) error {
 	if len(batch) == 1 {
-		buf, err := (&pgproto3.Bind{PreparedStatement: singleStmt[b2i(m.fenced)][batch[0].op-1],
-			Parameters: [][]byte{strconv.AppendInt(nil, batch[0].key, 10)}}).Encode(nil)
+		r := batch[0]
+		params := [][]byte{strconv.AppendInt(nil, r.key, 10)}
+		if isSharedTry(r.op) {
+			params = append(params, strconv.AppendInt(nil, intentOf(r), 10))
+		}
+		buf, err := (&pgproto3.Bind{PreparedStatement: singleStmt[b2i(m.fenced)][r.op-1], Parameters: params}).Encode(nil)
 		return m.write(buf, err)
 	}
 	ops, keys := make([]byte, 1, 4*len(batch)+2), make([]byte, 1, 21*len(batch)+2)
 	ops[0], keys[0] = '{', '{'
+	var intents []byte // only for a batch with a shared try: the others' entries are 0 (unnest pads a short array)
 	for i, r := range batch {
 		if i > 0 {
 			ops, keys = append(ops, ','), append(keys, ',')
 		}
 		ops = strconv.AppendInt(ops, int64(r.op), 10)
 		keys = strconv.AppendInt(keys, r.key, 10)
+		if isSharedTry(r.op) {
+			if intents == nil {
+				intents = append(make([]byte, 0, 21*len(batch)+2), '{')
+				for range i {
+					intents = append(intents, "0,"...)
+				}
+			} else {
+				intents = append(intents, ',')
+			}
+			intents = strconv.AppendInt(intents, intentOf(r), 10)
+		} else if intents != nil {
+			intents = append(intents, ",0"...)
+		}
 	}
 	ops, keys = append(ops, '}'), append(keys, '}')
-	buf, err := (&pgproto3.Bind{PreparedStatement: muxStmt[b2i(m.fenced)], Parameters: [][]byte{ops, keys}}).Encode(nil)
+	if intents == nil {
+		intents = []byte("{}")
+	} else {
+		intents = append(intents, '}')
+	}
+	buf, err := (&pgproto3.Bind{PreparedStatement: muxStmt[b2i(m.fenced)], Parameters: [][]byte{ops, keys, intents}}).Encode(nil)
 	return m.write(buf, err)
 }
+
+// intentOf is the intent of a shared try's key.
+func intentOf(r *req) int64 { return ID{Pair: r.op > opPair, V: r.key}.Intent().V }
 
 // write sends a Bind (already in buf) with its Execute and Sync.
 func (m *Mux) write(buf []byte, err error) error {

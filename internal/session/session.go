@@ -161,14 +161,18 @@ type Session struct {
 	granted    time.Time // when the lock was granted (set by starter.add)
 	watchDone  chan struct{}
 	released   atomic.Bool
-	onEnd      func()
+	onEnd      func(error)
 	endOnce    sync.Once
 	unlockKey  func(ID) ID
 	token      int64 // the grant's fencing token (0 without fencing)
+	intent     *ID   // the intent the session also holds (a writer that waited behind readers), or nil
 }
 
 // Token is the grant's fencing token: 0 without fencing.
 func (s *Session) Token() int64 { return s.token }
+
+// Target is the key and mode the session holds: the wait's own key, or the alternative it got (WithAlternatives).
+func (s *Session) Target() Target { return s.target }
 
 // PID is the pid of the server session that holds the lock (0 when the driver does not tell).
 func (s *Session) PID() uint32 { return s.pid }
@@ -179,8 +183,9 @@ func (s *Session) PID() uint32 { return s.pid }
 // On any error, or when ctx ended while the statement ran, the connection is destroyed, never pooled: a grant can
 // race a cancel (the server grants, then reports the cancel), and a late cancel can hit a later statement.
 //
-// onEnd, if not nil, is called once when the lock ends, however it ends (released, lost, closed).
-func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onEnd func()) (*Session, error) {
+// onEnd, if not nil, is called once when the lock ends, however it ends (released, lost, closed), with what Err
+// then reports, before Done closes.
+func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onEnd func(error)) (*Session, error) {
 	if !wait && pool.Stats().Exhausted() {
 		return nil, ErrPoolExhausted // a try does not wait for a connection
 	}
@@ -244,6 +249,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	bound = max(bound, time.Second) // only against a hang: a short keepalive must not fail tries on a busy machine
 	var r int64
+	w := &serverWait{ctx: ctx, conn: conn, t: t, cfg: cfg, slack: bound}
 	if !wait {
 		sql, args := TrySQL(t, cfg.Fencing)
 		tctx, tcancel := context.WithTimeout(ctx, bound)
@@ -253,28 +259,50 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		}
 		tcancel()
 	} else {
+		w.start = waitStart(ctx)
+		w.yield, _ = ctx.Value(yieldKey{}).(func() bool)
+		if !t.Shared {
+			w.alts, _ = ctx.Value(altsKey{}).([]ID)
+		}
 		if tag := waitTagFrom(ctx); tag != nil {
 			// A published wait: its session and its statements are what other clients' detection reads.
+			w.tag = tag.Comment
 			tag.pid.Store(conn.ServerPID())
-			r, err = queue(ctx, conn, t, cfg, false, tag.Comment)
+			r, err = w.run(false)
 			tag.pid.Store(0)
 		} else {
-			end, last, ms := slice(ctx, cfg)
-			sql, args := WaitFirstSQL(t, cfg.Fencing, ms)
-			r, err = serverBound(ctx, conn, end.Add(max(bound, margin(time.Until(end)))), sql, args...)
-			switch {
-			case err == nil && r == resultTimeouts:
-				r, err = queue(ctx, conn, t, cfg, false, "")
-			case SQLState(err) == "55P03" && !last && ctx.Err() == nil:
-				r, err = queue(ctx, conn, t, cfg, true, "")
+			r, err = w.run(len(w.alts) == 0) // the prepared first statement knows no alternatives
+		}
+		if err == nil && len(w.alts) > 0 && r >= resultAcquired {
+			if r > resultAcquired && int(r-2) < len(w.alts) {
+				t = Target{ID: w.alts[r-2]}
+			}
+			r = resultAcquired
+			if cfg.Fencing { // its statement could not draw the token: it is drawn now, the lock held
+				tctx, tcancel := context.WithTimeout(context.WithoutCancel(ctx), bound)
+				r, err = conn.QueryInt(tctx, TokenGrantSQL)
+				tcancel()
 			}
 		}
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
 		err = fmt.Errorf("%w: %w", ErrClosed, err) // Close aborted the wait
 	}
-	if timed && SQLState(err) == "55P03" && !errors.Is(err, ErrClosed) {
-		return nil, notGranted(ctx, conn, t, err)
+	switch {
+	case errors.Is(err, ErrClosed):
+	case errors.Is(err, errBouncedAtDeadline), timed && SQLState(err) == "55P03":
+		// The server ended the wait at its deadline (or it was given back to a writer as the deadline came): it
+		// was not granted, though a grant may have raced the timeout. The session is settled and kept.
+		settle(ctx, conn, t, w.intent)
+		return nil, WithContext(ctx, fmt.Errorf("not granted before the deadline (the server's lock_timeout): %w", err))
+	case errors.Is(err, errPausedCancelled):
+		settle(ctx, conn, t, w.intent) // nothing on the wire: the session is kept
+		return nil, WithContext(ctx, err)
+	case errors.Is(err, ErrYielded):
+		// Between two slices: not granted, though a grant may have raced the slice's end (settled: the key then
+		// goes to the next waiter), and the intent is given back.
+		settle(ctx, conn, t, w.intent) // kept, or closed on doubt: nothing is held either way
+		return nil, ErrYielded
 	}
 	// A grant that raced the deadline of a timed wait stands (the server answered within its bound); any other
 	// statement that finished after ctx ended is in doubt.
@@ -317,6 +345,10 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 
 	s := &Session{conn: conn, pid: conn.ServerPID(), target: t, keepalive: cfg.Keepalive,
 		watchDone: make(chan struct{}), onEnd: onEnd, unlockKey: cfg.UnlockKey, token: token}
+	if w.intent {
+		s.intent = &ID{}
+		*s.intent = w.t.ID.Intent() // of the key it waited for (an alternative's grant holds that one's)
+	}
 	if s.keepalive <= 0 {
 		s.keepalive = DefaultKeepalive
 	}
@@ -327,111 +359,6 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	s.starter.add(s)
 	return s, nil
-}
-
-// DefaultWaitSlice is the longest a wait statement runs. A statement waiting in the server holds a snapshot for as
-// long as it waits, and a snapshot pins the database's xmin horizon (VACUUM removes no row deleted since it was
-// taken) and holds up CREATE INDEX CONCURRENTLY, REINDEX CONCURRENTLY and their kin, which wait for every older
-// snapshot; so a wait ends at each slice (the server's lock_timeout) and is sent again at once on the same session.
-const DefaultWaitSlice = time.Second
-
-// queue waits for t in the server, one slice at a time, until granted, ctx's deadline passes (the last slice ends
-// at the deadline: the server answers "not granted", SQLSTATE 55P03, and the session stays usable) or ctx is
-// cancelled otherwise (the statement is interrupted). Between two slices the key may be granted to another
-// waiter, as it may whenever its holder lets it go: the server's queue order is kept only within a slice.
-// A wait published for deadlock detection (see WaitTag) sends comment in front of each statement.
-func queue(ctx context.Context, conn Conn, t Target, cfg Config, requeue bool, comment string) (int64, error) {
-	for ; ; requeue = true {
-		end, last, ms := slice(ctx, cfg)
-		r, err := serverBound(ctx, conn, end.Add(margin(time.Until(end))), comment+WaitSQL(t, ms, cfg.Fencing, requeue))
-		if SQLState(err) == "55P03" && !last && ctx.Err() == nil {
-			continue
-		}
-		return r, err
-	}
-}
-
-// slice returns when the next slice of a wait ends (at most the wait slice away, at most ctx's deadline), whether
-// that is the deadline, and its length in whole milliseconds (at least 1: lock_timeout 0 would mean none).
-func slice(ctx context.Context, cfg Config) (end time.Time, last bool, ms int64) {
-	s := cfg.WaitSlice
-	if s <= 0 {
-		s = DefaultWaitSlice
-	}
-	end = time.Now().Add(s)
-	if deadline, timed := ctx.Deadline(); timed && !deadline.After(end) {
-		end, last = deadline, true
-	}
-	d := max(time.Until(end), time.Millisecond)
-	return end, last, int64((d + time.Millisecond - 1) / time.Millisecond)
-}
-
-// margin is how long past a server-bounded wait's end its answer may take before the server counts as gone.
-func margin(d time.Duration) time.Duration { return min(2*time.Second, 250*time.Millisecond+d/10) }
-
-// serverBound runs a statement that the server itself bounds (a try, or a wait under lock_timeout): ctx's deadline
-// does not cut it (which would cost the session, and could send a cancel request that reaches a later statement);
-// only a server that does not answer by until, or a cancellation of ctx other than its deadline, interrupts it.
-func serverBound(ctx context.Context, conn Conn, until time.Time, sql string, args ...any) (int64, error) {
-	qctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), until)
-	defer cancel()
-	stop := context.AfterFunc(ctx, func() {
-		if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			cancel()
-		}
-	})
-	defer stop()
-	return conn.QueryInt(qctx, sql, args...)
-}
-
-// notGranted settles a timed wait the server ended (55P03): the grant can race the timeout (the server may have
-// granted the key just as the timeout fired, and the lock then survives the error), so the key is unlocked on the
-// session, which then holds nothing and goes back to its pool. Any doubt costs the session instead.
-func notGranted(ctx context.Context, conn Conn, t Target, err error) error {
-	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	sql, args := UnlockSQL(t)
-	if _, uerr := conn.QueryInt(uctx, sql, args...); uerr != nil {
-		conn.Destroy()
-	} else {
-		conn.Release()
-	}
-	return WithContext(ctx, fmt.Errorf("not granted before the deadline (the server's lock_timeout): %w", err))
-}
-
-// abandoned makes sure the server has dropped the wait on conn (already destroyed) that was given up: a backend
-// blocked in a lock wait notices its closed socket only when granted or at its next
-// client_connection_check_interval, and until then pg_locks shows a waiter nobody waits for, which is then granted
-// the key for a moment. It is bounded (1 s) and synchronous, so that when Lock returns the server has dropped the
-// waiter (a process that exits right after, such as advlock run, leaves no waiter behind). See Conn.Cancel. A
-// cancel request is answered once the server has signalled the backend, which leaves the queue a moment later: on
-// a direct connection with a pid, abandoned then reads pg_locks through another connection of the pool (when one
-// is free at once) until the backend holds and waits for no advisory lock.
-func abandoned(pool Pool, conn Conn) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	conn.Cancel(ctx)
-	pid := conn.ClientPID()
-	if _, direct := conn.Verified(); !direct || pid == 0 || pool.Stats().Exhausted() {
-		return
-	}
-	other, err := pool.Acquire(ctx)
-	if err != nil {
-		return
-	}
-	for {
-		// Any advisory row: a grant that raced the cancel is held until the backend exits.
-		n, err := other.QueryInt(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1::int4", int64(pid))
-		if err != nil {
-			other.Destroy()
-			return
-		}
-		if n == 0 || ctx.Err() != nil {
-			other.Release()
-			return
-		}
-		time.Sleep(time.Millisecond)
-	}
 }
 
 // verify proves, once per physical connection, that conn is a server session of its own: either the pid the
@@ -575,13 +502,13 @@ func (s *Session) watch() {
 	}
 }
 
-// finish ends the lock with cause and tells the owner, once.
+// finish ends the lock with cause, once: the owner is told first, then Done closes.
 func (s *Session) finish(cause error) {
 	s.endOnce.Do(func() {
-		s.end(cause)
 		if s.onEnd != nil {
-			s.onEnd()
+			s.onEnd(cause)
 		}
+		s.end(cause)
 	})
 }
 
@@ -634,6 +561,9 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		return nil
 	}
 	sql, args := UnlockSQL(t)
+	if s.intent != nil {
+		sql, args = UnlockIntentSQL(t, *s.intent)
+	}
 	r, err := s.conn.QueryInt(ctx, sql, args...)
 	switch {
 	case err == nil && r == resultAcquired && ctx.Err() == nil:

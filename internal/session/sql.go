@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 
 	"github.com/advlock/advlock/internal/mutant"
 )
@@ -40,10 +41,13 @@ func (id ID) literal() string {
 
 // Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
-	resultTimeouts = -2 // WaitFirstSQL: held elsewhere, and the session has a statement_timeout: wait with WaitSQL
-	resultStandby  = -1
-	resultNotHeld  = 0
-	resultAcquired = 1
+	resultBadUnlock = -5 // an unlock inside a wait statement found nothing to unlock: the session is in doubt
+	resultBounced   = -4 // a shared wait was granted while a writer's intent stood, and gave the key back at once
+	resultReaders   = -3 // an exclusive wait found the key held in shared mode only: take its intent, then wait
+	resultTimeouts  = -2 // WaitFirstSQL: held elsewhere, and the session has a statement or transaction timeout
+	resultStandby   = -1
+	resultNotHeld   = 0
+	resultAcquired  = 1
 )
 
 // FenceSeq is the sequence fencing tokens come from: one for every key, every client, every database user of the
@@ -128,12 +132,71 @@ var keyArgs = [2]string{"$1::int8", "$1::int4, $2::int4"} // by pair
 // gets a larger token.
 var trySQL, waitFirstSQL [2][2][2]string
 
-// waitFirstSQL is a wait's first statement, prepared: a try, then, when the session has no statement_timeout
-// (armed when the statement starts, which no setting inside it can lift), a wait in the server under a
-// lock_timeout set for this statement's implicit transaction alone (set_config(..., true), evaluated before the
-// lock function: CASE evaluates in order). One round trip for a free key and for the first slice of a wait alike.
+// Intent is the lock a writer (an exclusive wait) holds while it waits for a key that readers hold, so that new
+// readers wait behind it across its slices (see WaitSQL): an int8 key derived from the key by a fixed bijection of
+// each key space (the splitmix64 finalizer of the key xor a constant per space), so that no two keys of one space
+// share an intent and a user's key is the intent of another only by a 64-bit coincidence. Readers test it without
+// waiting (noIntent); writers take it only with a try, in a statement that waits for nothing else, so that whether
+// a session holds it is always known.
+func (id ID) Intent() ID {
+	x := uint64(id.V) ^ 0x6164766c6f636b49 // "advlockI"
+	if id.Pair {
+		x ^= 0x7061697273706163 // "pairspac"
+	}
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	x ^= x >> 31
+	if !id.Pair && int64(x) == id.V {
+		x ^= 1 // a key that would be its own intent (a fixed point of the bijection) takes its neighbour's
+	}
+	return ID{V: int64(x)}
+}
+
+// noIntent is an SQL condition: true when no session holds the intent i (an int8 expression) exclusively, tested
+// with a shared try that is undone at once, so that it leaves nothing held. Writers never wait for an intent (they
+// only try), so a shared try of it fails exactly when a writer holds it.
+func noIntent(i string) string {
+	if mutant.On(mutant.IntentIgnored) {
+		return "true"
+	}
+	return "CASE WHEN pg_try_advisory_lock_shared(" + i + ") THEN pg_advisory_unlock_shared(" + i + ") ELSE false END"
+}
+
+// timeoutsSet is an SQL condition: the session has a statement_timeout, or (PostgreSQL 17 and later) a
+// transaction_timeout, that would end a wait in this statement: both are armed as the statement starts.
+const timeoutsSet = "current_setting('statement_timeout') <> '0' OR coalesce(current_setting('transaction_timeout', true), '0') <> '0'"
+
+// liftTimeout is a condition that is always false and, where the server has transaction_timeout (PostgreSQL 17 and
+// later), sets it to 0 for the current transaction (which also disarms its timer): a role or database default
+// must not end a wait. current_setting(..., true) is NULL on servers without it, where set_config would fail.
+const liftTimeout = "CASE WHEN current_setting('transaction_timeout', true) IS NULL THEN false " +
+	"ELSE set_config('transaction_timeout', '0', true) IS NULL END"
+
+// afterGrant is what a wait yields once the server granted it: the grant for an exclusive wait; for a shared one,
+// the grant if no writer's intent stands now, else the key is given back at once (resultBounced: the reader was
+// let through as a writer's wait was between two slices, and waits again behind it).
+func afterGrant(shared, fenced bool, key, intent string) string {
+	if !shared {
+		return grant(fenced)
+	}
+	return "CASE WHEN " + noIntent(intent) + " THEN " + grant(fenced) + " WHEN " + unlockFn(true, key) +
+		" THEN -4 ELSE -5 END"
+}
+
+// waitFirstSQL is a wait's first statement, prepared, one round trip for a free key and for the first slice of a
+// wait alike: a try, then, when the session has no statement or transaction timeout (armed when the statement
+// starts, which no setting inside it can lift), a wait in the server under a lock_timeout set for this statement's
+// implicit transaction alone (set_config(..., true), evaluated before the lock function: CASE evaluates in order).
 // The blocking functions return void; length(void::text) is 0, which turns the grant into a value without a
 // subquery.
+//
+// A shared wait's try passes only while no writer's intent stands (see Intent); its wait queues behind any writer
+// in the server's queue and, when granted as that writer is between two slices, gives the key back (afterGrant).
+// An exclusive wait that finds the key held in shared mode only (a shared try passes) does not wait here: it yields
+// resultReaders, and its caller takes the key's intent (IntentSQL) before waiting, so that new readers wait behind
+// it from its first slice on.
 func init() {
 	for f := range 2 {
 		for p := range 2 {
@@ -141,25 +204,54 @@ func init() {
 				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
 				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
 					" THEN " + grant(fenced) + " ELSE 0 END"
-				waitFirstSQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
-					" THEN " + grant(fenced) + " WHEN current_setting('statement_timeout') <> '0' THEN -2" +
-					" WHEN set_config('lock_timeout', $" + strconv.Itoa(p+2) + "::text, true) IS NULL THEN -2" +
-					" ELSE length(" + lockFn(false, shared, args) + "::text) + " + grant(fenced) + " END"
+				ms := "$" + strconv.Itoa(p+2)
+				first := "SELECT CASE WHEN pg_is_in_recovery() THEN -1"
+				if shared {
+					intent := "$" + strconv.Itoa(p+3) + "::int8"
+					first += " WHEN CASE WHEN " + noIntent(intent) + " THEN " + lockFn(true, true, args) + " ELSE false END THEN " +
+						grant(fenced)
+					first += " WHEN " + timeoutsSet + " THEN -2 WHEN set_config('lock_timeout', " + ms + "::text, true) IS NULL THEN -2" +
+						" ELSE length(" + lockFn(false, true, args) + "::text) + " + afterGrant(true, fenced, args, intent) + " END"
+				} else {
+					first += " WHEN " + lockFn(true, false, args) + " THEN " + grant(fenced) +
+						" WHEN " + lockFn(true, true, args) + " THEN CASE WHEN " + unlockFn(true, args) + " THEN -3 ELSE -5 END" +
+						" WHEN " + timeoutsSet + " THEN -2 WHEN set_config('lock_timeout', " + ms + "::text, true) IS NULL THEN -2" +
+						" ELSE length(" + lockFn(false, false, args) + "::text) + " + grant(fenced) + " END"
+				}
+				waitFirstSQL[f][p][sh] = first
 			}
 		}
 	}
 }
 
-// WaitFirstSQL returns a wait's first statement (see waitFirstSQL) and its arguments, lock_timeout ms last. It
-// yields a grant, -1 (standby; nothing taken), or -2 (held elsewhere, and the session's statement_timeout forbids a
-// wait in this statement: wait with WaitSQL); a wait not granted within ms fails with SQLSTATE 55P03.
+// WaitFirstSQL returns a wait's first statement (see waitFirstSQL) and its arguments: the key, lock_timeout ms,
+// and for a shared wait the key's intent. It yields a grant, -1 (standby; nothing taken), -2 (held elsewhere, and
+// the session's timeouts forbid a wait in this statement: wait with WaitSQL), -3 (an exclusive wait: held in
+// shared mode only; take the intent, then wait with WaitSQL) or -4 (a shared wait granted past a writer's intent
+// and given back: wait again); a wait not granted within ms fails with SQLSTATE 55P03.
 func WaitFirstSQL(t Target, fenced bool, ms int64) (string, []any) {
-	return waitFirstSQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], append(t.ID.args(), strconv.FormatInt(ms, 10))
+	args := append(t.ID.args(), strconv.FormatInt(ms, 10))
+	if t.Shared {
+		args = append(args, t.ID.Intent().V)
+	}
+	return waitFirstSQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], args
 }
+
+// IntentSQL takes a key's intent if no other session holds it: 1 when taken, 0 when not. It never waits. (The
+// session must not hold the intent already: a second grant would need two unlocks.)
+const IntentSQL = "SELECT pg_try_advisory_lock($1::int8)::int"
 
 var unlockSQL = [2][2]string{
 	{"SELECT pg_advisory_unlock($1::int8)::int", "SELECT pg_advisory_unlock_shared($1::int8)::int"},
 	{"SELECT pg_advisory_unlock($1::int4, $2::int4)::int", "SELECT pg_advisory_unlock_shared($1::int4, $2::int4)::int"},
+}
+
+// unlockIntentSQL unlocks an exclusive lock and the intent its session holds with it, the intent first (so that
+// readers granted the key as it frees find no intent): 1 when both were held, 0 when the key was not, -1 when the
+// intent was not (the session is then in doubt).
+var unlockIntentSQL = [2]string{
+	"SELECT CASE WHEN pg_advisory_unlock($2::int8) THEN pg_advisory_unlock($1::int8)::int ELSE -1 END",
+	"SELECT CASE WHEN pg_advisory_unlock($3::int8) THEN pg_advisory_unlock($1::int4, $2::int4)::int ELSE -1 END",
 }
 
 func b2i(b bool) int {
@@ -181,34 +273,97 @@ func UnlockSQL(t Target) (string, []any) {
 	return unlockSQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
 }
 
-// WaitSQL is a wait in the server bounded by the server: sent as one simple-protocol query (no arguments), its
-// statements run in one implicit transaction whose SET LOCAL lifts any statement_timeout that a role, database or
-// pool default put on the session and sets lock_timeout to ms, so that a wait not granted in time ends with
-// SQLSTATE 55P03 and the session stays usable; the settings revert when the implicit transaction ends, while the
-// session-level lock stays. It yields a grant or -1 like TrySQL.
-//
-// A wait is sent again and again, one slice at a time (see DefaultWaitSlice), so that no snapshot lives long. A
-// grant can race lock_timeout (the server grants the key just as the timeout fires; the lock then survives the
-// error), so a wait sent again (requeue) first looks whether its own session already holds the key in that mode,
-// and if so takes that grant instead of queueing for the key a second time.
-func WaitSQL(t Target, ms int64, fenced, requeue bool) string {
-	held := ""
-	if requeue {
-		classid, objid, sub := uint32(uint64(t.ID.V)>>32), uint32(t.ID.V), 1
-		if t.ID.Pair {
-			sub = 2
-		}
-		mode := "ExclusiveLock"
-		if t.Shared {
-			mode = "ShareLock"
-		}
-		held = " WHEN EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted" +
-			" AND classid = " + strconv.FormatUint(uint64(classid), 10) + " AND objid = " + strconv.FormatUint(uint64(objid), 10) +
-			" AND objsubid = " + strconv.Itoa(sub) + " AND mode = '" + mode + "') THEN " + grant(fenced)
+// UnlockIntentSQL is UnlockSQL for an exclusive lock whose session also holds intent, the key's intent (see
+// unlockIntentSQL): 1, 0, or -1 when the intent was not held.
+func UnlockIntentSQL(t Target, intent ID) (string, []any) {
+	return unlockIntentSQL[b2i(t.ID.Pair)], append(t.ID.args(), intent.V)
+}
+
+// ownHeld is an SQL condition: this session holds t in t's mode (pg_locks; a read of the whole lock table, so
+// only on the rare paths that need it).
+func ownHeld(t Target) string {
+	classid, objid, sub := uint32(uint64(t.ID.V)>>32), uint32(t.ID.V), 1
+	if t.ID.Pair {
+		sub = 2
 	}
-	return "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; " +
-		"SELECT CASE WHEN pg_is_in_recovery() THEN -1" + held + " ELSE length(" + lockFn(false, t.Shared, t.ID.literal()) +
-		"::text) + " + grant(fenced) + " END"
+	mode := "ExclusiveLock"
+	if t.Shared {
+		mode = "ShareLock"
+	}
+	return "EXISTS (SELECT 1 FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted" +
+		" AND classid = " + strconv.FormatUint(uint64(classid), 10) + " AND objid = " + strconv.FormatUint(uint64(objid), 10) +
+		" AND objsubid = " + strconv.Itoa(sub) + " AND mode = '" + mode + "')"
+}
+
+// WaitSQL is a wait in the server bounded by the server: sent as one simple-protocol query (no arguments), its
+// statements run in one implicit transaction whose SET LOCAL lifts any statement_timeout (and transaction_timeout)
+// that a role, database or pool default put on the session and sets lock_timeout to ms, so that a wait not granted
+// in time ends with SQLSTATE 55P03 and the session stays usable; the settings revert when the implicit transaction
+// ends, while the session-level lock stays. It yields what WaitFirstSQL does, but -2.
+//
+// A wait is sent again and again, one slice at a time (see DefaultWaitSlice), so that no snapshot lives long.
+// A grant can race lock_timeout (the server grants the key just as the timeout fires; the lock then survives the
+// error), so a wait sent again after a timeout (requeue) first tries the key: the try passes on a session that
+// holds it already (PostgreSQL's re-entrancy), as it does on a free key, and fails at once otherwise, which is
+// the usual case and costs the server a few microseconds. When it passes, the session holds the key once or twice:
+// one unlock, then pg_locks says which (the only read of the lock table, once per wait at most, as the wait ends),
+// so that the key is held exactly once when the statement yields a grant.
+//
+// An exclusive wait that holds no intent yet yields resultReaders when the key is held in shared mode only (its
+// caller then takes the intent); one that holds it (intent) waits at once. A shared wait gives the key back when
+// granted while a writer's intent stands (afterGrant).
+func WaitSQL(t Target, ms int64, fenced, requeue, intent bool) string {
+	return waitSQL(t, nil, ms, fenced, requeue, intent)
+}
+
+// WaitAnySQL is WaitSQL for an exclusive wait for t that takes any of alts instead when one is free: each of its
+// statements tries alts in order before it waits for t, and yields 2+i for alts[i], 1 for t (never a token: a
+// fenced caller draws it next, TokenGrantSQL).
+func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
+	return waitSQL(t, alts, ms, false, requeue, intent)
+}
+
+// TokenGrantSQL draws a grant's token (see grant) in a statement of its own, for a grant whose statement could
+// not yield it (WaitAnySQL): drawn while the lock is held, after its grant, so a later grant still gets a larger
+// one.
+var TokenGrantSQL = "SELECT " + grant(true)
+
+func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool) string {
+	key, ik := t.ID.literal(), strconv.FormatInt(t.ID.Intent().V, 10)
+	after := afterGrant(t.Shared, fenced, key, ik)
+	wait := "length(" + lockFn(false, t.Shared, key) + "::text) + " + after
+	var b strings.Builder
+	b.WriteString("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; ")
+	b.WriteString("SELECT CASE WHEN " + liftTimeout + " THEN -5 WHEN pg_is_in_recovery() THEN -1")
+	if requeue {
+		b.WriteString(" WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
+			" WHEN " + ownHeld(t) + " THEN " + after + " WHEN " + lockFn(true, t.Shared, key) + " THEN " + after +
+			" ELSE " + wait + " END")
+	} else if !t.Shared {
+		b.WriteString(" WHEN " + lockFn(true, false, key) + " THEN " + after) // free now: no reader to wait behind
+	}
+	for i, a := range alts { // tries: none can race a timeout
+		b.WriteString(" WHEN " + lockFn(true, false, a.literal()) + " THEN " + strconv.Itoa(2+i))
+	}
+	if !t.Shared && !intent && len(alts) == 0 { // a semaphore's slots are never held shared
+		b.WriteString(" WHEN " + lockFn(true, true, key) + " THEN CASE WHEN " + unlockFn(true, key) + " THEN -3 ELSE -5 END")
+	}
+	b.WriteString(" ELSE " + wait + " END")
+	return b.String()
+}
+
+// SettleSQL leaves a session that waited for t and was not granted holding nothing, whether or not a grant raced
+// the wait's end (a try passes on a session that holds the key already; then one unlock, and pg_locks says whether
+// a second is needed), and with intent also gives the key's intent back. It yields 1 when the session holds
+// nothing afterwards; anything else puts the session in doubt.
+func SettleSQL(t Target, intent bool) string {
+	key := t.ID.literal()
+	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
+		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
+	if intent && !t.Shared {
+		s += " * " + unlockFn(false, strconv.FormatInt(t.ID.Intent().V, 10)) + "::int"
+	}
+	return s
 }
 
 // Transaction-scoped statements, indexed by [pair][shared]. They yield 1, 0 (try only) or -1 (standby).
@@ -322,6 +477,26 @@ func ensureFence(ctx context.Context, conn Conn) error {
 			return fmt.Errorf("create the fencing sequence: %w", err)
 		}
 		break
+	}
+	// Tokens must come out in the order grants are made, whoever draws them: a sequence that caches values per
+	// session (CACHE n > 1) hands session A 1..n and session B n+1..2n, so A's next grant gets a smaller token than
+	// B's last; one that counts down or cycles hands out smaller or repeated values.
+	cache, err := conn.QueryInt(ctx, "SELECT CASE WHEN seqincrement <= 0 THEN -1 WHEN seqcycle THEN -2 ELSE seqcache END "+
+		"FROM pg_catalog.pg_sequence WHERE seqrelid = '"+FenceSeq+"'::regclass")
+	if err != nil {
+		return fmt.Errorf("check the fencing sequence: %w", err)
+	}
+	switch {
+	case cache == -1:
+		return fmt.Errorf("%w: the sequence %s does not count up (INCREMENT <= 0), so tokens would not grow; as its owner "+
+			"run: ALTER SEQUENCE %s INCREMENT 1 MINVALUE 1 MAXVALUE 9223372036854775807 START WITH <n> RESTART WITH <n>, "+
+			"n above every token's sequence part handed out", ErrFencing, FenceSeq, FenceSeq)
+	case cache == -2:
+		return fmt.Errorf("%w: the sequence %s is CYCLE, so tokens could repeat; as its owner run: ALTER SEQUENCE %s NO CYCLE",
+			ErrFencing, FenceSeq, FenceSeq)
+	case cache > 1:
+		return fmt.Errorf("%w: the sequence %s has CACHE %d: each session draws from a block of its own, so a later grant "+
+			"can get a smaller token; as its owner run: ALTER SEQUENCE %s CACHE 1", ErrFencing, FenceSeq, cache, FenceSeq)
 	}
 	usable, err := conn.QueryInt(ctx, "SELECT has_sequence_privilege('"+FenceSeq+"', 'USAGE')::int")
 	if SQLState(err) == "42501" {

@@ -5,13 +5,15 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 // WaitTag publishes one wait to other clients' deadlock detection. A wait whose context carries a tag
 // ([WithWaitTag]) sends its statements with Comment in front (pg_stat_activity.query shows it while the wait runs),
 // and records the pid of the session it waits on while it waits in the server.
 type WaitTag struct {
-	// Comment is an SQL comment, "/*...*/ ", chosen by this module (never user input).
+	// Comment is what the wait's comment says of it, "w=LOCK h=REF,REF" (see Ref), chosen by this module (never
+	// user input); the wait sends it in an SQL comment in front of each statement.
 	Comment string
 	pid     atomic.Uint32
 }
@@ -111,4 +113,20 @@ func HeldFrom(ctx context.Context) []Ref {
 		out = append(out, h.refs...)
 	}
 	return out
+}
+
+type waitStartKey struct{}
+
+// WithWaitStart returns ctx saying that the wait made with it began at start (the call that waits, before any
+// in-process queue), which the wait publishes (see serverWait.comment).
+func WithWaitStart(ctx context.Context, start time.Time) context.Context {
+	return context.WithValue(ctx, waitStartKey{}, start)
+}
+
+// waitStart is what WithWaitStart put in ctx, else now.
+func waitStart(ctx context.Context) time.Time {
+	if t, ok := ctx.Value(waitStartKey{}).(time.Time); ok {
+		return t
+	}
+	return time.Now()
 }

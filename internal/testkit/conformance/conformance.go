@@ -82,7 +82,7 @@ func Run(t *testing.T, be Backend) {
 // endsContexts are the subtests that end contexts while statements run (see Backend.NoCancel); Close ends the
 // statements of waits in the server too (with lib/pq, by cancelling their contexts).
 var endsContexts = map[string]bool{"CancelRace": true, "CancelLeavesQueue": true, "CloseAbortsWaiters": true, "Deadlock": true, "DatabaseDown": true, "Stress": true,
-	"TimedWaitsKeepSessions": true, "WaitBound": true}
+	"TimedWaitsKeepSessions": true, "WaitBound": true, "SlowLink": true, "WriterBehindReaders": true}
 
 func (s *suite) run(t *testing.T) {
 	for _, tc := range []struct {
@@ -116,6 +116,8 @@ func (s *suite) run(t *testing.T) {
 		{"UnlockBound", s.unlockBound},
 		{"CancelLeavesQueue", s.cancelLeavesQueue},
 		{"Deadlock", s.deadlock},
+		{"SlowLink", s.slowLink},
+		{"WriterBehindReaders", s.writerBehindReaders},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -529,6 +531,15 @@ func wrongUnlock() advlock.Option {
 // proxied opens a Locker whose connections pass through a fault-injecting proxy in front of be.URL.
 func (s *suite) proxied(t *testing.T, opts ...advlock.Option) (Harness, *faults.Proxy) {
 	t.Helper()
+	url, p := s.proxyURL(t)
+	h := s.openURL(t, url, opts...)
+	t.Cleanup(h.L.Close)
+	return h, p
+}
+
+// proxyURL starts a fault-injecting proxy in front of be.URL and returns the URL that goes through it.
+func (s *suite) proxyURL(t *testing.T) (string, *faults.Proxy) {
+	t.Helper()
 	u, err := url.Parse(s.be.URL)
 	if err != nil {
 		t.Fatal(err)
@@ -538,9 +549,7 @@ func (s *suite) proxied(t *testing.T, opts ...advlock.Option) (Harness, *faults.
 	q := u.Query()
 	q.Set("connect_timeout", "2")
 	u.RawQuery = q.Encode()
-	h := s.openURL(t, u.String(), opts...)
-	t.Cleanup(h.L.Close)
-	return h, p
+	return u.String(), p
 }
 
 func (s *suite) releaseExact(t *testing.T) {

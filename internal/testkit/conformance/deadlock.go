@@ -17,9 +17,11 @@ type caller struct {
 	l    *advlock.Locker
 	keys []advlock.Key
 	// wait, if set, bounds the waits (advlock.Wait).
-	wait time.Duration
-	lead bool          // the last key is taken by Lead instead of Do
-	hold time.Duration // nested: how long the innermost holds
+	wait        time.Duration
+	lead        bool          // the last key is taken by Lead instead of Do
+	hold        time.Duration // nested: how long the innermost holds
+	sharedFirst bool          // the first key is taken shared (RLock, and Holding for what follows)
+	late        time.Duration // how long it waits, once all hold their first key, before it asks for its second
 }
 
 // run takes c's keys nested (Do inside Do; Lead for the last key if lead), holding each until the next is asked
@@ -31,6 +33,20 @@ func (c caller) run(ctx context.Context, holding chan<- struct{}, ready <-chan s
 	}
 	var take func(ctx context.Context, i int) error
 	take = func(ctx context.Context, i int) error {
+		if i == 0 && c.sharedFirst {
+			lk, err := c.l.RLock(ctx, c.keys[0], opts...)
+			if err != nil {
+				return err
+			}
+			holding <- struct{}{}
+			<-ready
+			time.Sleep(c.late)
+			err = take(advlock.Holding(ctx, lk), 1)
+			if uerr := lk.Unlock(context.WithoutCancel(ctx)); err == nil {
+				err = uerr
+			}
+			return err
+		}
 		if i == len(c.keys)-1 && c.lead {
 			lctx, cancel := context.WithCancel(ctx)
 			defer cancel()
@@ -164,6 +180,28 @@ func (s *suite) deadlock(t *testing.T) {
 			}
 		})
 	}
+
+	// Two cycles through one wait: caller 0 holds A shared and waits for B, which callers 1 and 2 hold shared, and
+	// each of them waits for A. Ending caller 0's wait breaks both cycles; ending the least wait of each cycle (as
+	// before) ended two callers whenever caller 0's wait's pid was not the lowest of the three, as here.
+	t.Run("two cycles, one victim", func(t *testing.T) {
+		t.Parallel()
+		obs := s.observer(t)
+		ks := keys(2)
+		a, b := ks[0], ks[1]
+		// Caller 0 waits last, on the newest session: its pid is not the lowest (the least of each cycle).
+		callers := []caller{
+			{l: s.open(t).L, keys: []advlock.Key{a, b}, sharedFirst: true, late: 100 * time.Millisecond},
+			{l: s.open(t).L, keys: []advlock.Key{b, a}, sharedFirst: true},
+			{l: s.open(t).L, keys: []advlock.Key{b, a}, sharedFirst: true},
+		}
+		errs, took := runCycle(t, callers)
+		if v := oneVictim(t, errs); v != 0 {
+			t.Errorf("caller %d gave up; caller 0, whose wait both cycles pass through, should have", v)
+		}
+		t.Logf("gave up %v after the cycles formed: %v", took.Round(time.Millisecond), errs)
+		noneHeld(t, obs, ks...)
+	})
 
 	t.Run("no readings without a wait", func(t *testing.T) {
 		t.Parallel()

@@ -1,0 +1,305 @@
+package session
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+)
+
+// DefaultWaitSlice is the longest a wait statement runs. A statement waiting in the server holds a snapshot for as
+// long as it waits, and a snapshot pins the database's xmin horizon (VACUUM removes no row deleted since it was
+// taken) and holds up CREATE INDEX CONCURRENTLY, REINDEX CONCURRENTLY and their kin, which wait for every older
+// snapshot; so a wait ends at each slice (the server's lock_timeout) and is sent again at once on the same session.
+//
+// It is shorter than the server's default deadlock_timeout (1 s), so that the server never runs its deadlock check
+// for a wait (nor logs it, with log_lock_waits), once per slice: the check could find nothing, since the session
+// that waits holds nothing that anyone waits for (at most the key's intent, which nobody waits for).
+const DefaultWaitSlice = 900 * time.Millisecond
+
+// serverWait is one wait in the server on a session of its own, from its first statement to its grant or end. What
+// PostgreSQL's own queue gave a single long wait for free, the slices must keep (see docs/locks.md):
+//
+//   - A grant that raced a slice's end is taken, never taken twice (WaitSQL's requeue).
+//   - A writer is not starved by readers that come and go: a writer that finds the key held in shared mode takes
+//     the key's intent (see Intent) and holds it across its slices and while it holds the key; readers do not pass
+//     it (a reader's try fails, a reader granted between two of the writer's slices gives the key back at once).
+//   - A slow or stalling link does not end a wait: each slice may take its measured round trip and the keepalive
+//     bound past its end before the server counts as gone.
+//   - The wait publishes when it began (a comment in front of each statement, which pg_stat_activity shows), so
+//     that Inspect and advlock ls report the whole wait, not the current slice.
+type serverWait struct {
+	ctx     context.Context
+	conn    Conn
+	t       Target
+	cfg     Config
+	tag     string    // a published wait's comment body for deadlock detection ("w=... h=..."), or ""
+	start   time.Time // when the wait began
+	intent  bool      // the session holds t's intent
+	slack   time.Duration
+	rtt     time.Duration // the longest answer delay seen past a statement's expected answer
+	bounces int           // shared waits given back in a row because a writer's intent stood
+	yield   func() bool   // asked after each whole slice: give the session up for another wait (WithYield)
+	alts    []ID          // keys any of which will do instead of t, tried in each statement (WithAlternatives)
+}
+
+// bounceBackoff is how long a shared wait that was given back (a writer's intent stood) waits before it is sent
+// again: at once the first time (the writer is between two slices and queues again within a round trip), then
+// longer while it goes on (the writer holds its intent but is not in the server's queue: its link stalls, or its
+// process froze), at most bounceMax.
+func bounceBackoff(n int) time.Duration {
+	if n <= 1 {
+		return 0
+	}
+	return min(bounceMax, time.Millisecond<<min(n-2, 10))
+}
+
+const bounceMax = 100 * time.Millisecond
+
+// run waits until granted (a result >= 1), the server ends the wait (55P03 at ctx's deadline), ctx is cancelled,
+// or the session fails. first sends the prepared first statement (a try and the first slice in one round trip);
+// else the wait starts with WaitSQL (a published wait: its statements carry the comment).
+func (w *serverWait) run(first bool) (int64, error) {
+	requeue := false
+	if first {
+		end, last, ms := slice(w.ctx, w.cfg)
+		sql, args := WaitFirstSQL(w.t, w.cfg.Fencing, ms)
+		r, err := w.statement(end, sql, args...)
+		switch {
+		case err == nil && r == resultTimeouts:
+		case err == nil && r == resultReaders:
+			if err := w.takeIntent(); err != nil {
+				return 0, err
+			}
+		case err == nil && r == resultBounced:
+			w.bounces++
+		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
+			requeue = true
+			if w.yield != nil && w.yield() {
+				return 0, ErrYielded
+			}
+		default:
+			return r, err
+		}
+	}
+	for {
+		if d := bounceBackoff(w.bounces); d > 0 {
+			if err := w.pause(d); err != nil {
+				return 0, err
+			}
+		}
+		end, last, ms := slice(w.ctx, w.cfg)
+		sql := WaitSQL(w.t, ms, w.cfg.Fencing, requeue, w.intent)
+		if len(w.alts) > 0 {
+			sql = WaitAnySQL(w.t, w.alts, ms, requeue, w.intent)
+		}
+		r, err := w.statement(end, w.comment()+sql)
+		requeue = false
+		switch {
+		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
+			requeue, w.bounces = true, 0 // a whole slice waited in the queue
+			if w.yield != nil && w.yield() {
+				return 0, ErrYielded
+			}
+		case err == nil && r == resultReaders:
+			if err := w.takeIntent(); err != nil {
+				return 0, err
+			}
+		case err == nil && r == resultBounced:
+			w.bounces++
+			if last {
+				return 0, errBouncedAtDeadline
+			}
+		default:
+			return r, err
+		}
+	}
+}
+
+// ErrYielded is what Acquire returns for a wait that gave its session up after a whole slice because its
+// caller's yield said another wait needs a session more (see WithYield): nothing is held, the session went back
+// to its pool, and the caller may wait again.
+var ErrYielded = errors.New("advlock: the wait gave its session up for another wait")
+
+type yieldKey struct{}
+
+type altsKey struct{}
+
+// WithAlternatives returns ctx whose wait (exclusive, on a session of its own) takes any of alts instead of its key
+// when one is free: each of its statements tries them in order first (a semaphore's other slots), so that a wait
+// for one of several keys costs the server one statement a slice. The Session it returns holds the key it got
+// (Session.Target).
+func WithAlternatives(ctx context.Context, alts []ID) context.Context {
+	return context.WithValue(ctx, altsKey{}, alts)
+}
+
+// WithYield returns ctx whose wait in the server, each time it has waited a whole slice without a grant, asks
+// yield whether to give its session up (Acquire then returns ErrYielded): a Locker whose sessions of their own
+// are all taken shares them out among its waits this way, one slice at a time.
+func WithYield(ctx context.Context, yield func() bool) context.Context {
+	return context.WithValue(ctx, yieldKey{}, yield)
+}
+
+// errBouncedAtDeadline ends a timed wait whose last slice was granted past a writer's intent and gave the key
+// back: the session holds nothing (the statement said so), and the wait was not granted in time.
+var errBouncedAtDeadline = errors.New("not granted before the deadline (a writer waits for the key)")
+
+// pause waits d before a shared wait is sent again; nothing is on the wire, and the session holds nothing. A
+// deadline that passes meanwhile ends the wait as the server would (not granted); a cancel ends it too.
+func (w *serverWait) pause(d time.Duration) error {
+	if dl, ok := w.ctx.Deadline(); ok && time.Until(dl) < d {
+		d = max(time.Until(dl), 0)
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-w.ctx.Done():
+		return WithContext(w.ctx, errPausedCancelled)
+	}
+	if dl, ok := w.ctx.Deadline(); ok && !time.Now().Before(dl) {
+		return errBouncedAtDeadline
+	}
+	return nil
+}
+
+var errPausedCancelled = errors.New("wait cancelled while a writer waited for the key")
+
+// comment is what a slice's statement carries in front of it: how long the wait has waited so far (the server's
+// query_start less this is when the wait began, on the server's clock) and, for a published wait, what its caller
+// holds. pg_stat_activity.query shows it while the statement runs.
+func (w *serverWait) comment() string {
+	s := "/*advlock q=" + strconv.FormatInt(time.Since(w.start).Milliseconds(), 10)
+	if w.tag != "" {
+		s += " " + w.tag
+	}
+	return s + "*/ "
+}
+
+// statement runs one wait statement that the server bounds at end (its lock_timeout), allowing the measured round
+// trip and the slack past it (see serverBound), and notes how late the answer came.
+func (w *serverWait) statement(end time.Time, sql string, args ...any) (int64, error) {
+	r, err := serverBound(w.ctx, w.conn, end.Add(w.rtt+w.slack), sql, args...)
+	if late := time.Since(end); SQLState(err) == "55P03" && late > w.rtt {
+		w.rtt = min(late, w.slack) // a timeout is answered as the slice ends: what came later is the link's
+	}
+	return r, err
+}
+
+// takeIntent takes t's intent on the wait's session (a try: it never waits), one round trip. Another writer may
+// hold it (then its intent holds readers back), or a reader may be testing it at this instant: the wait goes on
+// either way, and its next slice that finds the key held in shared mode tries again.
+func (w *serverWait) takeIntent() error {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(w.ctx), w.slack+w.rtt)
+	defer cancel()
+	stop := context.AfterFunc(w.ctx, func() {
+		if !errors.Is(w.ctx.Err(), context.DeadlineExceeded) {
+			cancel()
+		}
+	})
+	defer stop()
+	r, err := w.conn.QueryInt(ctx, IntentSQL, w.t.ID.Intent().V)
+	if err != nil {
+		if w.ctx.Err() == nil && ctx.Err() != nil {
+			return fmt.Errorf("take the key's intent: no answer within %v; session closed", w.slack+w.rtt)
+		}
+		return fmt.Errorf("take the key's intent: %w", err)
+	}
+	w.rtt = max(w.rtt, min(time.Since(start), w.slack))
+	w.intent = r == 1
+	return nil
+}
+
+// slice returns when the next slice of a wait ends (at most the wait slice away, at most ctx's deadline), whether
+// that is the deadline, and its length in whole milliseconds (at least 1: lock_timeout 0 would mean none).
+func slice(ctx context.Context, cfg Config) (end time.Time, last bool, ms int64) {
+	s := cfg.WaitSlice
+	if s <= 0 {
+		s = DefaultWaitSlice
+	}
+	end = time.Now().Add(s)
+	if deadline, timed := ctx.Deadline(); timed && !deadline.After(end) {
+		end, last = deadline, true
+	}
+	d := max(time.Until(end), time.Millisecond)
+	return end, last, int64((d + time.Millisecond - 1) / time.Millisecond)
+}
+
+// serverBound runs a statement that the server itself bounds (a try, or a wait under lock_timeout): ctx's deadline
+// does not cut it (which would cost the session, and could send a cancel request that reaches a later statement);
+// only a server that does not answer by until, or a cancellation of ctx other than its deadline, interrupts it. A
+// server that does not answer in time is an error of its own, which says so and matches no context error: the
+// caller's context did not end.
+func serverBound(ctx context.Context, conn Conn, until time.Time, sql string, args ...any) (int64, error) {
+	qctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), until)
+	defer cancel()
+	stop := context.AfterFunc(ctx, func() {
+		if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			cancel()
+		}
+	})
+	defer stop()
+	start := time.Now()
+	r, err := conn.QueryInt(qctx, sql, args...)
+	if err != nil && ctx.Err() == nil && errors.Is(qctx.Err(), context.DeadlineExceeded) {
+		err = fmt.Errorf("%w: no answer from the server within %v of sending the statement (its slice, the "+
+			"measured round trip and the keepalive bound); session closed", errNoAnswer, until.Sub(start).Round(time.Millisecond))
+	}
+	return r, err
+}
+
+// errNoAnswer marks a statement the server did not answer within its bound.
+var errNoAnswer = errors.New("the server stopped answering")
+
+// settle leaves conn, whose wait for t was not granted (the server ended it at the deadline, or it was given
+// back), holding nothing: a grant can race the wait's end (the lock then survives the error), so the key is
+// settled on the session (SettleSQL, which also gives the intent back), which then goes back to its pool. Any doubt
+// costs the session instead. It reports whether the session was kept.
+func settle(ctx context.Context, conn Conn, t Target, intent bool) bool {
+	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if r, err := conn.QueryInt(uctx, SettleSQL(t, intent)); err != nil || r != 1 {
+		because(conn, "settling a wait that was not granted failed")
+		conn.Destroy()
+		return false
+	}
+	conn.Release()
+	return true
+}
+
+// abandoned makes sure the server has dropped the wait on conn (already destroyed) that was given up: a backend
+// blocked in a lock wait notices its closed socket only when granted or at its next
+// client_connection_check_interval, and until then pg_locks shows a waiter nobody waits for, which is then granted
+// the key for a moment. It is bounded (1 s) and synchronous, so that when Lock returns the server has dropped the
+// waiter (a process that exits right after, such as advlock run, leaves no waiter behind). See Conn.Cancel. A
+// cancel request is answered once the server has signalled the backend, which leaves the queue a moment later: on
+// a direct connection with a pid, abandoned then reads pg_locks through another connection of the pool (when one
+// is free at once) until the backend holds and waits for no advisory lock (its intent included).
+func abandoned(pool Pool, conn Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	conn.Cancel(ctx)
+	pid := conn.ClientPID()
+	if _, direct := conn.Verified(); !direct || pid == 0 || pool.Stats().Exhausted() {
+		return
+	}
+	other, err := pool.Acquire(ctx)
+	if err != nil {
+		return
+	}
+	for {
+		// Any advisory row: a grant that raced the cancel is held until the backend exits.
+		n, err := other.QueryInt(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1::int4", int64(pid))
+		if err != nil {
+			other.Destroy()
+			return
+		}
+		if n == 0 || ctx.Err() != nil {
+			other.Release()
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
