@@ -23,6 +23,7 @@ import (
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/mutant"
 	"github.com/advlock/advlock/internal/pgcluster"
+	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/jackc/pgx/v5"
 )
@@ -45,6 +46,10 @@ type Options struct {
 	// mutant's short campaign aims at its bug).
 	Faults []string
 	Ops    []string
+	// WaitSlice, when not zero, shortens each statement of a wait in the server (the library's default is 0.9 s):
+	// below the readers' holds (300 to 900 ms), readers let in at each end of a writer's slice outlast its next
+	// one, which is how readers that ignore a writer's intent starve it.
+	WaitSlice time.Duration
 	// Failover runs the locks on a primary and a streaming standby (the ledger on a server of its own), the
 	// workers with a DSN that names both (target_session_attrs=read-write), and adds the fault kind "failover":
 	// the standby made to lag, the primary stopped (immediate), the standby promoted, the old primary rebuilt as
@@ -54,7 +59,7 @@ type Options struct {
 
 // Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
 // workers themselves and counted with them, and "failover" is drawn only in a failover campaign.
-var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackhole", "latency", "sigstop",
+var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackhole", "latency", "slow_link", "sigstop",
 	"sigkill", "restart_fast", "restart_immediate", "close_locker"}
 
 // fault is one injected fault: when, what, and which worker it aimed at (-1: all of them).
@@ -67,6 +72,7 @@ type fault struct {
 	PID    int32    // the backend it ended (terminate)
 	Keys   []string // the advisory locks that backend held just before
 	Held   int      // advisory locks its target (a worker, or every worker) held when it was injected
+	Waits  int      // advisory locks its target waited for then (slow_link, aimed at a worker that waits)
 }
 
 // via says how a worker reaches the server.
@@ -97,8 +103,8 @@ type campaign struct {
 
 	errors map[string]int // what the operations that failed with "error" said, by class
 
-	runEnd time.Time   // when the workers were told to stop
-	waits  []*PairWait // read by history: the pair operations' waits
+	runEnd time.Time // when the workers were told to stop
+	waits  []*Wait   // read by history: the recorded waits (pairs', readers' and writers')
 
 	mu      sync.Mutex
 	faults  []fault
@@ -337,7 +343,8 @@ func (c *campaign) newSlot(i int) (*slot, error) {
 	s.stderr = f
 	s.cfg = workerConfig{ID: i, Name: fmt.Sprintf("chaos-w%d", i), DSN: dsn, Ledger: c.ledgerURL(), Locks: locks, Shared: shared,
 		Broken: c.opt.Broken, Seed: c.opt.Seed*1000 + uint64(i), Keepalive: c.opt.Keepalive,
-		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4, Ops: c.opt.Ops}
+		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4, Ops: c.opt.Ops,
+		WaitSlice: c.opt.WaitSlice}
 	return s, nil
 }
 
@@ -508,7 +515,43 @@ func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 	if s.At.IsZero() {
 		return Sample{}, errors.New("pg_locks sample: no row")
 	}
+	foldIntents(s)
 	return s, nil
+}
+
+// intents maps the intent of each key the workers take exclusively to that key. A writer takes the key's intent (a
+// lock on another int8 key) on the session that waits, when it finds the key held in shared mode or has waited a
+// whole slice, and holds it across its wait and then with the key until its unlock (docs/locks.md): no section
+// holds it in the workers' records.
+var intents = func() map[string]string {
+	m := map[string]string{}
+	keys := append(append(slices.Clone(lockKeys), pairKeys...), queueKey, leadKey)
+	for i := range 64 * 64 { // lock_cancel's keys of each worker's own (72000 + worker*64 + i)
+		keys = append(keys, advlock.Int64Key(72000+int64(i)))
+	}
+	for _, k := range keys {
+		n, _ := k.Int64()
+		m[canon(advlock.Int64Key(session.ID{V: n}.Intent().V))] = canon(k)
+	}
+	return m
+}()
+
+// foldIntents drops from a sample each intent held by a backend that also holds or waits for its key there, and
+// names the others "intent of KEY": an intent its writer's session holds without the key, in sample after
+// sample, is a lock left behind (the leak rule), as in Inspect.
+func foldIntents(s Sample) {
+	for ik, key := range intents {
+		rows, ok := s.Held[ik]
+		if !ok {
+			continue
+		}
+		delete(s.Held, ik)
+		for _, r := range rows {
+			if !slices.ContainsFunc(s.Held[key], func(k Holder) bool { return k.PID == r.PID }) {
+				s.Held["intent of "+key] = append(s.Held["intent of "+key], r)
+			}
+		}
+	}
 }
 
 func (c *campaign) record(f fault) {
@@ -578,12 +621,15 @@ func (c *campaign) inject(ctx context.Context) {
 			if !done {
 				deck = append(deck, kind)
 			}
-		case "cut", "blackhole", "latency":
+		case "cut", "blackhole", "latency", "slow_link":
 			if len(proxied) == 0 {
 				continue
 			}
 			s := c.pickHolder(now, proxied, rng)
-			f.Worker, f.Held = s.cfg.ID, heldIn(now, s.cfg.Name)
+			if kind == "slow_link" {
+				s = c.pickWaiter(now, proxied, rng)
+			}
+			f.Worker, f.Held, f.Waits = s.cfg.ID, heldIn(now, s.cfg.Name), waitingIn(now, s.cfg.Name)
 			switch kind {
 			case "cut":
 				for _, p := range s.proxies {
@@ -608,6 +654,22 @@ func (c *campaign) inject(ctx context.Context) {
 				}
 				f.Detail = d.String()
 				sleepCtx(ctx, time.Duration(1000+rng.IntN(1000))*time.Millisecond)
+				for _, p := range s.proxies {
+					p.Latency(0)
+				}
+				f.Until = time.Now()
+				c.record(f)
+			case "slow_link":
+				// Slow, not dead: a round trip of 0.4 to 1 s, for 1 to 3 s. A wait through it goes on (a Wait bound
+				// ends not acquired, with no deadline its caller never set); the watcher of a lock held through it
+				// may take it for dead (a keepalive round trip longer than the keepalive interval) and say so.
+				d := time.Duration(200+rng.IntN(300)) * time.Millisecond
+				for _, p := range s.proxies {
+					p.Latency(d)
+				}
+				span := time.Duration(1000+rng.IntN(2000)) * time.Millisecond
+				f.Detail = fmt.Sprintf("%v a chunk for %v, waiting for %d, holding %d", d, span, f.Waits, f.Held)
+				sleepCtx(ctx, span)
 				for _, p := range s.proxies {
 					p.Latency(0)
 				}
@@ -680,6 +742,33 @@ func (c *campaign) pickHolder(now Sample, slots []*slot, rng *rand.Rand) *slot {
 		holding = slots
 	}
 	return holding[rng.IntN(len(holding))]
+}
+
+// pickWaiter picks one of the slots whose sessions pg_locks shows waiting for a lock, or else a holder.
+func (c *campaign) pickWaiter(now Sample, slots []*slot, rng *rand.Rand) *slot {
+	var waiting []*slot
+	for _, s := range slots {
+		if waitingIn(now, s.cfg.Name) > 0 {
+			waiting = append(waiting, s)
+		}
+	}
+	if len(waiting) == 0 {
+		return c.pickHolder(now, slots, rng)
+	}
+	return waiting[rng.IntN(len(waiting))]
+}
+
+// waitingIn counts the advisory locks the sessions named app wait for in a sample.
+func waitingIn(s Sample, app string) int {
+	n := 0
+	for _, rows := range s.Held {
+		for _, h := range rows {
+			if !h.Granted && h.App == app {
+				n++
+			}
+		}
+	}
+	return n
 }
 
 // heldIn counts the advisory locks granted to the sessions named app in a sample (every worker's: app "").
@@ -854,7 +943,7 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 		}
 		sc := bufio.NewScanner(f)
 		sc.Buffer(make([]byte, 1<<20), 1<<24)
-		waits := map[string]*PairWait{}
+		waits := map[string]*Wait{} // by ID and CS: a pair's wait has no ID, and one at a time per CS
 		for sc.Scan() {
 			var e event
 			if json.Unmarshal(sc.Bytes(), &e) != nil {
@@ -874,7 +963,7 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 				}
 			case "begin":
 				css[e.CS] = &CS{ID: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Token: e.Token, Begin: time.Unix(0, e.At),
-					PID: e.PID}
+					PID: e.PID, Wait: e.Wait}
 			case "end":
 				if cs := css[e.CS]; cs != nil {
 					cs.Ended, cs.Cause, cs.Unlock, cs.Clean, cs.ToldBy = true, e.Cause, e.Unlock, e.Clean, e.ToldBy
@@ -885,11 +974,12 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 					}
 				}
 			case "wait":
-				waits[e.CS] = &PairWait{CS: e.CS, Worker: e.W, Key: e.Key, Start: time.Unix(0, e.At)}
-				c.waits = append(c.waits, waits[e.CS])
+				wt := &Wait{ID: e.Wait, CS: e.CS, Worker: e.W, Op: e.Op, Key: e.Key, Mode: e.Mode, Start: time.Unix(0, e.At)}
+				waits[e.Wait+"/"+e.CS] = wt
+				c.waits = append(c.waits, wt)
 			case "waited":
-				if pw := waits[e.CS]; pw != nil {
-					pw.End, pw.Result, pw.Err = time.Unix(0, e.At), e.Result, e.Err
+				if wt := waits[e.Wait+"/"+e.CS]; wt != nil {
+					wt.End, wt.Result, wt.Err = time.Unix(0, e.At), e.Result, e.Err
 				}
 			case "hang":
 				probs = append(probs, Violation{VHang, fmt.Sprintf("worker %d: %s did not return within its bound", e.W, e.Op)})

@@ -274,6 +274,9 @@ func TestChecker(t *testing.T) {
 		{"a fault that ends no session tells nothing", evidence(build(
 			csSpec{"a", 0, "x", 1, false, -1, []int{0, 500, 2500}, nil}),
 			Evidence{Kind: "latency", At: at(100), Until: at(2000), Worker: 0}), map[string]int{}},
+		{"a slow link ends no session", evidence(build(
+			csSpec{"a", 0, "x", 1, false, -1, []int{0, 500, 2500}, nil}),
+			Evidence{Kind: "slow_link", At: at(100), Until: at(2000), Worker: 0}), map[string]int{}},
 		{"writes after being told do not count", build(
 			csSpec{"a", 0, "x", 1, false, 20, []int{0, 2500}, nil},
 			csSpec{"b", 1, "x", 2, false, -1, []int{30, 40}, nil}), map[string]int{VStaleToken: 1}},
@@ -490,6 +493,13 @@ func TestChecker(t *testing.T) {
 		if got := kinds(Check(h)); len(got) != 0 {
 			t.Fatalf("held 1.7 s after a blackhole: got %v", got)
 		}
+		// A watcher that took a slow link for a dead one closed its session: the close reaches the server late.
+		h = evidence(build(csSpec{"a", 0, "x", 1, false, 250, []int{0, 200}, nil}),
+			Evidence{Kind: "slow_link", At: at(100), Until: at(1200), Worker: 0})
+		h.Samples = samples
+		if got := kinds(Check(h)); len(got) != 0 {
+			t.Fatalf("held 1.7 s after a slow link: got %v", got)
+		}
 		// A stopped worker records nothing: a lock it holds while stopped, and for a while after, is no leak.
 		h = build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 300}, nil})
 		h.Samples = samples
@@ -631,7 +641,7 @@ func pairs(specs ...pairSpec) *History {
 			c.Told = at(s.told)
 		}
 		h.CS[s.id] = c
-		h.Waits = append(h.Waits, &PairWait{CS: s.id, Worker: s.worker, Key: s.wants, Start: at(s.wait[0]), End: at(s.wait[1]), Result: s.result})
+		h.Waits = append(h.Waits, &Wait{CS: s.id, Worker: s.worker, Op: "pair", Key: s.wants, Mode: "x", Start: at(s.wait[0]), End: at(s.wait[1]), Result: s.result})
 	}
 	return h
 }
@@ -715,4 +725,150 @@ func TestCheckerDeadlocks(t *testing.T) {
 			}
 		})
 	}
+}
+
+// queueSpec is a reader's or writer's wait for the queue key, from wait[0] to wait[1] (ms), which ended with
+// result, and, when granted, the section its grant began (hold, ms).
+type queueSpec struct {
+	id     string
+	worker int
+	mode   string
+	wait   [2]int
+	result string
+	hold   [2]int
+}
+
+func queueHistory(specs ...queueSpec) *History {
+	h := &History{CS: map[string]*CS{}, Bound: time.Second, DeadlockBound: DeadlockBound, StarveBound: StarveBound, RunEnd: at(100_000)}
+	for _, s := range specs {
+		op := map[string]string{"s": "reader", "x": "writer"}[s.mode]
+		h.Waits = append(h.Waits, &Wait{ID: s.id, Worker: s.worker, Op: op, Key: "q", Mode: s.mode, Start: at(s.wait[0]),
+			End: at(s.wait[1]), Result: s.result})
+		if s.result == "ok" {
+			h.CS[s.id+".cs"] = &CS{ID: s.id + ".cs", Worker: s.worker, Op: op, Key: "q", Mode: s.mode, Begin: at(s.hold[0]),
+				End: at(s.hold[1]), Ended: true, Clean: true, Wait: s.id}
+		}
+	}
+	return h
+}
+
+// readersFrom are readers of worker 1 that come and go from ms on, each holding 900 ms and the next one granted
+// 600 ms after the one before, until ms to: the key is never free of them.
+func readersFrom(from, to int) []queueSpec {
+	var out []queueSpec
+	for i, start := 0, from; start < to; i, start = i+1, start+600 {
+		out = append(out, queueSpec{fmt.Sprintf("r%d", i), 1, "s", [2]int{start, start + 1}, "ok", [2]int{start + 1, start + 900}})
+	}
+	return out
+}
+
+// starvedWriter is a writer of worker 0 that came behind a reader of worker 2 and waited 8 s while readers that
+// came after it were let in.
+func starvedWriter() *History {
+	return queueHistory(append(readersFrom(700, 8100),
+		queueSpec{"a", 2, "s", [2]int{0, 1}, "ok", [2]int{1, 800}},
+		queueSpec{"w", 0, "x", [2]int{100, 8100}, "not_acquired", [2]int{}})...)
+}
+
+// The queue rules, each shown to fire, with the allowed cases beside them.
+func TestCheckerQueue(t *testing.T) {
+	with := func(h *History, f func(h *History)) *History { f(h); return h }
+	for _, tc := range []struct {
+		name string
+		h    *History
+		want map[string]int
+	}{
+		{"a writer granted once the readers it came behind let go, a newcomer let in meanwhile", queueHistory(
+			queueSpec{"a", 1, "s", [2]int{0, 1}, "ok", [2]int{1, 800}},
+			queueSpec{"b", 2, "s", [2]int{10, 11}, "ok", [2]int{11, 600}},
+			queueSpec{"w", 0, "x", [2]int{100, 1500}, "ok", [2]int{1500, 1550}},
+			queueSpec{"c", 1, "s", [2]int{300, 301}, "ok", [2]int{301, 1200}},
+			queueSpec{"d", 2, "s", [2]int{700, 1560}, "ok", [2]int{1560, 2000}}), map[string]int{}},
+		{"a writer starved by readers that came after it", starvedWriter(), map[string]int{VStarvedWait: 1}},
+		{"a writer behind an earlier writer's long section", queueHistory( // granted after the later one began
+			queueSpec{"w1", 1, "x", [2]int{0, 300}, "ok", [2]int{300, 4000}},
+			queueSpec{"w2", 0, "x", [2]int{10, 4010}, "ok", [2]int{4010, 4050}}), map[string]int{}},
+		{"a writer granted long after an earlier writer let go", queueHistory(
+			queueSpec{"w1", 1, "x", [2]int{0, 300}, "ok", [2]int{300, 400}},
+			queueSpec{"w2", 0, "x", [2]int{10, 4010}, "ok", [2]int{4010, 4050}}), map[string]int{VStarvedWait: 1}},
+		{"a reader behind a writer that held long", queueHistory(
+			queueSpec{"w", 1, "x", [2]int{0, 5}, "ok", [2]int{5, 4000}},
+			queueSpec{"r", 0, "s", [2]int{100, 4100}, "ok", [2]int{4100, 4500}}), map[string]int{}},
+		{"a reader granted long after the writer it came behind", queueHistory(
+			queueSpec{"w", 1, "x", [2]int{0, 5}, "ok", [2]int{5, 1000}},
+			queueSpec{"r", 0, "s", [2]int{100, 5200}, "ok", [2]int{5200, 5300}}), map[string]int{VStarvedWait: 1}},
+		{"readers do not queue behind readers", queueHistory(
+			queueSpec{"a", 1, "s", [2]int{0, 1}, "ok", [2]int{1, 8000}},
+			queueSpec{"r", 0, "s", [2]int{100, 4100}, "ok", [2]int{4100, 4500}}), map[string]int{VStarvedWait: 1}},
+		{"a starved writer whose readers' worker was stopped", with(starvedWriter(), func(h *History) {
+			h.Pauses = []Pause{{Worker: 1, From: at(3000), To: at(5000)}}
+		}), map[string]int{}},
+		{"a starved writer behind a slow link", evidence(starvedWriter(),
+			Evidence{Kind: "slow_link", At: at(2000), Until: at(4000), Worker: 0}), map[string]int{}},
+		{"a starved writer, the server restarting", evidence(starvedWriter(),
+			Evidence{Kind: "restart_fast", At: at(5000), Until: at(5600), Worker: -1}), map[string]int{}},
+		{"a fault on a worker that never touched the key excuses nothing", evidence(starvedWriter(),
+			Evidence{Kind: "cut", At: at(3000), Worker: 5}), map[string]int{VStarvedWait: 1}},
+		{"a fault long before the wait excuses nothing", evidence(starvedWriter(),
+			Evidence{Kind: "blackhole", At: at(-9000), Until: at(-8000), Worker: 0}), map[string]int{VStarvedWait: 1}},
+		{"a section of a killed worker has no end: not judged", with(starvedWriter(), func(h *History) {
+			h.CS["a.cs"].Ended = false
+		}), map[string]int{}},
+		{"a wait whose end was never recorded is not judged", with(starvedWriter(), func(h *History) {
+			h.Waits[len(h.Waits)-1].End = time.Time{}
+		}), map[string]int{}},
+
+		{"a wait with no deadline that failed over a slow link", evidence(queueHistory(
+			queueSpec{"w", 0, "x", [2]int{0, 1500}, "timeout", [2]int{}}),
+			Evidence{Kind: "slow_link", At: at(100), Until: at(2000), Worker: 0}), map[string]int{VFailedWait: 1}},
+		{"a wait with no deadline that failed with nothing near it", queueHistory(
+			queueSpec{"w", 0, "s", [2]int{0, 1500}, "error", [2]int{}}), map[string]int{VFailedWait: 1}},
+		{"a wait that failed as its worker was cut off", evidence(queueHistory(
+			queueSpec{"w", 0, "x", [2]int{0, 1500}, "error", [2]int{}}),
+			Evidence{Kind: "cut", At: at(1400), Worker: 0}), map[string]int{}},
+		{"a wait that failed as its Locker was closed", evidence(queueHistory(
+			queueSpec{"w", 0, "x", [2]int{0, 1500}, "closed", [2]int{}}),
+			Evidence{Kind: "close_locker", At: at(1490), Worker: 0}), map[string]int{}},
+		{"a wait that failed as the server restarted", evidence(queueHistory(
+			queueSpec{"w", 0, "s", [2]int{0, 1500}, "error", [2]int{}}),
+			Evidence{Kind: "restart_immediate", At: at(1000), Until: at(1400), Worker: -1}), map[string]int{}},
+		{"a wait that failed as another worker was cut off", evidence(queueHistory(
+			queueSpec{"w", 0, "x", [2]int{0, 1500}, "error", [2]int{}}),
+			Evidence{Kind: "cut", At: at(1400), Worker: 1}), map[string]int{VFailedWait: 1}},
+		{"a wait bounded by Wait over a slow link, not acquired", evidence(queueHistory(
+			queueSpec{"w", 0, "x", [2]int{0, 2500}, "not_acquired", [2]int{}}),
+			Evidence{Kind: "slow_link", At: at(100), Until: at(2000), Worker: 0}), map[string]int{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := map[string]int{}
+			var details []string
+			for _, v := range Check(tc.h) {
+				got[v.Kind]++
+				details = append(details, v.Kind+": "+v.Detail)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Errorf("got %v, want %v\n%s", got, tc.want, strings.Join(details, "\n"))
+			}
+		})
+	}
+
+	// A writer's intent is held by the session that waits for (or holds) its key: a sample drops it; an intent held
+	// without its key is named after the key, for the leak rule.
+	t.Run("writers' intents in pg_locks", func(t *testing.T) {
+		k := canon(queueKey)
+		var ik string
+		for i, key := range intents {
+			if key == k {
+				ik = i
+			}
+		}
+		s := Sample{At: at(0), Held: map[string][]Holder{
+			ik: {{App: "w0", PID: 5, Granted: true}, {App: "w1", PID: 6, Granted: true}},
+			k:  {{App: "w0", PID: 5, Granted: false}, {App: "w2", PID: 7, Granted: true}},
+		}}
+		foldIntents(s)
+		if _, ok := s.Held[ik]; ok || len(s.Held[k]) != 2 || fmt.Sprint(s.Held["intent of "+k]) != fmt.Sprint([]Holder{{App: "w1", PID: 6, Granted: true}}) {
+			t.Errorf("folded: %v", s.Held)
+		}
+	})
 }

@@ -29,6 +29,7 @@ type CS struct {
 	Mode    string
 	Token   int64
 	PID     uint32    // the server session that held it, as the library said (0: unknown)
+	Wait    string    // the recorded wait that was granted it (a reader's or writer's), if any
 	Begin   time.Time // just after the grant (its holder's record; zero in old histories: its first write)
 	End     time.Time // just after the release returned; zero if its end was never recorded
 	Ended   bool      // its end was recorded (a SIGKILLed worker records none)
@@ -46,7 +47,7 @@ type CS struct {
 type Evidence struct {
 	Kind   string    // a fault kind, or "session_end" (the server's log: a backend of the worker ended)
 	At     time.Time // for a fault, when it was injected (its effect follows); for session_end, the end itself
-	Until  time.Time // a fault with a span (sigstop, blackhole, latency): when it stopped
+	Until  time.Time // a fault with a span (sigstop, blackhole, latency, slow_link): when it stopped
 	Worker int       // -1: every worker (a restart)
 	PID    int32     // the backend it ended, when one
 	Keys   []string  // the advisory locks that backend held just before (terminate)
@@ -55,7 +56,7 @@ type Evidence struct {
 // ends reports whether e ends sessions (rather than only slowing or stopping a client).
 func (e Evidence) ends() bool {
 	switch e.Kind {
-	case "sigstop", "blackhole", "latency":
+	case "sigstop", "blackhole", "latency", "slow_link":
 		return false
 	}
 	return true
@@ -113,15 +114,20 @@ type History struct {
 	WorkerOf func(app string) (int, bool) // the inverse of AppName
 	Shared   map[int]bool                 // workers whose Locker runs shared sessions (a loss is then learned by the reader)
 	RunEnd   time.Time
-	// The pair operations' waits for their second key (a cycle of them must end within DeadlockBound).
-	Waits         []*PairWait
+	// The recorded waits: the pair operations' for their second key (a cycle of them must end within
+	// DeadlockBound), and the readers' and writers' for the queue key (each granted within StarveBound of its key
+	// being free to it in PostgreSQL's queue order).
+	Waits         []*Wait
 	DeadlockBound time.Duration
+	StarveBound   time.Duration
 
 	// Filled in by Check: how much it compared (a check that compared nothing proves nothing).
-	Confirmed       int      // (sample, holder) pairs where pg_locks showed the believing holder
-	ExcusedOverlaps int      // overlaps with a holder whose session the server's evidence shows ended first
-	Notices         []Notice // losses inside sections, judged against the bound
-	Cycles          []*Cycle // cycles of waits among the pair operations
+	Confirmed       int             // (sample, holder) pairs where pg_locks showed the believing holder
+	ExcusedOverlaps int             // overlaps with a holder whose session the server's evidence shows ended first
+	Notices         []Notice        // losses inside sections, judged against the bound
+	Cycles          []*Cycle        // cycles of waits among the pair operations
+	WaitsJudged     int             // readers' and writers' waits judged by their queue (no fault near them)
+	FreeToGrant     []time.Duration // of those granted: from the moment their key was free to them to the grant
 }
 
 // Violation is one broken guarantee.
@@ -618,6 +624,7 @@ func Check(h *History) []Violation {
 
 	out = append(out, h.leaksDuringRun()...)
 	out = append(out, h.deadlocks()...)
+	out = append(out, h.queue()...)
 	for _, l := range h.Leaked {
 		add(VLeak, "%s", l)
 	}

@@ -8,15 +8,19 @@ import (
 	"time"
 )
 
-// PairWait is a pair operation's wait for its second key, made while its caller holds the first (in the critical
-// section CS), as its worker recorded it.
-type PairWait struct {
-	CS     string // the section of the key its caller holds
+// Wait is one wait for a key, as its worker recorded it: a pair operation's wait for its second key, made while its
+// caller holds the first (in the critical section CS), or a reader's or writer's wait for the queue key, which
+// holds nothing (named by ID; the section its grant began names it back).
+type Wait struct {
+	ID     string // a reader's or writer's wait; empty for a pair's (named by CS)
+	CS     string // the section of the key its caller holds (a pair's); empty for a reader's or writer's
 	Worker int
+	Op     string
 	Key    string    // the key it waits for
+	Mode   string    // x or s
 	Start  time.Time // just before the Lock call
 	End    time.Time // just after it returned; zero if that was never recorded (the worker was killed)
-	Result string    // ok, deadlock, timeout, lost, error, ...
+	Result string    // ok, not_acquired, deadlock, timeout, lost, error, ...
 	Err    string
 }
 
@@ -38,16 +42,16 @@ const justifySlack = 300 * time.Millisecond
 // Cycle is one cycle of waits the checker found in the pair operations' records: every member holds the key the
 // one before it waits for, all at once.
 type Cycle struct {
-	Members []*PairWait
+	Members []*Wait
 	Formed  time.Time // the last member's wait started: from then on every member waited
 	Broken  time.Time // the first member stopped waiting or holding
-	Victims []*PairWait
+	Victims []*Wait
 	Excused bool // it lasted past the bound while a fault kept its Lockers from reading the graph
 }
 
 // member is a pair wait with its outer section's held interval.
 type member struct {
-	w                *PairWait
+	w                *Wait
 	cs               *CS
 	holdFrom, holdTo time.Time
 	waitFrom, waitTo time.Time
@@ -86,8 +90,8 @@ func (h *History) deadlocks() []Violation {
 	var ms []*member
 	for _, w := range h.Waits {
 		c := h.CS[w.CS]
-		if c == nil || w.Start.IsZero() {
-			continue
+		if w.CS == "" || c == nil || w.Start.IsZero() {
+			continue // a wait that holds nothing closes no cycle
 		}
 		m := &member{w: w, cs: c, holdFrom: c.begin(), holdTo: forever, waitFrom: w.Start, waitTo: forever}
 		if !w.End.IsZero() {
@@ -188,7 +192,7 @@ func (h *History) deadlocks() []Violation {
 			switch {
 			case e.Kind == "restart_fast" || e.Kind == "restart_immediate" || e.Kind == "failover":
 				efrom = efrom.Add(-time.Second)
-			case e.Kind == "cut" || e.Kind == "blackhole" || e.Kind == "latency" || e.Kind == "sigstop":
+			case e.Kind == "cut" || e.Kind == "blackhole" || e.Kind == "latency" || e.Kind == "slow_link" || e.Kind == "sigstop":
 				if !slices.Contains(ws, e.Worker) {
 					continue
 				}
@@ -288,11 +292,12 @@ func describe(c *Cycle) string {
 	return strings.Join(parts, " ")
 }
 
-// strandedNear reports whether a worker other than w was behind a blackhole or stopped (SIGSTOP) between from and
-// to: its sessions stay in the server, holding and waiting, whatever its client has given up since.
+// strandedNear reports whether a worker other than w was behind a blackhole or a slow link, or stopped (SIGSTOP),
+// between from and to: its sessions stay in the server, holding and waiting, whatever its client has given up
+// since (through a slow link, the news reaches the server a round trip late).
 func (h *History) strandedNear(w int, from, to time.Time) bool {
 	for _, e := range h.Evidence {
-		if (e.Kind != "blackhole" && e.Kind != "sigstop") || e.Worker == w || e.Worker == -1 {
+		if (e.Kind != "blackhole" && e.Kind != "slow_link" && e.Kind != "sigstop") || e.Worker == w || e.Worker == -1 {
 			continue
 		}
 		eto := e.At

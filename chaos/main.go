@@ -1,6 +1,6 @@
 // Command chaos runs advlock under injected faults and checks the history afterwards.
 //
-//	go run ./chaos [-duration 2m] [-seed N] [-workers 6] [-json FILE] [-v] [-faults KIND,...|none] [-ops OP,...] [-failover]
+//	go run ./chaos [-duration 2m] [-seed N] [-workers 6] [-json FILE] [-v] [-faults KIND,...|none] [-ops OP,...] [-failover] [-wait-slice D]
 //	go run -tags advlock_mutants ./chaos -mutant NAME ...   (the library with one deliberate bug; see internal/mutant)
 //
 // It starts a private PostgreSQL cluster and PgBouncer (session pooling), runs worker processes (this binary
@@ -46,6 +46,7 @@ func mainCampaign() int {
 	opList := flag.String("ops", "", "run only these operations (comma-separated; default: the usual mix)")
 	faultList := flag.String("faults", "", "inject only these fault kinds (comma-separated; none: no faults; default: every kind)")
 	failover := flag.Bool("failover", false, "run the locks on a primary and a streaming standby, and inject failovers too (the ledger on a server of its own)")
+	waitSlice := flag.Duration("wait-slice", 0, "shorten each statement of a wait in the server (default: the library's 0.9 s)")
 	flag.Parse()
 	if flag.NArg() > 0 || *duration <= 0 || *workers < 1 {
 		flag.Usage()
@@ -53,7 +54,8 @@ func mainCampaign() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
-	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName, Failover: *failover}
+	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName, Failover: *failover,
+		WaitSlice: *waitSlice}
 	if *opList != "" {
 		opt.Ops = strings.Split(*opList, ",")
 	}

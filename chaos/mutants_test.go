@@ -26,13 +26,16 @@ func TestMutants(t *testing.T) {
 		t.Fatalf("building the workers with the mutants: %v\n%s", err, out)
 	}
 	seed := uint64(time.Now().UnixNano() % 1_000_000)
-	// Three short campaigns, each aimed at its bugs, each with a control: the same build, no mutant on, must find
-	// nothing under the same workload.
+	// Short campaigns, each aimed at its bugs, each with a control: the same build, no mutant on, must find nothing
+	// under the same workload.
 	plain := Options{NoFaults: true}                                                                                   // exclusion, semaphores, leaks
 	terminate := Options{Faults: []string{"terminate_holder"}, Ops: []string{"hold", "hold_try"}}                      // losses inside long sections
 	cancels := Options{NoFaults: true, Ops: []string{"lock_cancel"}}                                                   // waits cancelled as the key is granted
 	pairs := Options{NoFaults: true, Ops: []string{"pair"}}                                                            // two keys in a random order: cycles of waits
 	failover := Options{Failover: true, Faults: []string{"failover"}, Ops: []string{"do", "trylock", "lock_deadline"}} // a lagging standby promoted
+	// Readers that come and go, writers behind them; each wait's slices shorter than the readers' holds, which
+	// readers that ignore a writer's intent then outlast, one slice after another.
+	queue := Options{NoFaults: true, Ops: []string{"reader", "writer"}, WaitSlice: 300 * time.Millisecond}
 	cases := []struct {
 		mutant string
 		opt    Options
@@ -55,6 +58,8 @@ func TestMutants(t *testing.T) {
 		{mutant.DeadlockFalse, pairs, []string{VFalseDeadlock}},
 		{"", failover, nil},
 		{mutant.TokenNoTimeline, failover, []string{VTokenOrder, VStaleToken}},
+		{"", queue, nil},
+		{mutant.IntentIgnored, queue, []string{VStarvedWait}},
 	}
 	covered := map[string]bool{}
 	for _, c := range cases {

@@ -55,6 +55,12 @@ type Report struct {
 	DeadlockMS      Percentiles    `json:"deadlock_ms"`
 	DeadlockMaxMS   float64        `json:"deadlock_max_ms"`
 	DeadlockBoundMS float64        `json:"deadlock_bound_ms"`
+	// The readers' and writers' waits for the queue key judged by their queue (no fault near them), and how long
+	// after their key was free to them the granted ones were granted.
+	WaitsJudged      int         `json:"waits_judged"`
+	FreeToGrantMS    Percentiles `json:"free_to_grant_ms"`
+	FreeToGrantMaxMS float64     `json:"free_to_grant_max_ms"`
+	StarveBoundMS    float64     `json:"starve_bound_ms"`
 	// Failovers (a -failover campaign): how long each took from the primary's stop to the standby's promotion, and
 	// from the promotion to the first grant a worker recorded on the new primary.
 	Failovers       int         `json:"failovers,omitempty"`
@@ -92,7 +98,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
 		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
-		Waits: c.waits, DeadlockBound: DeadlockBound,
+		Waits: c.waits, DeadlockBound: DeadlockBound, StarveBound: StarveBound,
 		SemN: semN, RunEnd: c.runEnd,
 		AppName: func(w int) string { return fmt.Sprintf("chaos-w%d", w) },
 		WorkerOf: func(app string) (int, bool) {
@@ -109,7 +115,17 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		Examples: map[string][]string{}, Writes: len(writes), Samples: len(h.Samples), Errors: c.errors,
 		Confirmed: h.Confirmed, ExcusedOverlaps: h.ExcusedOverlaps, SessionEnds: len(ends),
 		BoundMS: float64(h.Bound.Milliseconds()), CyclesBroken: map[string]int{},
-		DeadlockBoundMS: float64(h.DeadlockBound.Milliseconds())}
+		DeadlockBoundMS: float64(h.DeadlockBound.Milliseconds()), WaitsJudged: h.WaitsJudged,
+		StarveBoundMS: float64(h.StarveBound.Milliseconds())}
+	if len(h.FreeToGrant) > 0 {
+		ms := make([]float64, len(h.FreeToGrant))
+		for i, d := range h.FreeToGrant {
+			ms[i] = float64(d.Microseconds()) / 1000
+		}
+		sort.Float64s(ms)
+		r.FreeToGrantMS = Percentiles{P50: pct(ms, 0.5), P99: pct(ms, 0.99), N: len(ms)}
+		r.FreeToGrantMaxMS = pct(ms, 1)
+	}
 	var took []float64
 	for _, cy := range h.Cycles {
 		r.Cycles++
@@ -143,7 +159,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	}
 	for _, f := range faults {
 		r.Faults[f.Kind]++
-		if f.Held > 0 || f.Kind == "latency" || f.Kind == "terminate_waiter" {
+		if f.Held > 0 || f.Kind == "latency" || f.Kind == "terminate_waiter" || f.Kind == "slow_link" && f.Waits > 0 {
 			r.FaultsHit[f.Kind]++
 		}
 	}
@@ -286,6 +302,12 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(w, "cycles of waits: %d formed; broken by one ErrDeadlock %d (after p50 %.0f ms, p99 %.0f ms, max %.0f ms; bound %v), by a fault, loss or timeout first %d, never %d; past the bound during a fault that kept a Locker from reading %d\n\n",
 			r.Cycles, r.CyclesBroken["deadlock"], r.DeadlockMS.P50, r.DeadlockMS.P99, r.DeadlockMaxMS,
 			time.Duration(r.DeadlockBoundMS)*time.Millisecond, r.CyclesBroken["other"], r.CyclesBroken["never"], r.CyclesBroken["excused"])
+	}
+
+	if r.WaitsJudged > 0 {
+		fmt.Fprintf(w, "readers' and writers' waits judged by their queue: %d; the granted ones granted after their key was free to them: p50 %.0f ms, p99 %.0f ms, max %.0f ms (of %d; bound %v)\n\n",
+			r.WaitsJudged, r.FreeToGrantMS.P50, r.FreeToGrantMS.P99, r.FreeToGrantMaxMS, r.FreeToGrantMS.N,
+			time.Duration(r.StarveBoundMS)*time.Millisecond)
 	}
 
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

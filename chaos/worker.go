@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/config"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
@@ -39,6 +40,7 @@ type workerConfig struct {
 	History    string        `json:"history"`
 	Goroutines int           `json:"goroutines"`
 	Ops        []string      `json:"ops,omitempty"` // only these operations, drawn evenly (default: the mix)
+	WaitSlice  time.Duration `json:"wait_slice,omitempty"`
 }
 
 // Keys the workers contend for.
@@ -48,7 +50,15 @@ var (
 	// pairKeys are taken two at a time in a random order (the pair operation): cycles of waits form, across
 	// processes and inside one, which the Lockers must break with exactly one ErrDeadlock each.
 	pairKeys = []advlock.Key{advlock.Int64Key(71201), advlock.Int64Key(71202), advlock.Int64Key(71203)}
+	// queueKey is the readers' and writers' key (the reader and writer operations, and no other): readers that
+	// come and go keep it held in shared mode, and a writer must still be granted in PostgreSQL's queue order.
+	// Every wait for it is recorded, so the checker knows its whole queue.
+	queueKey = advlock.Int64Key(71300)
 )
+
+// queueWait bounds a reader's or writer's wait (advlock.Wait; the caller sets no deadline): far longer than the
+// checker's StarveBound, so that a starved wait shows as one, and a slow link has time to end it wrongly.
+const queueWait = 8 * time.Second
 
 // pairWait bounds a pair operation's wait for its second key: far longer than a cycle may last (History's
 // DeadlockBound), so that only the Locker's detection, or a fault, ends a cycle in time.
@@ -71,6 +81,9 @@ type event struct {
 	CS    string `json:"cs,omitempty"`
 	Token int64  `json:"token,omitempty"`
 	PID   uint32 `json:"pid,omitempty"` // begin: the server session that holds the lock (LockOutcome.PID)
+	// wait, waited: a reader's or writer's wait (a pair's is named by its CS, the section it holds); begin: the
+	// wait that was granted this section
+	Wait string `json:"wait,omitempty"`
 	// op
 	Result string `json:"result,omitempty"`
 	Err    string `json:"err,omitempty"`
@@ -102,6 +115,10 @@ type worker struct {
 	broken *pgxpool.Pool
 	seq    atomic.Int64
 	counts struct{ cancels atomic.Int64 }
+
+	// The writers' Locker (see writerLocker), opened with the first writer.
+	writerMu sync.Mutex
+	writer   *advlock.Locker
 
 	opsMu sync.Mutex
 	ops   map[int64]opTrack
@@ -316,6 +333,9 @@ func runWorker(raw string) int {
 	if l := w.locker.Load(); l != nil {
 		l.Close()
 	}
+	if w.writer != nil {
+		w.writer.Close()
+	}
 	if w.broken != nil {
 		w.broken.Close()
 	}
@@ -346,8 +366,12 @@ func (w *worker) open(ctx context.Context) (*advlock.Locker, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	return advlock.Open(ctx, w.cfg.DSN+"&application_name="+w.cfg.Name, advlock.WithFencing(),
-		advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n), advlock.WithObserver(&w.obs))
+	opts := []advlock.Option{advlock.WithFencing(), advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n),
+		advlock.WithObserver(&w.obs)}
+	if d := w.cfg.WaitSlice; d > 0 {
+		opts = append(opts, func(o *config.Options) { o.WaitSlice = d }) // a test knob of the library's
+	}
+	return advlock.Open(ctx, w.cfg.DSN+"&application_name="+w.cfg.Name, opts...)
 }
 
 // heldByMe lists the advisory locks that backends named after this worker hold once every operation has ended:
@@ -533,6 +557,15 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 		err = w.do(l, key, rng)
 	case "dotx":
 		err = w.doTx(l, key, rng)
+	case "reader":
+		err = w.readers(stop, l, rng)
+	case "writer":
+		// A writer comes now and then (readers outnumber writers): a pause first, then a wait behind the readers.
+		sleepRand(rng, 500*time.Millisecond, 2*time.Second)
+		var wl *advlock.Locker
+		if wl, err = w.writerLocker(stop); err == nil {
+			err = w.queued(wl, "writer", "x")
+		}
 	case "semaphore":
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
 		sem := l.Semaphore(semName, semN)
@@ -553,9 +586,10 @@ type opWeight struct {
 	p  int
 }
 
-// opWeights is the workers' mix of operations (percent).
-var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 12}, {"lock_deadline", 16}, {"lock_cancel", 11}, {"rlock", 11}, {"do", 11}, {"dotx", 9},
-	{"semaphore", 7}, {"pair", 10}, {"lead", 8}}
+// opWeights is the workers' mix of operations (percent). A reader's operation is several rounds, seconds in all:
+// 1 percent of the draws keeps about a tenth of the goroutines reading the queue key.
+var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 11}, {"lock_deadline", 15}, {"lock_cancel", 11}, {"rlock", 11}, {"do", 11}, {"dotx", 9},
+	{"semaphore", 7}, {"pair", 10}, {"reader", 1}, {"writer", 1}, {"lead", 8}}
 
 // pick draws the next operation: from the mix, or evenly from the worker's own list.
 func (w *worker) pick(rng *rand.Rand) string {
@@ -605,11 +639,17 @@ func (w *worker) sessionLockIn(parent context.Context, op string, key advlock.Ke
 	if err != nil {
 		return err
 	}
-	cs := w.csID()
-	w.emit(event{T: "begin", Op: op, Key: canon(lk.Key()), Mode: mode, CS: cs, Token: lk.Token(), PID: pid.Load()})
+	return w.section(op, lk, mode, w.csID(), "", pid.Load())
+}
+
+// section records a critical section on the session lock lk (granted through the recorded wait named wait, if
+// any), writes to the ledger inside it as long as op holds, and unlocks.
+func (w *worker) section(op string, lk *advlock.Lock, mode, cs, wait string, pid uint32) error {
+	w.emit(event{T: "begin", Op: op, Key: canon(lk.Key()), Mode: mode, CS: cs, Token: lk.Token(), PID: pid, Wait: wait})
 	told := watchTold(lk.Done())
 	r := rngFor(cs)
-	if op == "hold" || op == "hold_try" { // 2.5 to 5 s
+	switch op {
+	case "hold", "hold_try": // 2.5 to 5 s
 		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 20+r.IntN(20), 250*time.Millisecond)
 		if mode == "x" && r.IntN(2) == 0 {
 			select {
@@ -623,7 +663,9 @@ func (w *worker) sessionLockIn(parent context.Context, op string, key advlock.Ke
 			default:
 			}
 		}
-	} else {
+	case "reader": // long enough that readers overlap, and the key is never free of them
+		w.criticalFor(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), time.Duration(300+r.IntN(600))*time.Millisecond)
+	default:
 		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 2+r.IntN(3), 40*time.Millisecond)
 	}
 	t := told() // before Unlock, which ends Done too
@@ -643,10 +685,59 @@ func (w *worker) sessionLockIn(parent context.Context, op string, key advlock.Ke
 	}
 	w.emit(event{T: "end", CS: cs, Key: canon(lk.Key()), Told: t, ToldBy: by, Cause: cause, Unlock: classify(uerr),
 		Clean: uerr == nil && t == 0, Session: w.obs.sessionOf(canon(lk.Key()))})
-	if uerr != nil {
-		return uerr
+	return uerr
+}
+
+// readers is a reader that comes and goes: 5 to 10 rounds, each an RLock of the queue key held 300 to 900 ms and
+// taken again at once after its release, so that readers of several goroutines and workers overlap and the key
+// is never free of them. It stops at the first round that fails, or when the worker is told to stop.
+func (w *worker) readers(stop context.Context, l *advlock.Locker, rng *rand.Rand) error {
+	for range 5 + rng.IntN(6) {
+		if err := w.queued(l, "reader", "s"); err != nil || stop.Err() != nil {
+			return err
+		}
 	}
 	return nil
+}
+
+// writerLocker returns the Locker the writers take the queue key through: one of their own in this process, as a
+// writer in another service would have. Through the worker's Locker a writer would wait in its in-process queue,
+// where this process's readers queue behind it: they would let go of the key for it whatever the server does.
+func (w *worker) writerLocker(ctx context.Context) (*advlock.Locker, error) {
+	w.writerMu.Lock()
+	defer w.writerMu.Unlock()
+	if w.writer == nil {
+		l, err := w.open(ctx)
+		if err != nil {
+			return nil, err
+		}
+		w.writer = l
+	}
+	return w.writer, nil
+}
+
+// queued takes the queue key in mode (s: RLock, x: Lock) bounded by Wait(queueWait), under a context without a
+// deadline, and holds it (a reader 300 to 900 ms, a writer briefly). The wait is recorded as it starts and as it
+// returns, under an id of its own that its section's begin names: the checker rebuilds the key's queue from these
+// records (every wait for this key is one) and judges each wait by PostgreSQL's queue order.
+func (w *worker) queued(l *advlock.Locker, op, mode string) error {
+	done := w.track(op, queueWait+2*time.Second)
+	defer done()
+	ctx, pid := withPIDBox(context.Background())
+	id := w.csID()
+	w.emit(event{T: "wait", Op: op, Wait: id, Key: canon(queueKey), Mode: mode})
+	var lk *advlock.Lock
+	var err error
+	if mode == "s" {
+		lk, err = l.RLock(ctx, queueKey, advlock.Wait(queueWait))
+	} else {
+		lk, err = l.Lock(ctx, queueKey, advlock.Wait(queueWait))
+	}
+	w.emit(event{T: "waited", Op: op, Wait: id, Key: canon(queueKey), Mode: mode, Result: classify(err), Err: errString(err)})
+	if err != nil {
+		return err
+	}
+	return w.section(op, lk, mode, w.csID(), id, pid.Load())
 }
 
 func toldBy(t int64) string {
@@ -714,6 +805,31 @@ func (w *worker) critical(key, mode string, token int64, cs string, done <-chan 
 				return
 			case <-time.After(5*time.Millisecond + time.Duration(rng.Int64N(int64(gap)))):
 			}
+		}
+	}
+}
+
+// criticalFor is critical for a held span of d: a write about every 100 ms, the first one right after the grant
+// and the last one right before d is up.
+func (w *worker) criticalFor(key, mode string, token int64, cs string, done <-chan struct{}, d time.Duration) {
+	end := time.Now().Add(d)
+	for {
+		select {
+		case <-done:
+			return
+		default:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		_ = w.write(ctx, w.ledger, key, mode, token, cs)
+		cancel()
+		left := time.Until(end)
+		if left <= 0 {
+			return
+		}
+		select {
+		case <-done:
+			return
+		case <-time.After(min(left, 100*time.Millisecond)):
 		}
 	}
 }
@@ -795,9 +911,9 @@ func (w *worker) pair(l *advlock.Locker, rng *rand.Rand) error {
 		w.critical(canon(first), "x", token, cs, fctx.Done(), r, 1+r.IntN(2), 40*time.Millisecond)
 		var werr error
 		ierr = w.sessionLockIn(fctx, "pair_inner", next, "x", 200*time.Millisecond, func(actx context.Context) (*advlock.Lock, error) {
-			w.emit(event{T: "wait", Op: "pair", CS: cs, Key: canon(next)})
+			w.emit(event{T: "wait", Op: "pair", CS: cs, Key: canon(next), Mode: "x"})
 			lk, err := within(pairWait, func(ctx context.Context) (*advlock.Lock, error) { return l.Lock(ctx, next) })(actx)
-			w.emit(event{T: "waited", Op: "pair", CS: cs, Key: canon(next), Result: classify(err), Err: errString(err)})
+			w.emit(event{T: "waited", Op: "pair", CS: cs, Key: canon(next), Mode: "x", Result: classify(err), Err: errString(err)})
 			werr = err
 			return lk, err
 		})

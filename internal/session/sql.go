@@ -41,6 +41,7 @@ func (id ID) literal() string {
 
 // Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
+	resultIntentNow = -6 // an exclusive wait's statement took the key's intent and did not wait: wait next, holding it
 	resultBadUnlock = -5 // an unlock inside a wait statement found nothing to unlock: the session is in doubt
 	resultBounced   = -4 // a shared wait was granted while a writer's intent stood, and gave the key back at once
 	resultReaders   = -3 // an exclusive wait found the key held in shared mode only: take its intent, then wait
@@ -159,7 +160,7 @@ func (id ID) Intent() ID {
 // only try), so a shared try of it fails exactly when a writer holds it.
 func noIntent(i string) string {
 	if mutant.On(mutant.IntentIgnored) {
-		return "true"
+		return "(" + i + " IS NOT NULL)" // always true; i stays an argument of the statement
 	}
 	return "CASE WHEN pg_try_advisory_lock_shared(" + i + ") THEN pg_advisory_unlock_shared(" + i + ") ELSE false END"
 }
@@ -309,9 +310,9 @@ func ownHeld(t Target) string {
 // one unlock, then pg_locks says which (the only read of the lock table, once per wait at most, as the wait ends),
 // so that the key is held exactly once when the statement yields a grant.
 //
-// An exclusive wait that holds no intent yet yields resultReaders when the key is held in shared mode only (its
-// caller then takes the intent); one that holds it (intent) waits at once. A shared wait gives the key back when
-// granted while a writer's intent stands (afterGrant).
+// An exclusive wait that holds no intent yet takes it when no other session holds it, and then yields
+// resultIntentNow without waiting (its next statement waits); one that holds it (intent) waits at once. A shared
+// wait gives the key back when granted while a writer's intent stands (afterGrant).
 func WaitSQL(t Target, ms int64, fenced, requeue, intent bool) string {
 	return waitSQL(t, nil, ms, fenced, requeue, intent)
 }
@@ -346,7 +347,11 @@ func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool) string
 		b.WriteString(" WHEN " + lockFn(true, false, a.literal()) + " THEN " + strconv.Itoa(2+i))
 	}
 	if !t.Shared && !intent && len(alts) == 0 { // a semaphore's slots are never held shared
-		b.WriteString(" WHEN " + lockFn(true, true, key) + " THEN CASE WHEN " + unlockFn(true, key) + " THEN -3 ELSE -5 END")
+		// A writer without the intent takes it whenever it is free, in a statement that then does not wait (so
+		// that whether it holds it is known): a writer behind other writers cannot tell that readers hold the key
+		// (a shared try fails while an exclusive request waits), and once the writer that held the intent lets
+		// go, one of those still waiting must hold it for the readers to wait again.
+		b.WriteString(" WHEN " + lockFn(true, false, ik) + " THEN -6")
 	}
 	b.WriteString(" ELSE " + wait + " END")
 	return b.String()

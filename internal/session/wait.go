@@ -102,10 +102,8 @@ func (w *serverWait) run(first bool) (int64, error) {
 			if w.yield != nil && w.yield() {
 				return 0, ErrYielded
 			}
-		case err == nil && r == resultReaders:
-			if err := w.takeIntent(); err != nil {
-				return 0, err
-			}
+		case err == nil && r == resultIntentNow:
+			w.intent = true
 		case err == nil && r == resultBounced:
 			w.bounces++
 			if last {

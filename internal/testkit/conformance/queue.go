@@ -138,23 +138,26 @@ func waiterPID(t *testing.T, obs *pgx.Conn, k advlock.Key, d time.Duration) uint
 // granted again past the writer by PostgreSQL's re-entrancy, with no slicing at all). While the writer holds the
 // key no reader does (pg_locks).
 func (s *suite) writerBehindReaders(t *testing.T) {
-	for _, one := range []bool{false, true} {
-		name := "four Lockers"
-		if one {
-			name = "one Locker"
-		}
-		t.Run(name, func(t *testing.T) { s.writerBehindReaders1(t, one) })
-	}
+	t.Run("four Lockers", func(t *testing.T) { s.writerBehindReaders1(t, false, 1) })
+	t.Run("one Locker", func(t *testing.T) { s.writerBehindReaders1(t, true, 1) })
+	t.Run("three writers", func(t *testing.T) { s.writerBehindReaders1(t, false, 3) })
 }
 
-func (s *suite) writerBehindReaders1(t *testing.T, oneLocker bool) {
+// writerBehindReaders1 runs writers writers, each a Locker of its own, behind four readers (in one Locker, or four).
+// With several writers, a writer that waits behind another cannot tell that readers hold the key (PostgreSQL
+// refuses a shared try while an exclusive request waits): each must take the intent once the first lets go, or the
+// readers pass at every slice of the rest.
+func (s *suite) writerBehindReaders1(t *testing.T, oneLocker bool, writers int) {
 	const readers, hold = 4, 400 * time.Millisecond
 	obs := s.observer(t)
 	slice := 150 * time.Millisecond
 	if oneLocker {
 		slice = 20 * time.Second // one slice: what is left to fail is a shared session granting the key again
 	}
-	writer := s.open(t, withWaitSlice(slice))
+	var ws []Harness
+	for range writers {
+		ws = append(ws, s.open(t, withWaitSlice(slice)))
+	}
 	ctx := ctxT(t, time.Minute)
 	k := Key(t)
 	var ls []*advlock.Locker
@@ -199,27 +202,39 @@ func (s *suite) writerBehindReaders1(t *testing.T, oneLocker bool) {
 	defer func() { stop(); wg.Wait() }()
 	time.Sleep(2 * hold) // the readers overlap
 	start := time.Now()
-	wl, err := writer.L.Lock(ctx, k, advlock.Wait(10*time.Second))
-	if err != nil {
-		mu.Lock()
-		t.Fatalf("the writer was not granted while readers came and went (%d grants to readers): %v", granted, err)
+	var wwg sync.WaitGroup
+	for i, writer := range ws {
+		wwg.Add(1)
+		go func() {
+			defer wwg.Done()
+			wl, err := writer.L.Lock(ctx, k, advlock.Wait(10*time.Second))
+			if err != nil {
+				mu.Lock()
+				defer mu.Unlock()
+				t.Errorf("writer %d was not granted while readers came and went (%d grants to readers): %v", i, granted, err)
+				return
+			}
+			t.Logf("writer %d granted after %v", i, time.Since(start).Round(time.Millisecond))
+			v, _ := k.Int64()
+			rows, err := pgtest.Locks(ctx, obs)
+			if err != nil {
+				t.Error(err)
+			}
+			for _, r := range rows {
+				if r.Int64Key(v) && r.Granted && r.PID != wl.PID() {
+					t.Errorf("pid %d holds %s (%s) while writer %d (pid %d) does", r.PID, k, r.Mode, i, wl.PID())
+				}
+			}
+			if err := wl.Unlock(ctx); err != nil {
+				t.Error(err)
+			}
+		}()
 	}
-	t.Logf("writer granted after %v", time.Since(start).Round(time.Millisecond))
-	v, _ := k.Int64()
-	rows, err := pgtest.Locks(ctx, obs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, r := range rows {
-		if r.Int64Key(v) && r.Granted && r.PID != wl.PID() {
-			t.Errorf("pid %d holds %s (%s) while the writer (pid %d) does", r.PID, k, r.Mode, wl.PID())
-		}
-	}
-	if err := wl.Unlock(ctx); err != nil {
-		t.Fatal(err)
-	}
+	wwg.Wait()
 	stop()
 	wg.Wait()
 	waitFree(t, obs, k)
-	noIdleLocks(t, writer, obs)
+	for _, w := range ws {
+		noIdleLocks(t, w, obs)
+	}
 }
