@@ -131,7 +131,7 @@ func (s *ownSlots) give() {
 // again every slotRetry or so, and returns the lock it got there (h) instead of a slot. give, when not nil, hands
 // the slot back; it must be called once the session is given up, or at once when no session is made.
 // A wait that passed by its gate never tries on a shared session, which may hold the key for the caller it passed.
-func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed bool, onEnd func(error)) (h handle, give func(), err error) {
+func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed bool, onEnd session.OnEnd) (h handle, give func(), err error) {
 	if l.slots == nil {
 		return nil, nil, nil
 	}

@@ -546,29 +546,55 @@ func (l *Locker) localGraph(s string) *graph {
 }
 
 // victims chooses the waits that give up, so that no cycle is left: as few as it can, the same on every client that
-// reads the same graph. Greedily, while a cycle remains: of the waits in cycles (strongly connected components of
-// more than one wait, or one that waits for its own caller), the one with the most edges into and out of its
-// component (in x out: the wait most cycles pass through; a wait that every cycle shares is ended alone), the
-// least by rank among equals; it is taken out and the components are found again. With one cycle, that is its
-// least wait, as before.
+// reads the same graph. In two rounds, each greedy while a cycle remains: of the waits in cycles (strongly
+// connected components of more than one wait, or one that waits for its own caller), the one with the most edges
+// into and out of its component (in x out: the wait most cycles pass through; a wait that every cycle shares is
+// ended alone), the least by rank among equals, is taken out and the components are found again. The first round
+// looks at the waits every client sees (those in the server's queues) and only those; the second breaks what cycles
+// are left, through this Locker's waits that only it sees (on their way to a session of their own), among those
+// waits alone: another client, which cannot see them, must never be counted on to end a wait for them. With one
+// cycle, that is its least wait, as before.
 func (g *graph) victims() map[*node]bool {
 	out := map[*node]bool{}
-	alive := map[*node]bool{}
+	visible := map[*node]bool{}
 	for _, n := range g.nodes {
-		alive[n] = true
+		if n.rank >= 0 {
+			visible[n] = true
+		}
 	}
+	g.greedy(visible, visible, out)
+	alive := map[*node]bool{}
+	local := map[*node]bool{}
+	for _, n := range g.nodes {
+		if !out[n] {
+			alive[n] = true
+			if n.rank < 0 {
+				local[n] = true
+			}
+		}
+	}
+	g.greedy(alive, local, out)
+	return out
+}
+
+// greedy adds to out, while the alive nodes still form a cycle, the pick among those of them in cycles that may
+// give up (pick), as victims describes; it stops when no cycle is left or none of its waits may be picked.
+func (g *graph) greedy(alive, pick map[*node]bool, out map[*node]bool) {
 	for {
 		comps := g.components(alive)
 		if len(comps) == 0 {
-			return out
+			return
 		}
 		if mutant.On(mutant.DeadlockEveryMember) {
 			for _, c := range comps {
 				for _, n := range c {
-					out[n] = true
+					if pick[n] {
+						out[n] = true
+						delete(alive, n)
+					}
 				}
 			}
-			return out
+			return
 		}
 		var best *node
 		bestScore := -1
@@ -578,6 +604,9 @@ func (g *graph) victims() map[*node]bool {
 				in[n] = true
 			}
 			for _, n := range c {
+				if !pick[n] {
+					continue
+				}
 				outs, ins := 0, 0
 				for _, m := range uniq(n.out) {
 					if in[m] {
@@ -593,6 +622,9 @@ func (g *graph) victims() map[*node]bool {
 					best, bestScore = n, score
 				}
 			}
+		}
+		if best == nil {
+			return
 		}
 		out[best] = true
 		delete(alive, best)

@@ -43,9 +43,9 @@ type LockInfo struct {
 	// cycle that advlock ends (ErrDeadlock) does so within about 2 s; a cycle that lasts passes through a caller
 	// advlock cannot end (another tool's session, or a process that does not detect deadlocks).
 	InCycle bool
-	// Intent marks a writer (an exclusive wait, or the lock it got) that holds the key's intent: it found the key
-	// held by readers, and new shared requests of advlock wait behind it (see "Writers and readers" in
-	// docs/locks.md). The intent's own pg_locks row is not listed.
+	// Intent marks a waiting writer (an exclusive wait) that holds the key's intent: it found the key held by
+	// readers, or has waited a whole slice, and new shared requests of advlock wait behind it (see "Waits and the
+	// database" in docs/locks.md). The intent's own pg_locks row is not listed.
 	Intent bool
 	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
@@ -240,9 +240,10 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 	return out, consistent, err
 }
 
-// foldIntents drops the intents of writers from out (a writer that waits behind readers holds its key's intent,
-// see docs/locks.md, "Writers and readers") and marks the rows of their keys instead: an intent is the exclusive
-// int8 lock, held by the session that also waits for or holds a key, that is that key's intent.
+// foldIntents drops the intents of writers from out (a waiting writer holds its key's intent, see docs/locks.md,
+// "Waits and the database") and marks the rows of their keys instead: an intent is the exclusive int8 lock, held
+// by the session that also waits for (or holds) a key, that is that key's intent. An intent whose session waits for
+// nothing is listed as the lock it is.
 func foldIntents(out []LockInfo) []LockInfo {
 	type lock struct {
 		pid int32

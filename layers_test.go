@@ -28,7 +28,7 @@ var layers = map[string][]string{
 	"internal/testkit/conformance": {"", "internal/config", "internal/testkit/faults", "internal/testkit/pgtest", "internal/session"},
 	"internal/cli":                 {"", "internal/session", "internal/pgcluster"},
 	"cmd/advlock":                  {"internal/cli"},
-	"chaos":                        {"", "internal/testkit/faults", "internal/mutant", "internal/pgcluster"},
+	"chaos":                        {"", "internal/testkit/faults", "internal/mutant", "internal/pgcluster", "internal/session", "internal/config"},
 	"examples/basic":               {""},
 	"examples/http":                {""},
 	"examples/slog":                {""},

@@ -15,7 +15,6 @@ type Lock struct {
 	h         handle
 	ended     atomic.Int32 // lockHeld, then unlockedByCaller or releasedByClose, whichever comes first
 	forgotten bool         // guarded by l.mu: released or lost, and dropped by the Locker
-	endErr    error        // guarded by l.mu: what Err says once forgotten (set with it)
 	observed  atomic.Bool  // its grant was reported to the Locker's observers and its end not yet
 	grantedAt time.Time    // set before observed
 }

@@ -242,13 +242,16 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 	nlk := &Lock{l: l, key: key, shared: shared}
 	// The in-process slot is given back when the lock ends, however it ends, before Done closes: a lost lock's
 	// session is gone, so nothing can be shared, and a holder that re-acquires as soon as it is told of the loss,
-	// without calling Unlock on the lost handle, must find the key free in this Locker.
-	h, err := l.take(ctx, t, wait, passed, w, start, func(err error) { l.forget(nlk, err); l.lockEnded(nlk, err) })
+	// without calling Unlock on the lost handle, must find the key free in this Locker. The observers are told once
+	// Done has closed, so that what watches Done (Do's fn) hears of a loss first, whatever the observers do.
+	h, err := l.take(ctx, t, wait, passed, w, start, l.ended(nlk))
 	if err != nil {
 		// forget, not leave: a handle that existed for a moment (granted, then handed back because ctx ended)
 		// may have ended already and freed the slot; freeing it twice would free another holder's. Errors from a
 		// Close that aborted this call match ErrClosed (session.Waits).
-		l.forget(nlk, nil)
+		if l.forget(nlk) { // never: it was not held yet
+			l.heldWG.Done()
+		}
 		return nil, err
 	}
 	nlk.h = h
@@ -329,7 +332,7 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 // waits in the server. A caller that passed by its gate (another caller of this Locker holds the key, maybe on a
 // shared session) takes a session of its own at once, and never tries on a shared session. w is the wait's
 // deadlock watch, if any.
-func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, w *waiter, start time.Time, onEnd func(error)) (handle, error) {
+func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, w *waiter, start time.Time, onEnd session.OnEnd) (handle, error) {
 	if l.shared != nil && !passed && !(wait && l.contended.recent(t.ID)) {
 		for attempt := 0; ; attempt++ {
 			m, err := l.shared.Get(ctx, wait)
@@ -392,9 +395,10 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 		}
 		end := onEnd
 		if give != nil {
-			end = func(err error) {
-				onEnd(err)
+			end = func(err error) func() {
+				after := onEnd(err)
 				give() // after the session went back to the pool or was destroyed
+				return after
 			}
 		}
 		s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, end)
@@ -445,21 +449,32 @@ func (l *Locker) releaseCtx(ctx context.Context, lk *Lock, after error) error {
 	return lk.h.Release(ctx, after) // the handle's end frees the slot (forget)
 }
 
-// forget drops lk from the Locker and gives its in-process slot back, once; err is why it ended (nil: it was never
-// handed out).
-func (l *Locker) forget(lk *Lock, err error) {
+// forget drops lk from the Locker and gives its in-process slot back, once. It reports whether lk was in the
+// Locker's held locks, whose count (heldWG) its caller then gives back, once it is done with the lock's end.
+func (l *Locker) forget(lk *Lock) (wasHeld bool) {
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	if lk.forgotten {
-		l.mu.Unlock()
-		return
+		return false
 	}
-	lk.forgotten, lk.endErr = true, err
-	_, wasHeld := l.held[lk]
+	lk.forgotten = true
+	_, wasHeld = l.held[lk]
 	delete(l.held, lk)
 	l.leaveLocked(session.Target{ID: lk.key.id, Shared: lk.shared})
-	l.mu.Unlock()
-	if wasHeld {
-		l.heldWG.Done()
+	return wasHeld
+}
+
+// ended is what a lock's session tells the Locker as the lock ends (session.OnEnd): the slot is given back at once,
+// the observers are told once Done has closed, and then Close may count the lock gone.
+func (l *Locker) ended(lk *Lock) session.OnEnd {
+	return func(err error) func() {
+		held := l.forget(lk)
+		return func() {
+			l.lockEnded(lk, err)
+			if held {
+				l.heldWG.Done()
+			}
+		}
 	}
 }
 
@@ -497,10 +512,7 @@ func (l *Locker) Close() {
 		}
 	}
 	wg.Wait()
-	l.heldWG.Wait() // also those a concurrent Unlock is releasing
-	for _, lk := range held {
-		<-lk.Done() // a lock frees its slot (forget) a moment before its Done closes
-	}
+	l.heldWG.Wait() // also those a concurrent Unlock is releasing, or being lost, and their observers told
 	l.inflight.Wait()
 	l.detectWG.Wait()
 	if l.shared != nil {

@@ -254,10 +254,11 @@ func (l *Locker) granted(lk *Lock) {
 	lk.grantedAt = time.Now()
 	lk.observed.Store(true)
 	l.mu.Lock()
-	ended, err := lk.forgotten, lk.endErr
+	ended := lk.forgotten
 	l.mu.Unlock()
 	if ended { // it ended before we started watching: the end hook may have missed it
-		l.lockEnded(lk, err)
+		<-lk.h.Done() // closes right after the slot is given back
+		l.lockEnded(lk, lk.h.Err())
 	}
 }
 

@@ -218,7 +218,7 @@ func (m *Mux) die(cause error) {
 // Try takes t on the Mux if no other session holds it. ctx is looked at before the request goes out; once out, the
 // answer comes within one round trip (or the Mux dies), and if ctx ended meanwhile a grant is undone. onEnd is
 // called once when the returned lock ends, however it ends.
-func (m *Mux) Try(ctx context.Context, t Target, onEnd func(error)) (*Held, error) {
+func (m *Mux) Try(ctx context.Context, t Target, onEnd OnEnd) (*Held, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, WithContext(ctx, err)
 	}
@@ -304,7 +304,7 @@ type Held struct {
 	once   sync.Once
 	done   chan struct{}
 	err    error // set before done is closed
-	onEnd  func(error)
+	onEnd  OnEnd
 	mu     sync.Mutex
 	after  []func()
 	rel    bool
@@ -353,16 +353,17 @@ func (h *Held) AfterEnd(f func()) (stop func() bool) {
 	}
 }
 
-// finish ends the lock with err, once: the owner is told first (onEnd, which gives the key's in-process slot back),
-// then Done closes and what AfterEnd arranged runs.
+// finish ends the lock with err, once: the owner is told first (OnEnd, which gives the key's in-process slot back),
+// then Done closes, what AfterEnd arranged runs, and what OnEnd asked to run after.
 func (h *Held) finish(err error) {
 	h.once.Do(func() {
 		h.err = err
 		h.mu.Lock()
 		onEnd := h.onEnd
 		h.mu.Unlock()
+		var then func()
 		if onEnd != nil {
-			onEnd(err)
+			then = onEnd(err)
 		}
 		h.mu.Lock()
 		close(h.done)
@@ -373,6 +374,9 @@ func (h *Held) finish(err error) {
 			if f != nil {
 				f()
 			}
+		}
+		if then != nil {
+			then()
 		}
 	})
 }

@@ -167,6 +167,11 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 			retry = append(retry, r)
 		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && isTry(r.op):
 			r.err, failed = batchErr, i // no lock-table space for this try
+			if isSharedTry(r.op) && !m.fenced {
+				// Its key was granted before its test of the key's intent found no space (sharedTry): undone
+				// first in the next round trip, exactly (the unlock answers false when it was not).
+				retry = append(retry, &req{op: r.op + opUnlock - opTry, key: r.key})
+			}
 		default:
 			m.wire = wire // die settles them: the session is in doubt
 			m.mu.Unlock()

@@ -48,9 +48,8 @@ func init() {
 				switch {
 				case !try:
 					return unlockFn(shared, args) + "::int"
-				case shared: // a reader passes only while no writer's intent stands (see Intent)
-					return "CASE WHEN CASE WHEN " + noIntent(intent) + " THEN " + lockFn(true, true, args) +
-						" ELSE false END THEN " + grant(fenced) + " ELSE 0 END"
+				case shared:
+					return sharedTry(fenced, args, intent)
 				}
 				return "CASE WHEN " + lockFn(true, false, args) + " THEN " + grant(fenced) + " ELSE 0 END"
 			}

@@ -144,6 +144,12 @@ func settingsSQL(settings []Setting) string {
 	return b.String()
 }
 
+// OnEnd is what the owner of a lock is told as it ends, however it ends (released, lost, closed), once: with what
+// Err then reports, before Done closes (the owner gives the key's in-process slot back then, so that a holder told
+// of the loss finds the key free). The func it returns, if not nil, runs once Done has closed (observers: what
+// watches Done, such as Do's fn, is told first).
+type OnEnd func(err error) (after func())
+
 // Session is one held lock on its own pinned connection.
 type Session struct {
 	pid       uint32 // the server session's
@@ -161,11 +167,10 @@ type Session struct {
 	granted    time.Time // when the lock was granted (set by starter.add)
 	watchDone  chan struct{}
 	released   atomic.Bool
-	onEnd      func(error)
+	onEnd      OnEnd
 	endOnce    sync.Once
 	unlockKey  func(ID) ID
 	token      int64 // the grant's fencing token (0 without fencing)
-	intent     *ID   // the intent the session also holds (a writer that waited behind readers), or nil
 }
 
 // Token is the grant's fencing token: 0 without fencing.
@@ -183,9 +188,8 @@ func (s *Session) PID() uint32 { return s.pid }
 // On any error, or when ctx ended while the statement ran, the connection is destroyed, never pooled: a grant can
 // race a cancel (the server grants, then reports the cancel), and a late cancel can hit a later statement.
 //
-// onEnd, if not nil, is called once when the lock ends, however it ends (released, lost, closed), with what Err
-// then reports, before Done closes.
-func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onEnd func(error)) (*Session, error) {
+// onEnd, if not nil, is called once when the lock ends, however it ends (released, lost, closed): see OnEnd.
+func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, onEnd OnEnd) (*Session, error) {
 	if !wait && pool.Stats().Exhausted() {
 		return nil, ErrPoolExhausted // a try does not wait for a connection
 	}
@@ -285,6 +289,11 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 			}
 		}
 	}
+	if err == nil && r >= resultAcquired && w.intent {
+		// Granted: the intent has served (the readers waited behind the writer) and goes back now, with the
+		// session's idle_session_timeout restored if taking it set one; the lock holds only its key.
+		err = w.releaseIntent()
+	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
 		err = fmt.Errorf("%w: %w", ErrClosed, err) // Close aborted the wait
 	}
@@ -293,15 +302,15 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	case errors.Is(err, errBouncedAtDeadline), timed && SQLState(err) == "55P03":
 		// The server ended the wait at its deadline (or it was given back to a writer as the deadline came): it
 		// was not granted, though a grant may have raced the timeout. The session is settled and kept.
-		settle(ctx, conn, t, w.intent)
+		settle(ctx, conn, t, w.intent, w.idle)
 		return nil, WithContext(ctx, fmt.Errorf("not granted before the deadline (the server's lock_timeout): %w", err))
 	case errors.Is(err, errPausedCancelled):
-		settle(ctx, conn, t, w.intent) // nothing on the wire: the session is kept
+		settle(ctx, conn, t, w.intent, w.idle) // nothing on the wire: the session is kept
 		return nil, WithContext(ctx, err)
 	case errors.Is(err, ErrYielded):
 		// Between two slices: not granted, though a grant may have raced the slice's end (settled: the key then
 		// goes to the next waiter), and the intent is given back.
-		settle(ctx, conn, t, w.intent) // kept, or closed on doubt: nothing is held either way
+		settle(ctx, conn, t, w.intent, w.idle) // kept, or closed on doubt: nothing is held either way
 		return nil, ErrYielded
 	}
 	// A grant that raced the deadline of a timed wait stands (the server answered within its bound); any other
@@ -345,10 +354,6 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 
 	s := &Session{conn: conn, pid: conn.ServerPID(), target: t, keepalive: cfg.Keepalive,
 		watchDone: make(chan struct{}), onEnd: onEnd, unlockKey: cfg.UnlockKey, token: token}
-	if w.intent {
-		s.intent = &ID{}
-		*s.intent = w.t.ID.Intent() // of the key it waited for (an alternative's grant holds that one's)
-	}
 	if s.keepalive <= 0 {
 		s.keepalive = DefaultKeepalive
 	}
@@ -502,13 +507,18 @@ func (s *Session) watch() {
 	}
 }
 
-// finish ends the lock with cause, once: the owner is told first, then Done closes.
+// finish ends the lock with cause, once: the owner is told first (OnEnd), then Done closes, then what OnEnd asked
+// to run after.
 func (s *Session) finish(cause error) {
 	s.endOnce.Do(func() {
+		var after func()
 		if s.onEnd != nil {
-			s.onEnd(cause)
+			after = s.onEnd(cause)
 		}
 		s.end(cause)
+		if after != nil {
+			after()
+		}
 	})
 }
 
@@ -561,9 +571,6 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		return nil
 	}
 	sql, args := UnlockSQL(t)
-	if s.intent != nil {
-		sql, args = UnlockIntentSQL(t, *s.intent)
-	}
 	r, err := s.conn.QueryInt(ctx, sql, args...)
 	switch {
 	case err == nil && r == resultAcquired && ctx.Err() == nil:

@@ -41,14 +41,15 @@ func (id ID) literal() string {
 
 // Result codes of the lock statements. A grant is 1, or with fencing the grant's token (>= 1).
 const (
-	resultIntentNow = -6 // an exclusive wait's statement took the key's intent and did not wait: wait next, holding it
-	resultBadUnlock = -5 // an unlock inside a wait statement found nothing to unlock: the session is in doubt
-	resultBounced   = -4 // a shared wait was granted while a writer's intent stood, and gave the key back at once
-	resultReaders   = -3 // an exclusive wait found the key held in shared mode only: take its intent, then wait
-	resultTimeouts  = -2 // WaitFirstSQL: held elsewhere, and the session has a statement or transaction timeout
-	resultStandby   = -1
-	resultNotHeld   = 0
-	resultAcquired  = 1
+	resultIntentIdle = -7 // resultIntentNow, and the statement gave the session an idle_session_timeout (intentIdle)
+	resultIntentNow  = -6 // an exclusive wait's statement took the key's intent and did not wait: wait next, holding it
+	resultBadUnlock  = -5 // an unlock inside a wait statement found nothing to unlock: the session is in doubt
+	resultBounced    = -4 // a shared wait was granted while a writer's intent stood, and gave the key back at once
+	resultReaders    = -3 // an exclusive wait found the key held in shared mode only: take its intent, then wait
+	resultTimeouts   = -2 // WaitFirstSQL: held elsewhere, and the session has a statement or transaction timeout
+	resultStandby    = -1
+	resultNotHeld    = 0
+	resultAcquired   = 1
 )
 
 // FenceSeq is the sequence fencing tokens come from: one for every key, every client, every database user of the
@@ -165,6 +166,17 @@ func noIntent(i string) string {
 	return "CASE WHEN pg_try_advisory_lock_shared(" + i + ") THEN pg_advisory_unlock_shared(" + i + ") ELSE false END"
 }
 
+// sharedTry is a reader's try (a CASE expression): it passes only while no writer's intent stands (see Intent),
+// and yields a grant, 0, or -5 (an unlock that found nothing: the session is in doubt). The key is tried first and
+// given back when an intent stands: a lock-table entry that the intent's test cannot get (53200) then fails the
+// statement after the key's grant, never before it, so that a shared session undoes the refused try exactly (one
+// unlock of the key in that mode gives back that grant, and changes nothing when the key's own lock function
+// failed, which it does only when the session did not hold the key in that mode).
+func sharedTry(fenced bool, key, intent string) string {
+	return "CASE WHEN " + lockFn(true, true, key) + " THEN CASE WHEN " + noIntent(intent) + " THEN " + grant(fenced) +
+		" WHEN " + unlockFn(true, key) + " THEN 0 ELSE -5 END ELSE 0 END"
+}
+
 // timeoutsSet is an SQL condition: the session has a statement_timeout, or (PostgreSQL 17 and later) a
 // transaction_timeout, that would end a wait in this statement: both are armed as the statement starts.
 const timeoutsSet = "current_setting('statement_timeout') <> '0' OR coalesce(current_setting('transaction_timeout', true), '0') <> '0'"
@@ -205,6 +217,10 @@ func init() {
 				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
 				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
 					" THEN " + grant(fenced) + " ELSE 0 END"
+				if shared {
+					trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE " +
+						sharedTry(fenced, args, "$"+strconv.Itoa(p+2)+"::int8") + " END"
+				}
 				ms := "$" + strconv.Itoa(p+2)
 				first := "SELECT CASE WHEN pg_is_in_recovery() THEN -1"
 				if shared {
@@ -238,21 +254,36 @@ func WaitFirstSQL(t Target, fenced bool, ms int64) (string, []any) {
 	return waitFirstSQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], args
 }
 
-// IntentSQL takes a key's intent if no other session holds it: 1 when taken, 0 when not. It never waits. (The
-// session must not hold the intent already: a second grant would need two unlocks.)
-const IntentSQL = "SELECT pg_try_advisory_lock($1::int8)::int"
+// intentIdle is an SQL expression for a session that takes an intent: 1 when it gives the session an
+// idle_session_timeout of ms (a literal or parameter) because it had none, else 0. A session that holds an intent
+// is never idle for long (each slice is sent again at once); should its client vanish (a network partition, a
+// process killed) after giving up on the wait, the server ends it then, instead of keeping the intent, which holds
+// readers back, until TCP keepalive notices (hours with the defaults). The setting is restored (to 0) with the
+// intent's release (ReleaseIntentSQL, SettleSQL). Servers before PostgreSQL 14 have no such setting.
+func intentIdle(ms string) string {
+	return "CASE WHEN coalesce(current_setting('idle_session_timeout', true), '') = '0' THEN " +
+		"0 * length(set_config('idle_session_timeout', " + ms + ", false)) + 1 ELSE 0 END"
+}
+
+// IntentSQL takes a key's intent ($1) if no other session holds it, and gives the session an idle_session_timeout
+// of $2 ms when it has none (intentIdle): 0 when not taken, 1 when taken, 2 when taken with the timeout set. It
+// never waits. (The session must not hold the intent already: a second grant would need two unlocks.)
+const IntentSQL = "SELECT CASE WHEN pg_try_advisory_lock($1::int8) THEN 1 + " + "CASE WHEN coalesce(current_setting('idle_session_timeout', true), '') = '0' THEN " +
+	"0 * length(set_config('idle_session_timeout', $2::text, false)) + 1 ELSE 0 END ELSE 0 END"
+
+// ReleaseIntentSQL gives back the intent of a writer whose wait was granted, and restores the session's
+// idle_session_timeout when taking it set one (idle): 1 when released.
+func ReleaseIntentSQL(intent ID, idle bool) string {
+	s := "SELECT pg_advisory_unlock(" + strconv.FormatInt(intent.V, 10) + ")::int"
+	if idle {
+		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"
+	}
+	return s
+}
 
 var unlockSQL = [2][2]string{
 	{"SELECT pg_advisory_unlock($1::int8)::int", "SELECT pg_advisory_unlock_shared($1::int8)::int"},
 	{"SELECT pg_advisory_unlock($1::int4, $2::int4)::int", "SELECT pg_advisory_unlock_shared($1::int4, $2::int4)::int"},
-}
-
-// unlockIntentSQL unlocks an exclusive lock and the intent its session holds with it, the intent first (so that
-// readers granted the key as it frees find no intent): 1 when both were held, 0 when the key was not, -1 when the
-// intent was not (the session is then in doubt).
-var unlockIntentSQL = [2]string{
-	"SELECT CASE WHEN pg_advisory_unlock($2::int8) THEN pg_advisory_unlock($1::int8)::int ELSE -1 END",
-	"SELECT CASE WHEN pg_advisory_unlock($3::int8) THEN pg_advisory_unlock($1::int4, $2::int4)::int ELSE -1 END",
 }
 
 func b2i(b bool) int {
@@ -262,22 +293,21 @@ func b2i(b bool) int {
 	return 0
 }
 
-// TrySQL returns the try-lock statement and its arguments. It yields a grant (1, or the token when fenced), 0
-// (held elsewhere) or -1 (the server is in recovery; nothing was taken).
+// TrySQL returns the try-lock statement and its arguments (for a shared try, the key's intent last: it passes only
+// while no writer's intent stands). It yields a grant (1, or the token when fenced), 0 (held elsewhere, or a writer
+// waits), -1 (the server is in recovery; nothing was taken) or -5 (the session is in doubt).
 func TrySQL(t Target, fenced bool) (string, []any) {
-	return trySQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
+	args := t.ID.args()
+	if t.Shared {
+		args = append(args, t.ID.Intent().V)
+	}
+	return trySQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], args
 }
 
 // UnlockSQL returns the unlock statement and its arguments. It yields 1 (released) or 0 (this session did not hold
 // the key in that mode).
 func UnlockSQL(t Target) (string, []any) {
 	return unlockSQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
-}
-
-// UnlockIntentSQL is UnlockSQL for an exclusive lock whose session also holds intent, the key's intent (see
-// unlockIntentSQL): 1, 0, or -1 when the intent was not held.
-func UnlockIntentSQL(t Target, intent ID) (string, []any) {
-	return unlockIntentSQL[b2i(t.ID.Pair)], append(t.ID.args(), intent.V)
 }
 
 // ownHeld is an SQL condition: this session holds t in t's mode (pg_locks; a read of the whole lock table, so
@@ -311,17 +341,18 @@ func ownHeld(t Target) string {
 // so that the key is held exactly once when the statement yields a grant.
 //
 // An exclusive wait that holds no intent yet takes it when no other session holds it, and then yields
-// resultIntentNow without waiting (its next statement waits); one that holds it (intent) waits at once. A shared
+// resultIntentNow (or resultIntentIdle, having given the session an idle_session_timeout of idleMS: intentIdle)
+// without waiting (its next statement waits); one that holds it (intent) waits at once. A shared
 // wait gives the key back when granted while a writer's intent stands (afterGrant).
-func WaitSQL(t Target, ms int64, fenced, requeue, intent bool) string {
-	return waitSQL(t, nil, ms, fenced, requeue, intent)
+func WaitSQL(t Target, ms int64, fenced, requeue, intent bool, idleMS int64) string {
+	return waitSQL(t, nil, ms, fenced, requeue, intent, idleMS)
 }
 
 // WaitAnySQL is WaitSQL for an exclusive wait for t that takes any of alts instead when one is free: each of its
 // statements tries alts in order before it waits for t, and yields 2+i for alts[i], 1 for t (never a token: a
 // fenced caller draws it next, TokenGrantSQL).
 func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
-	return waitSQL(t, alts, ms, false, requeue, intent)
+	return waitSQL(t, alts, ms, false, requeue, intent, 0)
 }
 
 // TokenGrantSQL draws a grant's token (see grant) in a statement of its own, for a grant whose statement could
@@ -329,7 +360,7 @@ func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
 // one.
 var TokenGrantSQL = "SELECT " + grant(true)
 
-func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool) string {
+func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool, idleMS int64) string {
 	key, ik := t.ID.literal(), strconv.FormatInt(t.ID.Intent().V, 10)
 	after := afterGrant(t.Shared, fenced, key, ik)
 	wait := "length(" + lockFn(false, t.Shared, key) + "::text) + " + after
@@ -351,7 +382,7 @@ func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool) string
 		// that whether it holds it is known): a writer behind other writers cannot tell that readers hold the key
 		// (a shared try fails while an exclusive request waits), and once the writer that held the intent lets
 		// go, one of those still waiting must hold it for the readers to wait again.
-		b.WriteString(" WHEN " + lockFn(true, false, ik) + " THEN -6")
+		b.WriteString(" WHEN " + lockFn(true, false, ik) + " THEN -6 - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'"))
 	}
 	b.WriteString(" ELSE " + wait + " END")
 	return b.String()
@@ -359,14 +390,18 @@ func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool) string
 
 // SettleSQL leaves a session that waited for t and was not granted holding nothing, whether or not a grant raced
 // the wait's end (a try passes on a session that holds the key already; then one unlock, and pg_locks says whether
-// a second is needed), and with intent also gives the key's intent back. It yields 1 when the session holds
+// a second is needed), and with intent also gives the key's intent back (with idle, restoring the session's
+// idle_session_timeout: intentIdle). It yields 1 when the session holds
 // nothing afterwards; anything else puts the session in doubt.
-func SettleSQL(t Target, intent bool) string {
+func SettleSQL(t Target, intent, idle bool) string {
 	key := t.ID.literal()
 	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
 		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
 	if intent && !t.Shared {
 		s += " * " + unlockFn(false, strconv.FormatInt(t.ID.Intent().V, 10)) + "::int"
+	}
+	if idle {
+		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"
 	}
 	return s
 }

@@ -22,9 +22,10 @@ const DefaultWaitSlice = 900 * time.Millisecond
 // PostgreSQL's own queue gave a single long wait for free, the slices must keep (see docs/locks.md):
 //
 //   - A grant that raced a slice's end is taken, never taken twice (WaitSQL's requeue).
-//   - A writer is not starved by readers that come and go: a writer that finds the key held in shared mode takes
-//     the key's intent (see Intent) and holds it across its slices and while it holds the key; readers do not pass
-//     it (a reader's try fails, a reader granted between two of the writer's slices gives the key back at once).
+//   - A writer is not starved by readers that come and go: a writer that finds the key held in shared mode, or that
+//     has waited a whole slice, takes the key's intent (see Intent) and holds it across its slices until it is
+//     granted; readers do not pass it (a reader's try fails, a reader granted between two of the writer's slices
+//     gives the key back at once).
 //   - A slow or stalling link does not end a wait: each slice may take its measured round trip and the keepalive
 //     bound past its end before the server counts as gone.
 //   - The wait publishes when it began (a comment in front of each statement, which pg_stat_activity shows), so
@@ -37,6 +38,7 @@ type serverWait struct {
 	tag     string    // a published wait's comment body for deadlock detection ("w=... h=..."), or ""
 	start   time.Time // when the wait began
 	intent  bool      // the session holds t's intent
+	idle    bool      // taking it gave the session an idle_session_timeout (intentIdle), to be restored
 	slack   time.Duration
 	rtt     time.Duration // the longest answer delay seen past a statement's expected answer
 	bounces int           // shared waits given back in a row because a writer's intent stood
@@ -90,7 +92,10 @@ func (w *serverWait) run(first bool) (int64, error) {
 			}
 		}
 		end, last, ms := slice(w.ctx, w.cfg)
-		sql := WaitSQL(w.t, ms, w.cfg.Fencing, requeue, w.intent)
+		if last && !time.Now().Before(end) && w.bounces > 0 {
+			return 0, errBouncedAtDeadline // given back to a writer, and the deadline has come
+		}
+		sql := WaitSQL(w.t, ms, w.cfg.Fencing, requeue, w.intent, w.idleMS())
 		if len(w.alts) > 0 {
 			sql = WaitAnySQL(w.t, w.alts, ms, requeue, w.intent)
 		}
@@ -102,13 +107,10 @@ func (w *serverWait) run(first bool) (int64, error) {
 			if w.yield != nil && w.yield() {
 				return 0, ErrYielded
 			}
-		case err == nil && r == resultIntentNow:
-			w.intent = true
+		case err == nil && (r == resultIntentNow || r == resultIntentIdle):
+			w.intent, w.idle = true, r == resultIntentIdle
 		case err == nil && r == resultBounced:
-			w.bounces++
-			if last {
-				return 0, errBouncedAtDeadline
-			}
+			w.bounces++ // also in the last slice: it waits again, until the deadline (pause)
 		default:
 			return r, err
 		}
@@ -139,8 +141,9 @@ func WithYield(ctx context.Context, yield func() bool) context.Context {
 	return context.WithValue(ctx, yieldKey{}, yield)
 }
 
-// errBouncedAtDeadline ends a timed wait whose last slice was granted past a writer's intent and gave the key
-// back: the session holds nothing (the statement said so), and the wait was not granted in time.
+// errBouncedAtDeadline ends a timed wait that was granted past a writer's intent and gave the key back, and whose
+// deadline has come since: the session holds nothing (the statement said so), and the wait was not granted in
+// time.
 var errBouncedAtDeadline = errors.New("not granted before the deadline (a writer waits for the key)")
 
 // pause waits d before a shared wait is sent again; nothing is on the wire, and the session holds nothing. A
@@ -198,7 +201,7 @@ func (w *serverWait) takeIntent() error {
 		}
 	})
 	defer stop()
-	r, err := w.conn.QueryInt(ctx, IntentSQL, w.t.ID.Intent().V)
+	r, err := w.conn.QueryInt(ctx, IntentSQL, w.t.ID.Intent().V, strconv.FormatInt(w.idleMS(), 10))
 	if err != nil {
 		if w.ctx.Err() == nil && ctx.Err() != nil {
 			return fmt.Errorf("take the key's intent: no answer within %v; session closed", w.slack+w.rtt)
@@ -206,7 +209,34 @@ func (w *serverWait) takeIntent() error {
 		return fmt.Errorf("take the key's intent: %w", err)
 	}
 	w.rtt = max(w.rtt, min(time.Since(start), w.slack))
-	w.intent = r == 1
+	w.intent, w.idle = r >= 1, r == 2
+	return nil
+}
+
+// idleMS is the idle_session_timeout a session that takes an intent gets when it has none (intentIdle): what Open
+// sets on every lock session, FrozenAfter the keepalive interval, which a session that holds an intent (sent again
+// at once after each slice) never reaches while its client lives.
+func (w *serverWait) idleMS() int64 {
+	k := w.cfg.Keepalive
+	if k <= 0 {
+		k = DefaultKeepalive
+	}
+	return FrozenAfter(k).Milliseconds()
+}
+
+// releaseIntent gives the intent back once the wait was granted (the lock then holds only its key): one round
+// trip, bounded like a try. It reports whether the server confirmed it; else the session is in doubt.
+func (w *serverWait) releaseIntent() error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(w.ctx), w.slack+w.rtt)
+	defer cancel()
+	r, err := w.conn.QueryInt(ctx, ReleaseIntentSQL(w.t.ID.Intent(), w.idle))
+	if err == nil && r != 1 {
+		err = fmt.Errorf("the session no longer held the key's intent")
+	}
+	if err != nil {
+		return fmt.Errorf("give the key's intent back after the grant: %w; session closed", err)
+	}
+	w.intent, w.idle = false, false
 	return nil
 }
 
@@ -255,10 +285,10 @@ var errNoAnswer = errors.New("the server stopped answering")
 // back), holding nothing: a grant can race the wait's end (the lock then survives the error), so the key is
 // settled on the session (SettleSQL, which also gives the intent back), which then goes back to its pool. Any doubt
 // costs the session instead. It reports whether the session was kept.
-func settle(ctx context.Context, conn Conn, t Target, intent bool) bool {
+func settle(ctx context.Context, conn Conn, t Target, intent, idle bool) bool {
 	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if r, err := conn.QueryInt(uctx, SettleSQL(t, intent)); err != nil || r != 1 {
+	if r, err := conn.QueryInt(uctx, SettleSQL(t, intent, idle)); err != nil || r != 1 {
 		because(conn, "settling a wait that was not granted failed")
 		conn.Destroy()
 		return false
