@@ -268,8 +268,7 @@ func intentIdle(ms string) string {
 // IntentSQL takes a key's intent ($1) if no other session holds it, and gives the session an idle_session_timeout
 // of $2 ms when it has none (intentIdle): 0 when not taken, 1 when taken, 2 when taken with the timeout set. It
 // never waits. (The session must not hold the intent already: a second grant would need two unlocks.)
-const IntentSQL = "SELECT CASE WHEN pg_try_advisory_lock($1::int8) THEN 1 + " + "CASE WHEN coalesce(current_setting('idle_session_timeout', true), '') = '0' THEN " +
-	"0 * length(set_config('idle_session_timeout', $2::text, false)) + 1 ELSE 0 END ELSE 0 END"
+var IntentSQL = "SELECT CASE WHEN pg_try_advisory_lock($1::int8) THEN 1 + " + intentIdle("$2::text") + " ELSE 0 END"
 
 // ReleaseIntentSQL gives back the intent of a writer whose wait was granted, and restores the session's
 // idle_session_timeout when taking it set one (idle): 1 when released.
