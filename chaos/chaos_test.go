@@ -713,17 +713,7 @@ func TestCheckerDeadlocks(t *testing.T) {
 			pairSpec{"x", 0, "A", "B", [2]int{0, 1210}, [2]int{100, 1200}, -1, "deadlock"},
 			pairSpec{"y", 1, "B", "A", [2]int{50, 1100}, [2]int{150, 1100}, 1100, "lost"}), map[string]int{}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got := map[string]int{}
-			var details []string
-			for _, v := range Check(tc.h) {
-				got[v.Kind]++
-				details = append(details, v.Kind+": "+v.Detail)
-			}
-			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
-				t.Errorf("got %v, want %v\n%s", got, tc.want, strings.Join(details, "\n"))
-			}
-		})
+		t.Run(tc.name, func(t *testing.T) { wantViolations(t, tc.h, tc.want) })
 	}
 }
 
@@ -839,17 +829,7 @@ func TestCheckerQueue(t *testing.T) {
 			queueSpec{"w", 0, "x", [2]int{0, 2500}, "not_acquired", [2]int{}}),
 			Evidence{Kind: "slow_link", At: at(100), Until: at(2000), Worker: 0}), map[string]int{}},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			got := map[string]int{}
-			var details []string
-			for _, v := range Check(tc.h) {
-				got[v.Kind]++
-				details = append(details, v.Kind+": "+v.Detail)
-			}
-			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
-				t.Errorf("got %v, want %v\n%s", got, tc.want, strings.Join(details, "\n"))
-			}
-		})
+		t.Run(tc.name, func(t *testing.T) { wantViolations(t, tc.h, tc.want) })
 	}
 
 	// A writer's intent is held by the session that waits for (or holds) its key: a sample drops it; an intent held
@@ -871,4 +851,18 @@ func TestCheckerQueue(t *testing.T) {
 			t.Errorf("folded: %v", s.Held)
 		}
 	})
+}
+
+// wantViolations checks that the checker finds in h exactly the violations want counts, by kind.
+func wantViolations(t *testing.T, h *History, want map[string]int) {
+	t.Helper()
+	got := map[string]int{}
+	var details []string
+	for _, v := range Check(h) {
+		got[v.Kind]++
+		details = append(details, v.Kind+": "+v.Detail)
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("got %v, want %v\n%s", got, want, strings.Join(details, "\n"))
+	}
 }
