@@ -31,6 +31,11 @@ import (
 // Do's fn, or with [Holding]) whose wait closed a cycle of waits gives up, so that its caller can release what it
 // holds; campaigning again while holding them would close the cycle again.
 //
+// fn is the leader's work: it should run until its ctx ends (or fail), since leadership lasts only while it runs.
+// An fn that returns nil within a second (one that starts its work in the background and returns, say) makes
+// Lead back off before it campaigns again, from 50 ms doubling to 1 s (with jitter), so that other processes may
+// lead meanwhile; [WithLogger] says so once per Lead call.
+//
 // fn gets the leader's fencing token through [FenceToken] when the Locker has [WithFencing]: every term's token
 // is greater than the last, so a deposed leader that was paused can be refused by what it writes to. Lead suits
 // "one pod runs the scheduler": the leader's lock is a session lock like any other (advlock ls shows it, and
@@ -40,7 +45,9 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 		l.campaigning.Add(1)
 		defer l.campaigning.Add(-1)
 	}
-	backoff := 50 * time.Millisecond
+	backoff := 50 * time.Millisecond     // after a failed campaign
+	termBackoff := 50 * time.Millisecond // after a term that fn ended at once (shortTerm)
+	warned := false
 	for {
 		campaign := l.Lock
 		if mutant.On(mutant.LeadShared) {
@@ -67,6 +74,7 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 			continue
 		}
 		backoff = 50 * time.Millisecond
+		began := time.Now()
 		ferr, lost := l.term(ctx, lk, fn)
 		switch {
 		case ferr != nil && !lost:
@@ -77,9 +85,27 @@ func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context)
 			if !sleep(ctx, jitter(100*time.Millisecond)) {
 				return ctx.Err()
 			}
+		case time.Since(began) < shortTerm:
+			// fn returned nil at once: leadership lasts only while fn runs, so an fn that starts its work in the
+			// background and returns would make this process campaign and lead again and again. Back off (other
+			// processes may lead meanwhile), and say so once.
+			if !warned {
+				warned = true
+				l.shortTerm(key, time.Since(began))
+			}
+			if !sleep(ctx, jitter(termBackoff)) {
+				return ctx.Err()
+			}
+			termBackoff = min(2*termBackoff, maxCampaignBackoff)
+		default:
+			termBackoff = 50 * time.Millisecond
 		}
 	}
 }
+
+// shortTerm is how long a term must last for Lead to campaign again at once after fn returned nil; after a shorter
+// one it backs off, from 50 ms doubling to maxCampaignBackoff.
+const shortTerm = time.Second
 
 // term runs fn as the leader holding lk and steps down when fn returns or panics. lost reports whether fn's
 // context had been cancelled by the loss of the lock when fn returned; ferr is fn's error unless the Lead's own ctx

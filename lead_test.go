@@ -372,3 +372,52 @@ func TestLeadEnds(t *testing.T) {
 		t.Errorf("Close logged as a failure: %s", logs2.String())
 	}
 }
+
+// An fn that returns nil at once (it started its work in the background, say) does not make Lead lead again and
+// again: it backs off, growing to about a second, and says so once in the log. The key is free in pg_locks while
+// it backs off, so another process leads meanwhile.
+func TestLeadShortTerms(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	var logs syncBuffer
+	l := New(pgtest.Pool(t, b.url, nil), WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	defer l.Close()
+	other := New(pgtest.Pool(t, b.url, nil))
+	defer other.Close()
+	k := key(t)
+	var terms atomic.Int64
+	lctx, stop := context.WithCancel(ctx)
+	res := runLead(lctx, l, k, func(context.Context) error { terms.Add(1); return nil })
+
+	// Once it backs off for long, another Locker takes the key between two terms: the server saw it free.
+	time.Sleep(1500 * time.Millisecond)
+	var lk *Lock
+	for deadline := time.Now().Add(5 * time.Second); lk == nil; time.Sleep(5 * time.Millisecond) {
+		var err error
+		if lk, err = other.TryLock(ctx, k); err != nil && !errors.Is(err, ErrNotAcquired) {
+			t.Fatal(err)
+		}
+		if lk == nil && time.Now().After(deadline) {
+			t.Fatalf("the key was never free to another Locker between terms (%d terms)", terms.Load())
+		}
+	}
+	if holders, err := pgtest.Holders(ctx, b.obs, k.id.V); err != nil || len(holders) != 1 || holders[0] != lk.PID() {
+		t.Errorf("pg_locks holders of the key while the other Locker holds it: %v (%v), want its pid %d", holders, err, lk.PID())
+	}
+	n := terms.Load()
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	if r := <-res; !errors.Is(r.(error), context.Canceled) {
+		t.Errorf("Lead after its ctx was cancelled: %v", r)
+	}
+	// 50 + 100 + 200 + 400 + 800 ms (each 0.5 to 1.5 times) and then about a second: a handful of terms in 1.5 s.
+	if n < 2 || n > 12 {
+		t.Errorf("%d terms in about 1.5 s of an fn that returns at once, want a few (it led again at once before: thousands)", n)
+	}
+	if c := strings.Count(logs.String(), "fn returned at once"); c != 1 {
+		t.Errorf("the log says %d times that fn returned at once, want once:\n%s", c, logs.String())
+	}
+	t.Logf("%d terms before another Locker took the key", n)
+}

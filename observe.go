@@ -102,7 +102,8 @@ func WithObserver(o Observer) Option {
 // Key.String writes it, cause, and held, how long it had been held), when a session is destroyed on doubt
 // (reason, mode), when a session lock is refused because a pooler in transaction mode stands in between, and when a
 // Lead campaign fails and is tried again ("advlock: campaign failed; trying again": key, error, retry_in; ERROR
-// "advlock: campaign ended" when Lead ends on an error); DEBUG
+// "advlock: campaign ended" when Lead ends on an error), once per Lead call whose fn returns nil at once ("advlock:
+// lead: fn returned at once; ...": key, took); DEBUG
 // for every acquisition (result, wait), release (held) and session opened or closed. Errors it logs name no DSN
 // and no password. A nil l logs nothing, as does a Locker without WithLogger.
 func WithLogger(l *slog.Logger) Option {
@@ -169,6 +170,29 @@ func (o logObserver) CampaignFailed(e CampaignFailure) {
 	}
 	o.l.LogAttrs(ctx, slog.LevelWarn, "advlock: campaign failed; trying again", slog.String("key", e.Key.String()),
 		slog.String("error", e.Err.Error()), slog.Duration("retry_in", e.Retry))
+}
+
+// shortTermObserver is an Observer told when a Lead's fn returned nil at once (see shortTerm): WithLogger's is.
+type shortTermObserver interface {
+	shortTerm(key Key, took time.Duration)
+}
+
+func (o logObserver) shortTerm(key Key, took time.Duration) {
+	o.l.LogAttrs(context.Background(), slog.LevelWarn, "advlock: lead: fn returned at once; leadership lasts only "+
+		"while fn runs, so fn should return only when its ctx ends; campaigning again after a backoff",
+		slog.String("key", key.String()), slog.Duration("took", took))
+}
+
+// shortTerm tells the observers that care that a Lead's fn returned nil at once.
+func (l *Locker) shortTerm(key Key, took time.Duration) {
+	if l == nil {
+		return
+	}
+	for _, o := range l.obs {
+		if s, ok := o.(shortTermObserver); ok {
+			s.shortTerm(key, took)
+		}
+	}
 }
 
 // campaignFailed counts a failed campaign and tells the observers that care.
