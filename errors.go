@@ -55,6 +55,10 @@ var (
 	// passes once the pool has a connection free (Lead tries again). Give locks a pool of their own ([Open],
 	// advsql.Open) or a bigger one.
 	ErrUnverified = session.ErrUnverified
+	// ErrInvalidDSN: [Open] (or advsql.Open) was given a connection string that does not parse, or that parses
+	// other than meant (a host holding an '@', which an unescaped '@' in a password gives). The message never shows
+	// the string or any part of it; the parser's own error is reachable with errors.As.
+	ErrInvalidDSN = session.ErrInvalidDSN
 )
 
 // notAcquiredError is ErrNotAcquired with the reason in its text.

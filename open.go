@@ -15,7 +15,9 @@ import (
 )
 
 // Open makes a pool for locking and returns a Locker that owns it; [Locker.Close] closes the pool. It does not
-// connect: it fails only for a dsn it cannot parse or an option that leaves the pool's configuration invalid,
+// connect: it fails only for a dsn it cannot parse (ErrInvalidDSN, also for a dsn that parses other than meant: a
+// host holding an '@', from a password with an unescaped '@'; the error never shows the dsn) or an option that
+// leaves the pool's configuration invalid,
 // never because the server is down, unreachable or refusing. The first call that needs the server reports that
 // (as an error of that call), and the Locker works as soon as the server answers, so that a service that opened
 // its Locker while the database was down recovers by itself. Call [Locker.Ping] to fail fast at start. ctx is
@@ -71,7 +73,10 @@ import (
 func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	cfg, err := pgxpool.ParseConfig(dsn)
 	if err != nil {
-		return nil, fmt.Errorf("advlock: parse dsn: %w", err)
+		return nil, session.InvalidDSN(err)
+	}
+	if err := session.CheckDSN(&cfg.ConnConfig.Config); err != nil {
+		return nil, err
 	}
 	o := config.Defaults()
 	for _, opt := range opts {

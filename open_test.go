@@ -417,3 +417,61 @@ func TestPing(t *testing.T) {
 		t.Errorf("Ping with a cancelled ctx: %v, want context.Canceled", err)
 	}
 }
+
+// A connection string that does not parse, or parses other than meant (an unescaped '@' in a password leaves part
+// of it in the host), is refused by Open with ErrInvalidDSN, and no error shows any part of a password: not Open's,
+// not Ping's for a string that parses.
+func TestOpenDSNShowsNoPassword(t *testing.T) {
+	ctx := timeout(t, 20*time.Second)
+	u, err := neturl.Parse(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostport, db := u.Host, u.Path
+	for _, tc := range []struct{ dsn, password string }{
+		{"postgres://postgres:s3cr@tPw9@" + hostport + db, "s3cr@tPw9"},
+		{"postgres://postgres:ab/cdEfg7@" + hostport + db, "ab/cdEfg7"},
+		{"postgres://postgres:p%zzSecr3t@" + hostport + db, "p%zzSecr3t"},
+		{"postgres://postgres:Pa55Xq7z@" + hostport + db + "?pool_max_conns=many", "Pa55Xq7z"},
+		{"host=127.0.0.1 password='Unterm1nated", "Unterm1nated"},
+	} {
+		_, err := advlock.Open(ctx, tc.dsn)
+		if !errors.Is(err, advlock.ErrInvalidDSN) {
+			t.Errorf("Open(%q): %v, want ErrInvalidDSN", tc.dsn, err)
+			continue
+		}
+		if leak := passwordPart(err.Error(), tc.password); leak != "" {
+			t.Errorf("Open(%q)'s error shows %q of the password: %v", tc.dsn, leak, err)
+		}
+	}
+	// Strings that parse as meant: the error of a role that does not exist names no part of the password; an '@'
+	// written %40 is a password's.
+	l, err := advlock.Open(ctx, "postgres://advlock_no_such_role:s3cr%40tPw9@"+hostport+db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if err := l.Ping(ctx); err == nil {
+		t.Error("Ping as a role that does not exist: nil")
+	} else if leak := passwordPart(err.Error(), "s3cr@tPw9"); leak != "" {
+		t.Errorf("Ping's error shows %q of the password: %v", leak, err)
+	}
+	l2, err := advlock.Open(ctx, "postgres://"+u.User.Username()+":s3cr%40tPw9@"+hostport+db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Close()
+	if err := l2.Ping(ctx); err != nil {
+		t.Errorf("Ping with '@' in the password written %%40 (trust authentication): %v", err)
+	}
+}
+
+// passwordPart returns a part of password (4 characters or more) that s shows, or "".
+func passwordPart(s, password string) string {
+	for i := 0; i+4 <= len(password); i++ {
+		if strings.Contains(s, password[i:i+4]) {
+			return password[i : i+4]
+		}
+	}
+	return ""
+}

@@ -29,9 +29,11 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net/url"
 	"reflect"
 	"regexp"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -67,13 +69,38 @@ func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 // dsn names one), once per connection, after it is proved to be a server session of its own. The driver must be
 // registered (import it). Needs PostgreSQL 14 or later.
 //
-// Like advlock.Open it does not connect: it fails only when the driver is not registered or refuses dsn, never
+// Like advlock.Open it does not connect: it fails only when the driver is not registered or refuses dsn
+// (advlock.ErrInvalidDSN, which never shows dsn; with pgx's driver also for a dsn that parses other than meant, a
+// host holding an '@'), never
 // because the server is down; the first call that needs the server reports that, and the Locker works once the
 // server answers. [advlock.Locker.Ping] checks at start. ctx bounds nothing here.
 func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (*advlock.Locker, error) {
 	db, err := sql.Open(driverName, dsn)
 	if err != nil {
+		if slices.Contains(sql.Drivers(), driverName) { // the driver refused dsn; its error may show part of it
+			return nil, session.InvalidDSN(err)
+		}
 		return nil, fmt.Errorf("advlock: open: %w", err)
+	}
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		// lib/pq parses a URL when it first connects, and its error then shows the whole URL, password and all.
+		if _, err := url.Parse(dsn); err != nil {
+			_ = db.Close()
+			return nil, session.InvalidDSN(err)
+		}
+	}
+	if _, ok := db.Driver().(*stdlib.Driver); ok {
+		// pgx's parser ends a URL's user information at its first '@': refuse what it would read other than meant.
+		cfg, err := pgx.ParseConfig(dsn)
+		if err == nil {
+			err = session.CheckDSN(&cfg.Config)
+		} else {
+			err = session.InvalidDSN(err)
+		}
+		if err != nil {
+			_ = db.Close()
+			return nil, err
+		}
 	}
 	o := config.Defaults()
 	for _, opt := range opts {

@@ -438,3 +438,32 @@ func TestOpenMaxConns(t *testing.T) {
 		}
 	}
 }
+
+// A connection string pgx's driver would read other than meant (an unescaped '@' in a password) is refused with
+// ErrInvalidDSN, showing no part of it; lib/pq reads the same string as meant (its URL's user information ends at
+// the last '@'), so it is accepted there. A string neither driver parses is refused alike.
+func TestOpenDSN(t *testing.T) {
+	ctx := ctxT(t, 20*time.Second)
+	u, err := url.Parse(pgtest.URL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dsn := "postgres://" + u.User.Username() + ":s3cr@tPw9@" + u.Host + u.Path + "?sslmode=disable"
+	if _, err := advsql.Open(ctx, "pgx", dsn); !errors.Is(err, advlock.ErrInvalidDSN) || strings.Contains(err.Error(), "tPw9") {
+		t.Errorf("advsql.Open(pgx) with '@' in the password: %v, want ErrInvalidDSN showing no part of it", err)
+	}
+	l, err := advsql.Open(ctx, "postgres", dsn)
+	if err != nil {
+		t.Fatalf("advsql.Open(postgres) with '@' in the password: %v", err)
+	}
+	defer l.Close()
+	if err := l.Ping(ctx); err != nil {
+		t.Errorf("Ping through lib/pq with '@' in the password (trust authentication): %v", err)
+	}
+	for _, driver := range []string{"pgx", "postgres"} {
+		if _, err := advsql.Open(ctx, driver, "postgres://u:p%zzSecr3t@h/db"); !errors.Is(err, advlock.ErrInvalidDSN) ||
+			strings.Contains(err.Error(), "Secr3t") {
+			t.Errorf("advsql.Open(%s) of a string that does not parse: %v, want ErrInvalidDSN showing no part of it", driver, err)
+		}
+	}
+}

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -267,10 +268,10 @@ func connString(std Stdio, cmd, flagDSN string) (conn string, code int, bad bool
 		from = "the PG* variables"
 	}
 	cfg, err := pgxpool.ParseConfig(conn)
-	if err == nil && hostHasAt(cfg.ConnConfig.Config) {
+	if err == nil {
 		// A URL whose password holds an unescaped '@' parses with part of the password in the host, which a
 		// connection error would then print.
-		err = errors.New("'@' in a host")
+		err = session.CheckDSN(&cfg.ConnConfig.Config)
 	}
 	if err != nil {
 		fmt.Fprintf(std.Err, "advlock: %s: cannot parse the connection string from %s (not shown: it may hold a "+
@@ -279,18 +280,6 @@ func connString(std Stdio, cmd, flagDSN string) (conn string, code int, bad bool
 		return "", exitUsage, true
 	}
 	return conn, 0, false
-}
-
-func hostHasAt(c pgconn.Config) bool {
-	if strings.Contains(c.Host, "@") {
-		return true
-	}
-	for _, f := range c.Fallbacks {
-		if strings.Contains(f.Host, "@") {
-			return true
-		}
-	}
-	return false
 }
 
 // open connects a Locker for the command, named in pg_stat_activity by app: advlock.Open does not connect, so a
