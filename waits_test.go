@@ -595,3 +595,71 @@ func TestTimedWaitRaceSettles(t *testing.T) {
 		})
 	}
 }
+
+// A wait given up by its caller (ctx cancelled, not a deadline) has left the server's queue when Lock returns: the
+// session is closed and a cancel request sent, and Lock returns once pg_locks shows its backend neither waiting nor
+// holding anything (a writer's intent included). A closed socket alone is noticed by a backend blocked in a lock
+// wait only when its slice ends, up to 0.9 s later, meanwhile a waiter nobody waits for. Cancelled at several
+// moments of a slice, plain and as a writer behind readers (which holds the key's intent).
+func TestCancelledWaitLeavesTheQueue(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 60*time.Second)
+	for _, readers := range []bool{false, true} {
+		for i, after := range []time.Duration{150 * time.Millisecond, 350 * time.Millisecond, 550 * time.Millisecond} {
+			k := key(t)
+			v, _ := k.Int64()
+			lock := b.l.Lock
+			if readers {
+				lock = b.l.RLock
+			}
+			other := New(pgtest.Pool(t, b.url, nil), WithSharedSessions(0))
+			defer other.Close()
+			held, err := lock(ctx, k)
+			if err != nil {
+				t.Fatal(err)
+			}
+			wctx, cancel := context.WithCancel(ctx)
+			res := make(chan error, 1)
+			go func() {
+				lk, err := other.Lock(wctx, k)
+				if err == nil {
+					_ = lk.Unlock(ctx)
+				}
+				res <- err
+			}()
+			var pid uint32
+			for deadline := time.Now().Add(10 * time.Second); pid == 0; time.Sleep(2 * time.Millisecond) {
+				rows, err := pgtest.Locks(ctx, b.obs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, r := range rows {
+					if r.Int64Key(v) && !r.Granted {
+						pid = r.PID
+					}
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the wait never queued in the server")
+				}
+			}
+			time.Sleep(after)
+			cancel()
+			if err := <-res; !errors.Is(err, context.Canceled) {
+				t.Fatalf("Lock whose ctx was cancelled: %v", err)
+			}
+			rows, err := pgtest.Locks(ctx, b.obs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range rows {
+				if r.PID == pid {
+					t.Errorf("readers=%v, cancel %d: as Lock returned, the given-up wait's backend %d still has %v", readers, i, pid, r)
+				}
+			}
+			if err := held.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			pgtest.WaitFree(t, b.obs, v, 10*time.Second)
+		}
+	}
+}
