@@ -45,12 +45,11 @@ func xactLock(ctx context.Context, tx pgx.Tx, key Key, shared, wait bool) error 
 	if err := key.valid(); err != nil {
 		return &keyError{op: op, key: key, err: err}
 	}
-	sql, args := session.XactSQL(session.Target{ID: key.id, Shared: shared}, wait)
-	var r int64
-	if err := tx.QueryRow(ctx, sql, args...).Scan(&r); err != nil {
+	tag, err := tx.Exec(ctx, session.XactSQL(session.Target{ID: key.id, Shared: shared}, wait))
+	if err != nil {
 		return &keyError{op: op, key: key, err: session.WithContext(ctx, session.TranslateErr(err))}
 	}
-	if err := session.XactResult(r); err != nil {
+	if err := session.XactRows(tag.RowsAffected()); err != nil {
 		return &keyError{op: op, key: key, err: err}
 	}
 	return nil

@@ -10,6 +10,7 @@ import (
 	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Transaction-scoped locks: released by COMMIT, by ROLLBACK, and by ROLLBACK TO SAVEPOINT; exclusive against other
@@ -209,4 +210,42 @@ func TestDoTxAbandonedNow(t *testing.T) {
 	pgtest.WaitFree(t, obs, v, 5*time.Second)
 	t.Logf("DoTx failed (%v); its key was free %v after the network came back", err, time.Since(start).Round(time.Millisecond))
 	p.Cut() // pgx's cancel request, whose packet the blackhole swallowed, waits for an answer for 15 s
+}
+
+// A transaction lock leaves its transaction without a snapshot once granted, so that the holder's own migration
+// finishes: CREATE INDEX CONCURRENTLY on another connection, run inside DoTx's fn as migration tools do, waits for
+// every transaction with an older snapshot, and would wait for the lock's own transaction for ever. With each of
+// pgx's query modes (the extended protocol left the lock statement's portal, and its snapshot, open), and for
+// XactLock in a transaction of the caller's; pg_stat_activity shows the holding backend with no backend_xmin.
+func TestXactLockHoldsNoSnapshot(t *testing.T) {
+	url := pgtest.MigrationDB(t, pgtest.URL(t))
+	ctx := ctxT(t, 2*time.Minute)
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		t.Run(mode.String(), func(t *testing.T) {
+			pool := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode })
+			l := New(pool)
+			defer l.Close()
+			k := key(t)
+			err := l.DoTx(ctx, k, func(ctx context.Context, tx pgx.Tx) error {
+				v, _ := k.Int64()
+				return pgtest.MigrateBeside(t, url, v)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(ctx)
+			if err := XactLock(ctx, tx, k); err != nil {
+				t.Fatal(err)
+			}
+			v, _ := k.Int64()
+			if err := pgtest.MigrateBeside(t, url, v); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
 }

@@ -300,3 +300,23 @@ func bouncerCrashesOnCancel(t *testing.T) bool {
 	}
 	return v[0] == 1 && v[1] >= 18 && v[1] <= 20
 }
+
+// DoTx leaves its transaction without a snapshot once the lock is granted, with either driver: the holder's own
+// CREATE INDEX CONCURRENTLY, on another connection inside fn, finishes (see the root package's
+// TestXactLockHoldsNoSnapshot).
+func TestDoTxHoldsNoSnapshot(t *testing.T) {
+	url := pgtest.MigrationDB(t, pgtest.URL(t))
+	for _, driver := range []string{"pgx", "postgres"} {
+		t.Run(driver, func(t *testing.T) {
+			db := openDB(t, driver, url)
+			k := conformance.Key(t)
+			v, _ := k.Int64()
+			err := advsql.DoTx(context.Background(), db, k, func(ctx context.Context, tx *sql.Tx) error {
+				return pgtest.MigrateBeside(t, url, v)
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

@@ -38,12 +38,15 @@ func xact(ctx context.Context, tx *sql.Tx, key advlock.Key, shared, wait bool) e
 	if err != nil {
 		return err
 	}
-	q, args := session.XactSQL(session.Target{ID: id, Shared: shared}, wait)
-	var r int64
-	if err := tx.QueryRowContext(ctx, q, args...).Scan(&r); err != nil {
+	res, err := tx.ExecContext(ctx, session.XactSQL(session.Target{ID: id, Shared: shared}, wait))
+	var n int64
+	if err == nil {
+		n, err = res.RowsAffected()
+	}
+	if err != nil {
 		return fmt.Errorf("advlock: xact lock %s: %w", key, session.WithContext(ctx, session.TranslateErr(err)))
 	}
-	if err := session.XactResult(r); err != nil {
+	if err := session.XactRows(n); err != nil {
 		return fmt.Errorf("advlock: xact lock %s: %w", key, err)
 	}
 	return nil

@@ -405,49 +405,34 @@ func SettleSQL(t Target, intent, idle bool) string {
 	return s
 }
 
-// Transaction-scoped statements, indexed by [pair][shared]. They yield 1, 0 (try only) or -1 (standby).
-var (
-	xactTrySQL = [2][2]string{
-		{
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock($1::int8) THEN 1 ELSE 0 END",
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock_shared($1::int8) THEN 1 ELSE 0 END",
-		},
-		{
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock($1::int4, $2::int4) THEN 1 ELSE 0 END",
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN pg_try_advisory_xact_lock_shared($1::int4, $2::int4) THEN 1 ELSE 0 END",
-		},
-	}
-	xactWaitSQL = [2][2]string{
-		{
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(pg_advisory_xact_lock($1::int8)::text) + 1 END",
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(pg_advisory_xact_lock_shared($1::int8)::text) + 1 END",
-		},
-		{
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(pg_advisory_xact_lock($1::int4, $2::int4)::text) + 1 END",
-			"SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE length(pg_advisory_xact_lock_shared($1::int4, $2::int4)::text) + 1 END",
-		},
-	}
-)
-
-// XactSQL returns the transaction-scoped lock statement and its arguments: blocking with wait, else a try.
-func XactSQL(t Target, wait bool) (string, []any) {
+// XactSQL returns the transaction-scoped lock statement for t: blocking with wait, else a try. It takes no
+// arguments, so that every driver sends it over the simple protocol (pgx's Exec does whatever the connection's
+// query mode; lib/pq does for a statement without arguments): the extended protocol leaves the statement's portal
+// open until the next statement, and with it the statement's snapshot, which would pin the database's xmin horizon
+// and hold up every CREATE INDEX CONCURRENTLY for as long as the transaction stays idle. Its outcome is the number
+// of rows it returns (the command tag's, which Exec reports): see XactRows.
+func XactSQL(t Target, wait bool) string {
+	fn := lockFn(!wait, t.Shared, t.ID.literal())
+	fn = strings.Replace(fn, "advisory_", "advisory_xact_", 1)
+	outcome := "WHEN " + fn + " THEN 1 ELSE 0"
 	if wait {
-		return xactWaitSQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
+		outcome = "ELSE length(" + fn + "::text) + 1"
 	}
-	return xactTrySQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
+	return "SELECT 1 FROM pg_catalog.generate_series(1, CASE WHEN pg_is_in_recovery() THEN 2 " + outcome + " END)"
 }
 
-// XactResult turns an xact statement's result into an error.
-func XactResult(r int64) error {
-	switch r {
-	case resultAcquired:
+// XactRows turns the number of rows an XactSQL statement returned into an error: 1 granted, 0 held elsewhere (a
+// try), 2 the server is a standby (nothing taken).
+func XactRows(n int64) error {
+	switch n {
+	case 1:
 		return nil
-	case resultNotHeld:
+	case 0:
 		return ErrNotAcquired
-	case resultStandby:
+	case 2:
 		return ErrStandby
 	}
-	return errors.New("advlock: unexpected lock result " + strconv.FormatInt(r, 10))
+	return errors.New("advlock: unexpected lock result: " + strconv.FormatInt(n, 10) + " rows")
 }
 
 // EnsureFence makes sure FenceSeq exists and can be used, creating it if it is missing, through one connection of

@@ -297,3 +297,44 @@ func FreshDB(tb testing.TB, url string) string {
 	u.Path = "/" + name
 	return u.String()
 }
+
+// MigrationDB creates a fresh database (FreshDB: no other test's transaction there for a concurrent index build to
+// wait for) with a table m (id, v) of 1,000 rows, for MigrateBeside, and returns its URL.
+func MigrationDB(tb testing.TB, url string) string {
+	tb.Helper()
+	url = FreshDB(tb, url)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := Conn(tb, url).Exec(ctx, "CREATE TABLE m (id int PRIMARY KEY, v int); "+
+		"INSERT INTO m SELECT g, g FROM generate_series(1, 1000) g"); err != nil {
+		tb.Fatal(err)
+	}
+	return url
+}
+
+// MigrateBeside is the migration of a process that holds int8 key v in a transaction, run on a connection of its
+// own to the MigrationDB at url: it checks that the transaction holding v has no snapshot (backend_xmin), then builds
+// an index on m concurrently and drops it. The build waits for every transaction with an older snapshot; it is
+// bounded (15 s), so that a lock's transaction that pins the horizon fails the test instead of hanging it.
+func MigrateBeside(tb testing.TB, url string, v int64) error {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	app := Conn(tb, url) // a statement cut by its timeout closes the connection
+	var xmin *string
+	err := app.QueryRow(ctx, `SELECT a.backend_xmin::text FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+		WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1::int8::oid AND l.objid = $2::int8::oid
+		AND l.objsubid = 1`, int64(uint64(v)>>32), int64(uint32(v))).Scan(&xmin)
+	if err != nil {
+		return fmt.Errorf("the backend holding the key: %w", err)
+	}
+	if xmin != nil {
+		tb.Errorf("the transaction holding the lock has a snapshot (backend_xmin %s)", *xmin)
+	}
+	start := time.Now()
+	if _, err := app.Exec(ctx, "CREATE INDEX CONCURRENTLY m_v ON m (v)"); err != nil {
+		return fmt.Errorf("CREATE INDEX CONCURRENTLY beside the transaction lock: %w after %v", err, time.Since(start))
+	}
+	_, err = app.Exec(ctx, "DROP INDEX m_v")
+	return err
+}
