@@ -11,6 +11,7 @@ import (
 
 	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -47,6 +48,9 @@ import (
 // transaction-mode pooler nothing is set, since a setting would stay on a server session that other clients use
 // (session locks are refused there with ErrTxPooling; transaction locks work). The client side uses TCP
 // keepalives with the same timing.
+//
+// Its connections use pgx's cache_describe query mode unless dsn names a default_query_exec_mode: no named prepared
+// statements, so that [Locker.DoTx] works through a pooler in transaction mode with dsn as written.
 //
 // The pool has [DefaultOpenConns] connections unless [WithMaxConns], dsn's pool_max_conns or [WithPoolConfig] sets another size,
 // and the Locker takes no more ([Stats] Conns, PeakConns), but for one that deadlock detection dials when none of
@@ -87,6 +91,12 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 		if o.MaxConns > 0 {
 			cfg.MaxConns = int32(min(o.MaxConns, math.MaxInt32))
 		}
+	}
+	if !strings.Contains(dsn, "default_query_exec_mode") {
+		// No named prepared statements: a pooler in transaction mode (PgBouncer before 1.21, Supabase's and Neon's
+		// pooled ports) would hand one client's statements to another's server session, and DoTx fails there with
+		// 42P05 or 26000. A description cache keeps statements at one round trip.
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe
 	}
 	if cfg.ConnConfig.ConnectTimeout == 0 { // no connect_timeout in dsn
 		cfg.ConnConfig.ConnectTimeout = DefaultConnectTimeout

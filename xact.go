@@ -113,11 +113,23 @@ func (l *Locker) DoTx(ctx context.Context, key Key, fn func(ctx context.Context,
 		return err
 	}
 	if err := fn(ctx, tx); err != nil {
-		return err
+		return preparedHint(err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return &keyError{op: "do tx", key: key, err: fmt.Errorf("commit: %w", session.WithContext(ctx, err))}
+		return &keyError{op: "do tx", key: key, err: fmt.Errorf("commit: %w", session.WithContext(ctx, preparedHint(err)))}
 	}
 	committed = true
 	return nil
+}
+
+// preparedHint adds to an error that a pooler in transaction mode causes with pgx's named prepared statements
+// (SQLSTATE 42P05, a statement that exists already, or 26000, one that does not: the pooler handed another
+// client's server session) what to set; any other error is returned as it is.
+func preparedHint(err error) error {
+	switch session.SQLState(err) {
+	case "42P05", "26000":
+		return fmt.Errorf("%w (a pooler in transaction mode mixes up named prepared statements: set "+
+			"default_query_exec_mode=cache_describe, or exec, in the pool's DSN, as Open's pool does unless told)", err)
+	}
+	return err
 }
