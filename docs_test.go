@@ -4,8 +4,10 @@ import (
 	"go/build"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -351,5 +353,28 @@ func TestDocsAnchors(t *testing.T) {
 	}
 	if got["not-a-heading"] {
 		t.Error("a comment in a code block made an anchor")
+	}
+}
+
+// go doc shows what a user reads: PoolStats with its fields (not an alias of an internal type), and Option without
+// the internal configuration type it applies to.
+func TestGoDocShowsNoInternals(t *testing.T) {
+	gobin := filepath.Join(runtime.GOROOT(), "bin", "go")
+	for sym, want := range map[string][]string{
+		"PoolStats": {"Max ", "Open ", "InUse ", "Idle ", "WaitCount "},
+		"Option":    {"type Option interface"},
+	} {
+		out, err := exec.Command(gobin, "doc", ".", sym).CombinedOutput()
+		if err != nil {
+			t.Fatalf("go doc %s: %v\n%s", sym, err, out)
+		}
+		for _, w := range want {
+			if !strings.Contains(string(out), w) {
+				t.Errorf("go doc %s does not show %q:\n%s", sym, w, out)
+			}
+		}
+		if strings.Contains(string(out), "config.") || strings.Contains(string(out), "session.PoolStats") {
+			t.Errorf("go doc %s names an internal type:\n%s", sym, out)
+		}
 	}
 }

@@ -27,7 +27,8 @@ type Key struct {
 type keyKind uint8
 
 const (
-	kindInvalid keyKind = iota
+	kindInvalid   keyKind = iota
+	kindEmptyName         // NameKey(""): invalid, as the zero Key is, with a message of its own
 	kindInt64
 	kindPair
 	kindName
@@ -49,15 +50,19 @@ func PairKey(a, b int32) Key {
 //	SELECT ('x' || left(encode(sha256(convert_to('billing-sync', 'UTF8')), 'hex'), 16))::bit(64)::bigint;
 //
 // NameKey("billing-sync") is Int64Key(6451652757638753977). Two names collide with probability about n²/2⁶⁵
-// for n names in use.
+// for n names in use. NameKey("") is no key (an unset name, almost always): every call refuses it with
+// ErrInvalidKey, as it does the zero Key.
 func NameKey(name string) Key {
+	if name == "" {
+		return Key{kind: kindEmptyName} // an unset name, almost always: refused by every call (ErrInvalidKey)
+	}
 	sum := sha256.Sum256([]byte(name))
 	return Key{id: session.ID{V: int64(binary.BigEndian.Uint64(sum[:8]))}, kind: kindName, name: name}
 }
 
 // Int64 returns the int8 key and true, or 0 and false for a PairKey.
 func (k Key) Int64() (int64, bool) {
-	if k.kind == kindInvalid || k.id.Pair {
+	if k.invalid() || k.id.Pair {
 		return 0, false
 	}
 	return k.id.V, true
@@ -85,12 +90,14 @@ func (k Key) String() string {
 		a, b, _ := k.Pair()
 		return "pair:" + strconv.FormatInt(int64(a), 10) + "," + strconv.FormatInt(int64(b), 10)
 	case kindName:
-		if _, scheme := schemePrefix(k.name); k.name == "" || scheme || isInteger(k.name) {
+		if _, scheme := schemePrefix(k.name); scheme || isInteger(k.name) {
 			return "name:" + k.name
 		}
 		return k.name
 	case kindScheme:
 		return k.name
+	case kindEmptyName:
+		return "<invalid key: empty name>"
 	}
 	return "<invalid key>"
 }
@@ -173,6 +180,8 @@ func ParseKey(s string) (Key, error) {
 			return Key{}, fmt.Errorf("%w %q: second number %q is not a 32-bit integer", ErrInvalidKey, s, bs)
 		}
 		return PairKey(int32(a), int32(b)), nil
+	case s == "name:":
+		return Key{}, fmt.Errorf("%w %q: an empty name (a name needs at least one character)", ErrInvalidKey, s)
 	case strings.HasPrefix(s, "name:"):
 		return NameKey(s[len("name:"):]), nil
 	case s == "":
@@ -196,11 +205,16 @@ func KeyFromPgLocks(classid, objid uint32, objsubid int16) (Key, error) {
 }
 
 // Equal reports whether k and o name the same server lock (a NameKey equals the Int64Key of its hash).
-func (k Key) Equal(o Key) bool { return k.kind != kindInvalid && o.kind != kindInvalid && k.id == o.id }
+func (k Key) Equal(o Key) bool { return !k.invalid() && !o.invalid() && k.id == o.id }
+
+func (k Key) invalid() bool { return k.kind == kindInvalid || k.kind == kindEmptyName }
 
 func (k Key) valid() error {
-	if k.kind == kindInvalid {
+	switch k.kind {
+	case kindInvalid:
 		return fmt.Errorf("%w: the zero Key; use Int64Key, PairKey or NameKey", ErrInvalidKey)
+	case kindEmptyName:
+		return fmt.Errorf("%w: NameKey(\"\"): an empty name (a name needs at least one character)", ErrInvalidKey)
 	}
 	return nil
 }

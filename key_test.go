@@ -11,7 +11,6 @@ func TestNameKeyVectors(t *testing.T) {
 	b := setup(t)
 	for name, want := range map[string]int64{
 		"billing-sync": 6451652757638753977,
-		"":             -2039914840885289964,
 		"advlock":      1247212045153279134,
 		"日本語":          8606672379249086371,
 	} {
@@ -41,7 +40,6 @@ func TestKeyString(t *testing.T) {
 		{PairKey(1, -2), "pair:1,-2"},
 		{NameKey("billing-sync"), "billing-sync"},
 		{NameKey("int:5"), "name:int:5"},
-		{NameKey(""), "name:"},
 		{NameKey("42"), "name:42"},
 		{NameKey("-7"), "name:-7"},
 		{NameKey("99999999999999999999"), "name:99999999999999999999"},
@@ -49,11 +47,15 @@ func TestKeyString(t *testing.T) {
 		{NameKey("PAIR:1,2"), "name:PAIR:1,2"},
 		{NameKey("4 2"), "4 2"},
 		{Key{}, "<invalid key>"},
+		{NameKey(""), "<invalid key: empty name>"},
 	} {
 		if got := tc.k.String(); got != tc.want {
 			t.Errorf("%#v.String() = %q, want %q", tc.k, got, tc.want)
 		}
-		if tc.k.kind == kindInvalid {
+		if tc.k.invalid() {
+			if err := tc.k.valid(); !errors.Is(err, ErrInvalidKey) {
+				t.Errorf("%s: valid() = %v, want ErrInvalidKey", tc.want, err)
+			}
 			continue
 		}
 		back, err := ParseKey(tc.want)

@@ -71,7 +71,7 @@ type Locker struct {
 func New(pool *pgxpool.Pool, opts ...Option) *Locker {
 	o := config.Defaults()
 	for _, opt := range opts {
-		opt(&o)
+		opt.apply(&o)
 	}
 	switch {
 	case o.Backend != nil:
@@ -647,7 +647,16 @@ type Stats struct {
 }
 
 // PoolStats are the figures of the pool a Locker takes sessions from (pgxpool, or database/sql's pool).
-type PoolStats = session.PoolStats
+type PoolStats struct {
+	Max       int   // the most connections it opens (0: no limit)
+	Open      int   // connections open
+	InUse     int   // taken out of the pool (by locks, shared sessions, waits, or the application)
+	Idle      int   // open and free
+	WaitCount int64 // acquisitions so far that had to wait for a connection
+}
+
+// Exhausted reports whether every connection the pool may open is taken: an acquisition now would wait.
+func (p PoolStats) Exhausted() bool { return session.PoolStats(p).Exhausted() }
 
 // Stats reports what the Locker holds and waits for, its sessions, and its pool's own figures. It takes the
 // Locker's lock for a moment and reads the pool's counters; it sends nothing to the server.
@@ -681,7 +690,7 @@ func (l *Locker) Stats() Stats {
 		st.WaitingForSession = int(l.waitingSlot.Load())
 		st.WaitYields = l.yields.Load()
 	}
-	st.Pool = l.pool.Stats()
+	st.Pool = PoolStats(l.pool.Stats())
 	return st
 }
 

@@ -91,11 +91,11 @@ type SessionEvent struct {
 
 // WithObserver adds an Observer to the Locker; several may be added.
 func WithObserver(o Observer) Option {
-	return func(c *config.Options) {
+	return option(func(c *config.Options) {
 		if o != nil {
 			c.Observers = append(c.Observers, o)
 		}
-	}
+	})
 }
 
 // WithLogger logs through l: WARN when a held lock is lost (message "advlock: lock lost"; attributes key, as
@@ -108,7 +108,7 @@ func WithObserver(o Observer) Option {
 // and no password. A nil l logs nothing, as does a Locker without WithLogger.
 func WithLogger(l *slog.Logger) Option {
 	if l == nil {
-		return func(*config.Options) {}
+		return option(func(*config.Options) {})
 	}
 	return WithObserver(logObserver{l})
 }

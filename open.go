@@ -84,7 +84,7 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	}
 	o := config.Defaults()
 	for _, opt := range opts {
-		opt(&o)
+		opt.apply(&o)
 	}
 	if !strings.Contains(dsn, "pool_max_conns") {
 		cfg.MaxConns = DefaultOpenConns

@@ -7,37 +7,50 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Option configures a Locker made by [New] or [Open] (or advsql.New). Use the With functions of this package.
-type Option func(*config.Options)
+// Option configures a Locker made by [New] or [Open] (or advsql.New, advsql.Open). Use the With functions of this
+// package.
+type Option interface {
+	apply(*config.Options)
+}
+
+type option func(*config.Options)
+
+func (f option) apply(o *config.Options) { f(o) }
+
+func init() {
+	// What the adapters and the test kit need to make and read options (see config.NewOption).
+	config.NewOption = func(f func(*config.Options)) any { return option(f) }
+	config.ApplyOption = func(opt any, o *config.Options) { opt.(Option).apply(o) }
+}
 
 // WithKeepalive sets how long a held lock's session may stay silent before the Locker makes a keepalive round
 // trip, and how long that round trip may take. A network that silently drops the connection is noticed within
 // about twice this; a terminated session or a server shutdown is noticed at once whatever its value.
 // Default 5s. Values <= 0 keep the default.
 func WithKeepalive(d time.Duration) Option {
-	return func(o *config.Options) {
+	return option(func(o *config.Options) {
 		if d > 0 {
 			o.Keepalive = d
 		}
-	}
+	})
 }
 
 // WithReleaseTimeout bounds each unlock that [Locker.Close] and [Locker.Do] make on their own (after the caller's
 // context ended, or at Close). When it expires the session is closed instead, which also releases the lock.
 // Default 5s. Values <= 0 keep the default.
 func WithReleaseTimeout(d time.Duration) Option {
-	return func(o *config.Options) {
+	return option(func(o *config.Options) {
 		if d > 0 {
 			o.ReleaseTimeout = d
 		}
-	}
+	})
 }
 
 // WithPoolConfig lets [Open] adjust the pool configuration after advlock applied its defaults, for example to
 // set MaxConns: the Locker's budget of connections, which it shares out between shared sessions, one kept for its
 // own reads and sessions of their own for waits (see [Open] and [DefaultOpenConns]). New ignores it.
 func WithPoolConfig(f func(*pgxpool.Config)) Option {
-	return func(o *config.Options) { o.PoolConfig = f }
+	return option(func(o *config.Options) { o.PoolConfig = f })
 }
 
 // WithMaxConns sets the size of the pool a Locker owns ([Open], advsql.Open): its budget of connections, which it
@@ -45,11 +58,11 @@ func WithPoolConfig(f func(*pgxpool.Config)) Option {
 // [DefaultOpenConns], the default). With Open a pool_max_conns in the DSN, and WithPoolConfig, come after it. New
 // and advsql.New ignore it: their pool is the application's. Values <= 0 keep the default.
 func WithMaxConns(n int) Option {
-	return func(o *config.Options) {
+	return option(func(o *config.Options) {
 		if n > 0 {
 			o.MaxConns = n
 		}
-	}
+	})
 }
 
 // WithSharedSessions sets how many shared sessions a Locker may open: sessions that each hold many locks, so that
@@ -63,11 +76,11 @@ func WithMaxConns(n int) Option {
 // session of its own. With database/sql and lib/pq, which gives no access to its
 // connection, it has no effect: every lock has a session of its own.
 func WithSharedSessions(n int) Option {
-	return func(o *config.Options) {
+	return option(func(o *config.Options) {
 		if n >= 0 {
 			o.SharedSessions, o.SharedSet = n, true
 		}
-	}
+	})
 }
 
 // WithFencing makes every grant of a session lock (exclusive or shared, on a shared session or one of its own,
@@ -90,7 +103,7 @@ func WithSharedSessions(n int) Option {
 // then writes is refused once a later holder has written. [FenceSQL] creates a function that does this check for
 // resources written in SQL.
 func WithFencing() Option {
-	return func(o *config.Options) { o.Fencing = true }
+	return option(func(o *config.Options) { o.Fencing = true })
 }
 
 // CallOption adjusts one call of Lock, RLock, Do (not TryLock, TryRLock or TryDo, which never wait).

@@ -326,9 +326,9 @@ func (c *failOpen) QueryInt(ctx context.Context, sql string, args ...any) (int64
 func TestSharedOpenFails(t *testing.T) {
 	url := pgtest.URL(t)
 	var opens atomic.Int64
-	l := New(pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = 8 }), func(o *config.Options) {
+	l := New(pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = 8 }), option(func(o *config.Options) {
 		o.Wrap = func(c session.Conn) session.Conn { return &failOpen{Conn: c, opens: &opens} }
-	})
+	}))
 	defer l.Close()
 	ctx := ctxT(t, 20*time.Second)
 	start := time.Now()

@@ -385,7 +385,7 @@ func TestInspectWaitStartAcrossSlices(t *testing.T) {
 }
 
 // withSlice shortens how long each statement of a wait in the server runs (1 s by default).
-func withSlice(d time.Duration) Option { return func(o *config.Options) { o.WaitSlice = d } }
+func withSlice(d time.Duration) Option { return option(func(o *config.Options) { o.WaitSlice = d }) }
 
 // intentRows returns the pids that pg_locks shows holding k's intent.
 func intentRows(t *testing.T, obs *pgx.Conn, k Key) []uint32 {

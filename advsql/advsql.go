@@ -54,7 +54,7 @@ func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 		return advlock.New(nil, opts...)
 	}
 	backend := &pool{db: db, verified: map[any]*mark{}}
-	return advlock.New(nil, append(opts, func(o *config.Options) { o.Backend, o.Querier = backend, querier{db} })...)
+	return advlock.New(nil, append(opts, option(func(o *config.Options) { o.Backend, o.Querier = backend, querier{db} }))...)
 }
 
 // Open opens a *sql.DB for locking only, with driverName ("pgx" for github.com/jackc/pgx/v5/stdlib, "postgres"
@@ -104,7 +104,7 @@ func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (
 	}
 	o := config.Defaults()
 	for _, opt := range opts {
-		opt(&o)
+		config.ApplyOption(opt, &o)
 	}
 	conns := advlock.DefaultOpenConns
 	if o.MaxConns > 0 {
@@ -117,7 +117,7 @@ func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (
 	db.SetConnMaxIdleTime(session.FrozenAfter(o.Keepalive) * 2 / 3)
 	backend := &pool{db: db, verified: map[any]*mark{}, dial: &dialSpec{driverName: driverName, dsn: dsn}}
 	named := appNameRE.MatchString(dsn)
-	return advlock.New(nil, append(opts, func(o *config.Options) {
+	return advlock.New(nil, append(opts, option(func(o *config.Options) {
 		o.Backend, o.Querier = backend, querier{db}
 		o.Settings = session.OpenSettings(o.Keepalive)
 		o.OwnPool = true
@@ -125,7 +125,7 @@ func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (
 			o.Settings = append(o.Settings, session.Setting{Name: "application_name", Value: "advlock"})
 		}
 		o.OnClose = func() { _ = db.Close() }
-	})...), nil
+	}))...), nil
 }
 
 // appNameRE finds application_name in a key=value or URL connection string (not fallback_application_name).
@@ -513,3 +513,6 @@ func (a *conn) Cancel(ctx context.Context) {
 }
 
 var errNilTx = errors.New("nil transaction")
+
+// option makes an advlock.Option of f (see config.NewOption).
+func option(f func(*config.Options)) advlock.Option { return config.NewOption(f).(advlock.Option) }

@@ -23,7 +23,7 @@ func TestVerifiedBounded(t *testing.T) {
 	db.SetMaxOpenConns(2)
 	db.SetConnMaxLifetime(time.Millisecond)
 	backend := &pool{db: db, verified: map[any]*mark{}}
-	l := advlock.New(nil, func(o *config.Options) { o.Backend = backend })
+	l := advlock.New(nil, option(func(o *config.Options) { o.Backend = backend }))
 	defer l.Close()
 	ctx := context.Background()
 	most := 0

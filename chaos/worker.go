@@ -369,7 +369,7 @@ func (w *worker) open(ctx context.Context) (*advlock.Locker, error) {
 	opts := []advlock.Option{advlock.WithFencing(), advlock.WithKeepalive(w.cfg.Keepalive), advlock.WithSharedSessions(n),
 		advlock.WithObserver(&w.obs)}
 	if d := w.cfg.WaitSlice; d > 0 {
-		opts = append(opts, func(o *config.Options) { o.WaitSlice = d }) // a test knob of the library's
+		opts = append(opts, option(func(o *config.Options) { o.WaitSlice = d })) // a test knob of the library's
 	}
 	return advlock.Open(ctx, w.cfg.DSN+"&application_name="+w.cfg.Name, opts...)
 }
@@ -1088,3 +1088,6 @@ func canon(k advlock.Key) string {
 	}
 	return k.String()
 }
+
+// option makes an advlock.Option of f (see config.NewOption).
+func option(f func(*config.Options)) advlock.Option { return config.NewOption(f).(advlock.Option) }

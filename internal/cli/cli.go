@@ -47,7 +47,7 @@ Usage:
               [--dsn DSN] KEY [--] COMMAND [ARGS...]
   advlock ls [--json | --tree] [--watch [--interval DURATION]] [--dsn DSN] [KEY]
   advlock break [--yes] [--dsn DSN] KEY
-  advlock demo
+  advlock demo [--dsn DSN]
   advlock help | --version
 
 KEY:
@@ -159,8 +159,26 @@ func newFlags(name, synopsis string, more ...string) *flag.FlagSet {
 
 // parse parses flags; it returns a status to exit with when parsing ends the command: -h prints the usage to
 // stdout (exit 0), a bad flag prints one line to stderr (exit 2; see flagError).
+// Flags may also come after the arguments (advlock ls KEY --tree); after -- everything is an argument. The
+// arguments are then fs.Args().
 func parse(fs *flag.FlagSet, args []string, std Stdio) (int, bool) {
-	return parsed(fs, std, fs.Parse(args))
+	var pos []string
+	for {
+		if code, done := parsed(fs, std, fs.Parse(args)); done {
+			return code, true
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			break
+		}
+		if n := len(args) - len(rest); n > 0 && args[n-1] == "--" {
+			pos = append(pos, rest...)
+			break
+		}
+		pos, args = append(pos, rest[0]), rest[1:]
+	}
+	_ = fs.Parse(append([]string{"--"}, pos...)) // leaves pos as fs.Args()
+	return 0, false
 }
 
 // parsed ends the command when parsing its flags (by fs.Parse, or by run's runArgs) failed with err, or the flags
@@ -188,7 +206,45 @@ func flagError(fs *flag.FlagSet, err error) string {
 			msg = fmt.Sprintf("invalid --%s %q: want seconds (5, 0.5) or a duration (1m30s)", f.Name, *v.refused)
 		}
 	})
+	if name, ok := strings.CutPrefix(msg, "flag provided but not defined: -"); ok {
+		name = strings.TrimPrefix(name, "-")
+		msg = "unknown flag --" + name
+		if isInteger("-" + name) {
+			// A negative KEY.
+			msg = fmt.Sprintf("unknown flag -%s: a negative KEY goes after -- (%s -- -%s ...) or as int:-%s",
+				name, fs.Name(), name, name)
+		} else if f := similarFlag(fs, name); f != "" {
+			msg += "; did you mean --" + f + "?"
+		}
+	}
 	return fmt.Sprintf("%s: %s; see %s --help", msgPrefix(fs), msg, fs.Name())
+}
+
+// similarFlag returns the flag of fs that name misspells by its dashes or letter case (--nowait, --No-Wait for
+// --no-wait), or "".
+func similarFlag(fs *flag.FlagSet, name string) string {
+	norm := func(s string) string { return strings.ToLower(strings.NewReplacer("-", "", "_", "").Replace(s)) }
+	found := ""
+	fs.VisitAll(func(f *flag.Flag) {
+		if norm(f.Name) == norm(name) {
+			found = f.Name
+		}
+	})
+	return found
+}
+
+// isInteger reports whether s is a decimal integer, optionally signed.
+func isInteger(s string) bool {
+	s = strings.TrimLeft(s, "+-")
+	if s == "" {
+		return false
+	}
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // badValue reports a flag value that parsed but is out of range, as flagError does (exit 2).

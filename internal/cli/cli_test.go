@@ -127,7 +127,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"run", "k"}, "missing COMMAND"},
 		{[]string{"run"}, "missing KEY"},
 		{[]string{"run", "--no-wait", "--wait", "1s", "k", "--", "true"}, "exclude each other"},
-		{[]string{"run", "--bogus", "k", "--", "true"}, "flag provided but not defined"},
+		{[]string{"run", "--bogus", "k", "--", "true"}, "unknown flag --bogus"},
 		{[]string{"ls", "a", "b"}, "at most one KEY"},
 		{[]string{"break"}, "exactly one KEY"},
 		{[]string{"frobnicate"}, "unknown command"},

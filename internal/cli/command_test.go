@@ -124,13 +124,20 @@ func TestBadFlagOneLine(t *testing.T) {
 		{[]string{"run", "--wait", "-1", "k", "--", "true"}, "advlock: run: invalid --wait -1s: must not be negative; see advlock run --help"},
 		{[]string{"run", "--grace", "-0.5", "k", "--", "true"}, "invalid --grace -500ms: must not be negative"},
 		{[]string{"run", "--keepalive", "0", "k", "--", "true"}, "invalid --keepalive 0s: must be positive"},
-		{[]string{"run", "--bogus", "k", "--", "true"}, "advlock: run: flag provided but not defined: -bogus; see advlock run --help"},
+		{[]string{"run", "--bogus", "k", "--", "true"}, "advlock: run: unknown flag --bogus; see advlock run --help"},
 		{[]string{"run", "--wait"}, "advlock: run: flag needs an argument: -wait; see advlock run --help"},
 		{[]string{"ls", "--interval", "abc"},
 			`advlock: ls: invalid --interval "abc": want seconds (5, 0.5) or a duration (1m30s); see advlock ls --help`},
 		{[]string{"ls", "--interval", "0"}, "advlock: ls: invalid --interval 0s: must be positive; see advlock ls --help"},
-		{[]string{"break", "--bogus", "k"}, "advlock: break: flag provided but not defined: -bogus; see advlock break --help"},
-		{[]string{"demo", "--bogus"}, "advlock: demo: flag provided but not defined: -bogus; see advlock demo --help"},
+		{[]string{"break", "--bogus", "k"}, "advlock: break: unknown flag --bogus; see advlock break --help"},
+		{[]string{"demo", "--bogus"}, "advlock: demo: unknown flag --bogus; see advlock demo --help"},
+		{[]string{"run", "--nowait", "k", "--", "true"}, "advlock: run: unknown flag --nowait; did you mean --no-wait?; see advlock run --help"},
+		{[]string{"run", "-7", "true"}, "advlock: run: unknown flag -7: a negative KEY goes after -- (advlock run -- -7 ...) or as int:-7"},
+		{[]string{"ls", "-7"}, "advlock: ls: unknown flag -7: a negative KEY goes after -- (advlock ls -- -7 ...) or as int:-7"},
+		{[]string{"run", "name:", "--", "true"}, `advlock: run: invalid key "name:": an empty name`},
+		{[]string{"run", "", "--", "true"}, "advlock: run: invalid key: empty key"},
+		{[]string{"ls", "k", "--tree", "l"}, "advlock: ls: at most one KEY"},
+		{[]string{"ls", "k", "--json", "--tree"}, "advlock: ls: --json and --tree exclude each other"},
 	} {
 		p := start(t, []string{"DATABASE_URL=" + downDSN}, tc.args...)
 		code := p.wait(t, 10*time.Second)

@@ -56,7 +56,7 @@ Exit status: 0 (also when --watch ends with Ctrl-C); 69 database unreachable; 2 
 		filter = new(string)
 		*filter = fs.Arg(0)
 	default:
-		return usageError(std, "ls: at most one KEY\nUsage: advlock ls %s", lsSynopsis)
+		return usageError(std, "ls: at most one KEY; see advlock ls --help")
 	}
 	conn, code, bad := connString(std, "ls", *flagDSN)
 	if bad {

@@ -61,3 +61,11 @@ type Options struct {
 func Defaults() Options {
 	return Options{Keepalive: session.DefaultKeepalive, ReleaseTimeout: 5 * time.Second, SharedSessions: 4}
 }
+
+// NewOption makes an advlock.Option of f, and ApplyOption applies one to o: package advlock sets both (in its init),
+// so that the adapters and the test kit can make and read options while advlock.Option shows nothing of this
+// package in the public API.
+var (
+	NewOption   func(f func(*Options)) any
+	ApplyOption func(opt any, o *Options)
+)

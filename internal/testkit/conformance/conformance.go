@@ -523,9 +523,9 @@ func (s *suite) closeAbortsWaiters(t *testing.T) {
 
 // wrongUnlock makes every unlock release a different key, so that the server really answers false.
 func wrongUnlock() advlock.Option {
-	return func(o *config.Options) {
+	return option(func(o *config.Options) {
 		o.UnlockKey = func(session.ID) session.ID { return session.ID{V: -42} }
-	}
+	})
 }
 
 // proxied opens a Locker whose connections pass through a fault-injecting proxy in front of be.URL.
@@ -900,5 +900,8 @@ func (s *suite) databaseDown(t *testing.T) {
 
 // WithWrap wraps every connection of a Locker (fault injection).
 func WithWrap(w func(session.Conn) session.Conn) advlock.Option {
-	return func(o *config.Options) { o.Wrap = w }
+	return option(func(o *config.Options) { o.Wrap = w })
 }
+
+// option makes an advlock.Option of f (see config.NewOption).
+func option(f func(*config.Options)) advlock.Option { return config.NewOption(f).(advlock.Option) }

@@ -14,7 +14,7 @@ import (
 
 // withOpenBound shortens the bound on opening a shared session (VerifyBound, 10 s, by default).
 func withOpenBound(d time.Duration) advlock.Option {
-	return func(o *config.Options) { o.OpenBound = d }
+	return option(func(o *config.Options) { o.OpenBound = d })
 }
 
 // sharedOpenBounded: opening a shared session is bounded whatever the caller's ctx says, and Close ends an open in

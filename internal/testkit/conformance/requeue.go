@@ -12,7 +12,7 @@ import (
 
 // withWaitSlice shortens how long each statement of a wait in the server runs (1 s by default).
 func withWaitSlice(d time.Duration) advlock.Option {
-	return func(o *config.Options) { o.WaitSlice = d }
+	return option(func(o *config.Options) { o.WaitSlice = d })
 }
 
 // requeueRace: a wait sent again every 2 ms (its slice shortened) while another Locker takes and frees the key as
