@@ -621,3 +621,131 @@ func TestBudgetWaitServed(t *testing.T) {
 		t.Errorf("PeakConns %d, over the budget", st.PeakConns)
 	}
 }
+
+// A writer behind readers keeps its place when its Locker shares sessions of their own out (Open's budget): the
+// one session of its own is wanted by a Lead campaign for a key led elsewhere, so the writer is asked to give it up
+// after each slice; giving it up would give its intent back, let the readers that came meanwhile in, and make it
+// wait for them again at its next turn, for ever. Four readers in Lockers of their own keep the key held shared,
+// each taking it again at once. The writer keeps its session while readers hold its key: granted within the
+// readers' hold (never within 6 s before).
+func TestBudgetYieldKeepsWriterIntent(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 60*time.Second)
+	l, err := Open(ctx, url, WithMaxConns(2), WithSharedSessions(0), withSlice(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	leader := New(pgtest.Pool(t, url, nil))
+	defer leader.Close()
+	ck := key(t)
+	hl, err := leader.TryLock(ctx, ck)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hl.Unlock(ctx)
+	cctx, stopCampaign := context.WithCancel(ctx)
+	campaigned := make(chan struct{})
+	go func() {
+		defer close(campaigned)
+		_ = l.Lead(cctx, ck, func(context.Context) error { return nil })
+	}()
+	defer func() { stopCampaign(); <-campaigned }()
+	for l.Stats().WaitingInServer < 1 {
+		time.Sleep(5 * time.Millisecond)
+	}
+	k := key(t)
+	const hold = 300 * time.Millisecond
+	rctx, stopReaders := context.WithCancel(ctx)
+	var readers sync.WaitGroup
+	for i := range 4 {
+		r := New(pgtest.Pool(t, url, nil), WithSharedSessions(0))
+		defer r.Close()
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			time.Sleep(time.Duration(i) * hold / 4) // staggered: the key is always held shared
+			for rctx.Err() == nil {
+				lk, err := r.RLock(rctx, k)
+				if err != nil {
+					return
+				}
+				time.Sleep(hold)
+				_ = lk.Unlock(context.Background())
+			}
+		}()
+	}
+	defer func() { stopReaders(); readers.Wait() }()
+	time.Sleep(hold + hold/4)
+	start := time.Now()
+	lk, err := l.Lock(ctx, k, Wait(6*time.Second))
+	t.Logf("writer: %v after %v; the Locker's waits gave their session up %d times", err,
+		time.Since(start).Round(time.Millisecond), l.Stats().WaitYields)
+	if err != nil {
+		t.Fatalf("the writer behind readers, asked to share its session, was not granted within 6 s: %v", err)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A wait that gives its session up to another wait and queues again still reports when it began: each of its
+// statements publishes its start, also the first on a session it got back (two waits for keys held elsewhere
+// taking turns on one session of their own).
+func TestInspectWaitStartAcrossYields(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 60*time.Second)
+	obs := pgtest.Conn(t, url)
+	l, err := Open(ctx, url, WithMaxConns(2), WithSharedSessions(0), withSlice(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	holder := New(pgtest.Pool(t, url, nil))
+	defer holder.Close()
+	keys := []Key{key(t), key(t)}
+	for _, k := range keys {
+		hl, err := holder.TryLock(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer hl.Unlock(ctx)
+	}
+	var began time.Time
+	if err := obs.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&began); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, k := range keys {
+		wg.Add(1)
+		go func() { defer wg.Done(); _, _ = l.Lock(wctx, k) }()
+	}
+	defer func() { cancel(); wg.Wait() }()
+	time.Sleep(time.Second)
+	samples, late := 0, 0
+	var worst time.Duration
+	for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); time.Sleep(20 * time.Millisecond) {
+		rows, err := Inspect(ctx, obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range rows {
+			if r.Granted || r.WaitStart == nil || !(r.Key.Equal(keys[0]) || r.Key.Equal(keys[1])) {
+				continue
+			}
+			samples++
+			if d := r.WaitStart.Sub(began); d > 300*time.Millisecond {
+				late++
+				worst = max(worst, d)
+			}
+		}
+	}
+	t.Logf("%d yields; %d of %d samples with a WaitStart over 300 ms after the calls began", l.Stats().WaitYields, late, samples)
+	if samples == 0 || l.Stats().WaitYields == 0 {
+		t.Fatalf("%d samples, %d yields: the waits never took turns in the server", samples, l.Stats().WaitYields)
+	}
+	if late > 0 {
+		t.Errorf("WaitStart moved forward after a yield in %d of %d samples (up to %v after the calls began)", late, samples, worst.Round(time.Millisecond))
+	}
+}

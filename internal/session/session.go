@@ -275,7 +275,9 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 			r, err = w.run(false)
 			tag.pid.Store(0)
 		} else {
-			r, err = w.run(len(w.alts) == 0) // the prepared first statement knows no alternatives
+			// The prepared first statement knows no alternatives, and publishes no start: a wait that began a while
+			// ago (it queued for a session, or gave one up to another wait) starts with WaitSQL, which does.
+			r, err = w.run(len(w.alts) == 0 && time.Since(w.start) < publishAfter)
 		}
 		if err == nil && len(w.alts) > 0 && r >= resultAcquired {
 			if r > resultAcquired && int(r-2) < len(w.alts) {
@@ -365,6 +367,10 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	s.starter.add(s)
 	return s, nil
 }
+
+// publishAfter is how long after its start a wait publishes when it began (WaitSQL's comment) from its first
+// statement on: a wait that took longer to reach the server would otherwise show the start of its statement.
+const publishAfter = 50 * time.Millisecond
 
 // verify proves, once per physical connection, that conn is a server session of its own: either the pid the
 // server gave at startup is the session's pid (a direct connection), or a second client connection from the same

@@ -387,6 +387,14 @@ func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool, idleMS
 	return b.String()
 }
 
+// SharedNowSQL tells a writer's session whether t's key could be taken in shared mode now (it is free, or readers
+// alone hold it, and no other writer waits in the server's queue): 1, having given the shared hold back at once,
+// else 0. It never waits.
+func SharedNowSQL(t Target) string {
+	key := t.ID.literal()
+	return "SELECT CASE WHEN " + lockFn(true, true, key) + " THEN " + unlockFn(true, key) + "::int ELSE 0 END"
+}
+
 // SettleSQL leaves a session that waited for t and was not granted holding nothing, whether or not a grant raced
 // the wait's end (a try passes on a session that holds the key already; then one unlock, and pg_locks says whether
 // a second is needed), and with intent also gives the key's intent back (with idle, restoring the session's

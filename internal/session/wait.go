@@ -78,8 +78,8 @@ func (w *serverWait) run(first bool) (int64, error) {
 			w.bounces++
 		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
 			requeue = true
-			if w.yield != nil && w.yield() {
-				return 0, ErrYielded
+			if yielded, err := w.yielded(); yielded || err != nil {
+				return 0, err
 			}
 		default:
 			return r, err
@@ -104,8 +104,8 @@ func (w *serverWait) run(first bool) (int64, error) {
 		switch {
 		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
 			requeue, w.bounces = true, 0 // a whole slice waited in the queue
-			if w.yield != nil && w.yield() {
-				return 0, ErrYielded
+			if yielded, err := w.yielded(); yielded || err != nil {
+				return 0, err
 			}
 		case err == nil && (r == resultIntentNow || r == resultIntentIdle):
 			w.intent, w.idle = true, r == resultIntentIdle
@@ -115,6 +115,38 @@ func (w *serverWait) run(first bool) (int64, error) {
 			return r, err
 		}
 	}
+}
+
+// yielded reports whether the wait gives its session up after a whole slice, with ErrYielded, because its caller's
+// yield asks it to (WithYield). A writer that holds the key's intent while readers hold the key keeps its session,
+// and its intent: given back, the intent would let the readers that come while the writer queues for a session in,
+// and at its next turn it would wait for them again, for ever (one round trip to ask, only when a yield is asked).
+func (w *serverWait) yielded() (bool, error) {
+	if w.yield == nil || !w.yield() {
+		return false, nil
+	}
+	if !w.intent {
+		return true, ErrYielded
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(w.ctx), w.slack+w.rtt)
+	defer cancel()
+	stop := context.AfterFunc(w.ctx, func() {
+		if !errors.Is(w.ctx.Err(), context.DeadlineExceeded) {
+			cancel()
+		}
+	})
+	defer stop()
+	r, err := w.conn.QueryInt(ctx, SharedNowSQL(w.t))
+	if err != nil {
+		if w.ctx.Err() == nil && ctx.Err() != nil {
+			return false, fmt.Errorf("ask whether readers hold the key: no answer within %v; session closed", w.slack+w.rtt)
+		}
+		return false, fmt.Errorf("ask whether readers hold the key: %w", err)
+	}
+	if r == 1 {
+		return false, nil // readers hold it (or nobody): the writer keeps its place in front of new readers
+	}
+	return true, ErrYielded
 }
 
 // ErrYielded is what Acquire returns for a wait that gave its session up after a whole slice because its
