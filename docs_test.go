@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -359,7 +358,10 @@ func TestDocsAnchors(t *testing.T) {
 // go doc shows what a user reads: PoolStats with its fields (not an alias of an internal type), and Option without
 // the internal configuration type it applies to.
 func TestGoDocShowsNoInternals(t *testing.T) {
-	gobin := filepath.Join(runtime.GOROOT(), "bin", "go")
+	gobin, err := exec.LookPath("go")
+	if err != nil {
+		t.Fatalf("the go command, to run go doc: %v", err)
+	}
 	for sym, want := range map[string][]string{
 		"PoolStats": {"Max ", "Open ", "InUse ", "Idle ", "WaitCount "},
 		"Option":    {"type Option interface"},

@@ -128,20 +128,9 @@ func (w *serverWait) yielded() (bool, error) {
 	if !w.intent {
 		return true, ErrYielded
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(w.ctx), w.slack+w.rtt)
-	defer cancel()
-	stop := context.AfterFunc(w.ctx, func() {
-		if !errors.Is(w.ctx.Err(), context.DeadlineExceeded) {
-			cancel()
-		}
-	})
-	defer stop()
-	r, err := w.conn.QueryInt(ctx, SharedNowSQL(w.t))
+	r, err := w.between("ask whether readers hold the key", SharedNowSQL(w.t))
 	if err != nil {
-		if w.ctx.Err() == nil && ctx.Err() != nil {
-			return false, fmt.Errorf("ask whether readers hold the key: no answer within %v; session closed", w.slack+w.rtt)
-		}
-		return false, fmt.Errorf("ask whether readers hold the key: %w", err)
+		return false, err
 	}
 	if r == 1 {
 		return false, nil // readers hold it (or nobody): the writer keeps its place in front of new readers
@@ -220,11 +209,10 @@ func (w *serverWait) statement(end time.Time, sql string, args ...any) (int64, e
 	return r, err
 }
 
-// takeIntent takes t's intent on the wait's session (a try: it never waits), one round trip. Another writer may
-// hold it (then its intent holds readers back), or a reader may be testing it at this instant: the wait goes on
-// either way, and its next slice that finds the key held in shared mode tries again.
-func (w *serverWait) takeIntent() error {
-	start := time.Now()
+// between sends a statement that never waits, between two slices (what names it in its error): bounded by the
+// measured round trip and the keepalive bound, and cut by a cancel of the wait's ctx (not by its deadline, which the
+// slices bound).
+func (w *serverWait) between(what, sql string, args ...any) (int64, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(w.ctx), w.slack+w.rtt)
 	defer cancel()
 	stop := context.AfterFunc(w.ctx, func() {
@@ -233,12 +221,24 @@ func (w *serverWait) takeIntent() error {
 		}
 	})
 	defer stop()
-	r, err := w.conn.QueryInt(ctx, IntentSQL, w.t.ID.Intent().V, strconv.FormatInt(w.idleMS(), 10))
+	r, err := w.conn.QueryInt(ctx, sql, args...)
 	if err != nil {
 		if w.ctx.Err() == nil && ctx.Err() != nil {
-			return fmt.Errorf("take the key's intent: no answer within %v; session closed", w.slack+w.rtt)
+			return 0, fmt.Errorf("%s: no answer within %v; session closed", what, w.slack+w.rtt)
 		}
-		return fmt.Errorf("take the key's intent: %w", err)
+		return 0, fmt.Errorf("%s: %w", what, err)
+	}
+	return r, nil
+}
+
+// takeIntent takes t's intent on the wait's session (a try: it never waits), one round trip. Another writer may
+// hold it (then its intent holds readers back), or a reader may be testing it at this instant: the wait goes on
+// either way, and its next slice that finds the key held in shared mode tries again.
+func (w *serverWait) takeIntent() error {
+	start := time.Now()
+	r, err := w.between("take the key's intent", IntentSQL, w.t.ID.Intent().V, strconv.FormatInt(w.idleMS(), 10))
+	if err != nil {
+		return err
 	}
 	w.rtt = max(w.rtt, min(time.Since(start), w.slack))
 	w.intent, w.idle = r >= 1, r == 2
