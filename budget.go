@@ -35,8 +35,19 @@ import (
 // deadlock.go), and its readings take the kept connection, so a cycle that holds every session of its own is
 // still found.
 //
-// A Locker from [New] shares the application's pool and does none of this: its waits wait for the pool's
-// connections (pgxpool's queue), with the application's queries.
+// A Locker from [New] (or advsql.New) shares the application's pool. When that pool has a limit and the Locker
+// has shared sessions (the default), it takes for sessions of their own (waits in the server, and the locks they
+// got) at most half of the connections its shared sessions leave, at least one (appShare), shared out as above; the
+// rest stays the application's, so that a holder whose fn queries the same pool always finds a connection (ten
+// holders and waiters of one key on a pool of ten, each querying the pool in fn, would otherwise wait for each
+// other for ever). A wait whose caller holds locks (nested) passes this share by and waits for the pool's
+// connections, with the application's queries: made to wait for a session of its own held by waits that wait for
+// its caller's locks, it could never be served. With WithSharedSessions(0) every held lock is on a session of its
+// own, and the Locker takes what the pool gives (size the pool for the locks held at once).
+
+// appShare is how many sessions of their own a Locker over the application's pool (of conns connections, shared of
+// them for shared sessions at most) takes: half of what the shared sessions leave, at least 1.
+func appShare(conns, shared int) int { return max(1, (conns-shared)/2) }
 
 // ownPoolShared is how many shared sessions a Locker whose pool (of conns connections) is its own opens unless
 // WithSharedSessions says: a quarter of the pool, at least 1 and at most 4 (1 for DefaultOpenConns). One shared
@@ -131,8 +142,8 @@ func (s *ownSlots) give() {
 // again every slotRetry or so, and returns the lock it got there (h) instead of a slot. give, when not nil, hands
 // the slot back; it must be called once the session is given up, or at once when no session is made.
 // A wait that passed by its gate never tries on a shared session, which may hold the key for the caller it passed.
-func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed bool, onEnd session.OnEnd) (h handle, give func(), err error) {
-	if l.slots == nil {
+func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed, nested bool, onEnd session.OnEnd) (h handle, give func(), err error) {
+	if l.slots == nil || nested && l.appSlots {
 		return nil, nil, nil
 	}
 	if !wait {

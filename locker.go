@@ -47,7 +47,8 @@ type Locker struct {
 	fenceSem chan struct{} // one fence check at a time (a buffered channel of 1: waiting for it honours ctx)
 	fenceOK  atomic.Bool   // the fencing sequence exists and may be used
 
-	slots       *ownSlots    // sessions of their own, when the pool is the Locker's own (budget.go); nil: no limit
+	slots       *ownSlots    // sessions of their own, when the pool is the Locker's own or limited (budget.go); nil: no limit
+	appSlots    bool         // slots is a share of the application's pool (New), which nested waits pass by
 	contended   contention   // keys whose waits found them held a moment ago
 	waitingSlot atomic.Int64 // waits queued for a slot
 	yields      atomic.Int64 // waits that gave their session up to a wait queued for one
@@ -67,7 +68,11 @@ type Locker struct {
 
 // New returns a Locker over a pool the caller owns and closes (after [Locker.Close]). A nil pool gives a Locker
 // whose every call returns ErrNoPool. The pool's sessions keep whatever settings the application gave them; see
-// [Open] for a pool tuned for locking.
+// [Open] for a pool tuned for locking. The Locker takes at most half of the pool's connections for its shared
+// sessions, and for its waits in the server (each keeping its session for the lock it gets) at most half of what
+// they leave, at least one: more waits wait in this process, so that the application (fn's own queries among them)
+// always has the rest. A wait whose caller holds locks waits for the pool's connections with the application's
+// queries instead. With [WithSharedSessions](0) every held lock takes one of the pool's connections.
 func New(pool *pgxpool.Pool, opts ...Option) *Locker {
 	o := config.Defaults()
 	for _, opt := range opts {
@@ -109,14 +114,16 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 		cfg.Keepalive = min(o.Keepalive, o.ReleaseTimeout) // also how long a round trip may stay unanswered
 		l.shared = session.NewShared(o.SharedSessions, pool, cfg, o.Keepalive)
 	}
-	if pool != nil && o.OwnPool {
-		if m := pool.Stats().Max; m > 0 {
+	if m := 0; pool != nil {
+		if m = pool.Stats().Max; m > 0 && o.OwnPool {
 			shared := 0
 			if l.shared != nil {
 				shared = o.SharedSessions
 			}
 			_, _, own := share(m, shared)
 			l.slots = &ownSlots{max: own}
+		} else if m > 0 && l.shared != nil {
+			l.slots, l.appSlots = &ownSlots{max: appShare(m, min(o.SharedSessions, m/2))}, true
 		}
 	}
 	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
@@ -389,7 +396,7 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 		}
 	}
 	for {
-		h, give, err := l.ownSession(ctx, t, wait, passed, onEnd)
+		h, give, err := l.ownSession(ctx, t, wait, passed, w != nil, onEnd)
 		if h != nil || err != nil {
 			return h, err
 		}

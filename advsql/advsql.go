@@ -6,14 +6,16 @@
 // server confirmed the unlock; on any doubt it is discarded instead, by returning driver.ErrBadConn from Conn.Raw
 // (Conn.Close alone would pool it still holding the lock).
 //
-// With the pgx driver a lost session is seen at once, as with pgxpool: the watcher reads the idle connection. lib/pq
-// gives no access to its socket, so with lib/pq a loss is noticed by the keepalive round trip, within about twice
-// the keepalive interval ([advlock.WithKeepalive]), and, for a connection not proved to be a direct one (through a
-// pooler), the first lock on each new connection takes a second connection for a moment to prove that no
-// transaction-mode pooler sits in between.
+// With either driver many locks share a few sessions, and a lost shared session is seen at once, as with pgxpool.
+// lib/pq gives no access to its socket: a shared session's connection is taken over from lib/pq (read by
+// reflection from the fields lib/pq keeps it in; lib/pq never uses it again). A lock that had to wait keeps the
+// session it waited on: with pgx's driver its watcher reads the idle connection; with lib/pq a loss there is
+// noticed by the keepalive round trip, within about twice the keepalive interval ([advlock.WithKeepalive]), and,
+// for a connection not proved to be a direct one (through a pooler), the first lock on each new connection takes a
+// second connection for a moment to prove that no transaction-mode pooler sits in between.
 //
-// [New] locks through the application's *sql.DB (shared sessions take at most half of its connections; waits in
-// the server, and with lib/pq every held lock, take one each); [Open] gives locks a *sql.DB of their own.
+// [New] locks through the application's *sql.DB (shared sessions take at most half of its connections, and waits in
+// the server at most half of what they leave: see New); [Open] gives locks a *sql.DB of their own.
 //
 //	db, err := sql.Open("pgx", dsn) // or "postgres" with lib/pq
 //	if err != nil { ... }
@@ -23,12 +25,14 @@
 package advsql
 
 import (
+	"bufio"
 	"context"
 	"database/sql"
 	"database/sql/driver"
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/url"
 	"reflect"
 	"regexp"
@@ -36,6 +40,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unsafe"
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/config"
@@ -43,11 +48,18 @@ import (
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/jackc/pgx/v5/stdlib"
 )
 
 // New returns a Locker over db, which the caller owns and closes after [advlock.Locker.Close]. A nil db gives a
-// Locker whose every call returns advlock.ErrNoPool. Locker.DoTx is not available on it; use [DoTx]. Its Inspect,
+// Locker whose every call returns advlock.ErrNoPool. When db has a limit (SetMaxOpenConns), the Locker's shared
+// sessions take at most half of its connections, and its waits in the server (each keeping its session for the
+// lock it gets) at most half of what they leave, at least one: more waits wait in this process, so that the
+// application (fn's own queries among them) always has the rest. A wait whose caller holds locks waits for db's
+// connections with the application's queries instead. With advlock.WithSharedSessions(0) every held lock takes one
+// of db's connections. Locker.DoTx is not available on it; use [DoTx]. Its Inspect,
 // Leader and LockTable read through db.
 func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 	if db == nil {
@@ -61,9 +73,9 @@ func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
 // for github.com/lib/pq) and dsn as that driver reads it, and returns a Locker that owns it: [advlock.Locker.Close] closes it. It is to database/sql what
 // [advlock.Open] is to pgxpool: locks never compete with the application's own queries for connections, since
 // they have a pool of their own, of at most advlock.DefaultOpenConns connections ([advlock.WithMaxConns] sets
-// another size; all kept idle when free), shared out as advlock.Open's are (with lib/pq, which allows no shared
-// sessions: one kept for the Locker's reads, the rest for sessions of their own, a lock each, so at most 4 locks
-// held at once with the default; size it for the locks a process holds at once), and each lock session gets the
+// another size; all kept idle when free), shared out as advlock.Open's are (one shared session, which carries
+// every lock taken without waiting, one connection kept for the Locker's reads, three for waits), and each lock
+// session gets the
 // settings advlock.Open sets (no statement or lock timeout, idle_session_timeout of 3
 // keepalive intervals, server keepalives, client_connection_check_interval, and application_name=advlock unless
 // dsn names one), once per connection, after it is proved to be a server session of its own. The driver must be
@@ -202,10 +214,12 @@ func (d *dialed) Close() {
 	_ = d.db.Close()
 }
 
-// Wires reports whether db's driver is pgx's (lib/pq gives no access to its connection).
+// Wires reports whether db's driver can give its connection to a shared session: pgx's, and lib/pq's (libpqConn).
 func (p *pool) Wires() bool {
-	_, ok := p.db.Driver().(*stdlib.Driver)
-	return ok
+	if _, ok := p.db.Driver().(*stdlib.Driver); ok {
+		return true
+	}
+	return reflect.TypeOf(p.db.Driver()).String() == "*pq.Driver" // see libpqConn
 }
 
 // Stats reads db.Stats.
@@ -215,15 +229,55 @@ func (p *pool) Stats() session.PoolStats {
 		WaitCount: st.WaitCount}
 }
 
-// Wire runs f inside Conn.Raw with pgx's connection; with other drivers it reports errNoWire.
+// Wire runs f inside Conn.Raw with pgx's connection, or with lib/pq's taken over (libpqConn); with other drivers
+// it reports session.ErrNoWire.
 func (a *conn) Wire(f func(pc *pgconn.PgConn) error) error {
-	if a.pgx == nil {
-		return errNoWire
+	if a.pgx != nil {
+		return a.c.Raw(func(any) error { return f(a.pgx.PC) })
 	}
-	return a.c.Raw(func(any) error { return f(a.pgx.PC) })
+	return a.c.Raw(func(dc any) error {
+		pc, err := libpqConn(dc)
+		if err != nil {
+			return fmt.Errorf("%w: %v", session.ErrNoWire, err)
+		}
+		return f(pc)
+	})
 }
 
-var errNoWire = errors.New("advlock: this database/sql driver gives no access to its connection")
+// libpqConn takes lib/pq's connection dc over for a shared session, which drives the protocol on its socket from
+// then on, as it does pgx's: a pgconn.PgConn over the same socket. lib/pq gives no access to it, so it is read by
+// reflection from the fields lib/pq keeps it in (its socket, and its read buffer, which must hold nothing unread);
+// anything laid out otherwise (another lib/pq version) is refused, and the Locker then takes a session per lock.
+// lib/pq never uses the connection again: a shared session is never pooled, its end closes it.
+func libpqConn(dc any) (*pgconn.PgConn, error) {
+	v := reflect.ValueOf(dc)
+	if v.Kind() != reflect.Pointer || v.IsNil() || v.Type().String() != "*pq.conn" || v.Elem().Kind() != reflect.Struct {
+		return nil, fmt.Errorf("%T is not lib/pq's connection", dc)
+	}
+	c, buf := v.Elem().FieldByName("c"), v.Elem().FieldByName("buf")
+	if !c.IsValid() || c.Type() != reflect.TypeFor[net.Conn]() || !buf.IsValid() || buf.Type() != reflect.TypeFor[*bufio.Reader]() {
+		return nil, errors.New("lib/pq's connection is not laid out as this version of advlock knows it")
+	}
+	nc, _ := reflect.NewAt(c.Type(), unsafe.Pointer(c.UnsafeAddr())).Elem().Interface().(net.Conn)
+	br, _ := reflect.NewAt(buf.Type(), unsafe.Pointer(buf.UnsafeAddr())).Elem().Interface().(*bufio.Reader)
+	if nc == nil || br == nil || br.Buffered() != 0 {
+		return nil, errors.New("lib/pq's connection has no socket, or input it has not read")
+	}
+	return pgconn.Construct(&pgconn.HijackedConn{
+		Conn: nc, PID: libpqPID(dc), TxStatus: 'I', Frontend: pgproto3.NewFrontend(nc, nc),
+		Config: &pgconn.Config{
+			BuildFrontend: pgproto3.NewFrontend,
+			BuildContextWatcherHandler: func(pc *pgconn.PgConn) ctxwatch.Handler {
+				return &pgconn.DeadlineContextWatcherHandler{Conn: pc.Conn()}
+			},
+			// pgconn sends a cancel request when a statement of its own is cut short (a shared session's setup
+			// past its bound), dialing with this: none is sent, the session is closed anyway.
+			DialFunc: func(context.Context, string, string) (net.Conn, error) {
+				return nil, errors.New("no cancel request for a shared session over lib/pq")
+			},
+		},
+	})
+}
 
 // conn is one pinned *sql.Conn.
 type conn struct {

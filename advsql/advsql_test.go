@@ -35,10 +35,11 @@ func openDB(t *testing.T, driver, url string) *sql.DB {
 // max_connections is 100 by default.
 const harnessConns = 8
 
-// Backend is the conformance backend for Lockers over database/sql with driver.
+// Backend is the conformance backend for Lockers over database/sql with driver: both share sessions (lib/pq's taken
+// over, see libpqConn); only pgx's driver reads the idle socket of a session of its own (EventDriven).
 func Backend(driver, url, obsURL string) conformance.Backend {
 	return conformance.Backend{
-		Name: "database/sql+" + driver, URL: url, ObsURL: obsURL, EventDriven: driver == "pgx", Shares: driver == "pgx",
+		Name: "database/sql+" + driver, URL: url, ObsURL: obsURL, EventDriven: driver == "pgx", Shares: true,
 		Open: func(t *testing.T, url string, opts ...advlock.Option) conformance.Harness {
 			db := openDB(t, driver, url)
 			db.SetMaxOpenConns(harnessConns)

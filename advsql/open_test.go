@@ -281,7 +281,7 @@ func TestLead(t *testing.T) {
 		}
 		db := openDB(t, "postgres", pgtest.Bouncer(t, url, "session"))
 		db.SetMaxOpenConns(2)
-		l := advsql.New(db)
+		l := advsql.New(db, advlock.WithSharedSessions(0)) // a session per lock: each campaign verifies one
 		defer l.Close()
 		app, err := db.Conn(ctx)
 		if err != nil {
@@ -324,7 +324,7 @@ func TestSemaphoreSmallPool(t *testing.T) {
 	ctx := ctxT(t, 30*time.Second)
 	db := openDB(t, "postgres", url)
 	db.SetMaxOpenConns(2)
-	l, other := advsql.New(db), advsql.New(openDB(t, "pgx", url))
+	l, other := advsql.New(db, advlock.WithSharedSessions(0)), advsql.New(openDB(t, "pgx", url))
 	defer l.Close()
 	defer other.Close()
 	name := fmt.Sprintf("sql-%d", time.Now().UnixNano())
@@ -423,8 +423,9 @@ func TestOpenMaxConns(t *testing.T) {
 		opts     []advlock.Option
 		max, own int
 	}{
-		{"postgres", nil, advlock.DefaultOpenConns, advlock.DefaultOpenConns - 1},
-		{"postgres", []advlock.Option{advlock.WithMaxConns(24)}, 24, 23},
+		{"postgres", nil, advlock.DefaultOpenConns, advlock.DefaultOpenConns - 2},
+		{"postgres", []advlock.Option{advlock.WithMaxConns(24)}, 24, 19},
+		{"postgres", []advlock.Option{advlock.WithMaxConns(24), advlock.WithSharedSessions(0)}, 24, 23},
 		{"pgx", []advlock.Option{advlock.WithMaxConns(24)}, 24, 19},
 	} {
 		l, err := advsql.Open(ctx, tc.driver, pgtest.URL(t), tc.opts...)

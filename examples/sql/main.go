@@ -22,7 +22,7 @@ func main() {
 	}
 	defer db.Close()
 
-	l := advsql.New(db) // session locks; with lib/pq each held lock pins one *sql.Conn
+	l := advsql.New(db) // session locks, many on one shared *sql.Conn
 	defer l.Close()
 	err = l.Do(ctx, advlock.NameKey("nightly-report"), func(ctx context.Context) error {
 		fmt.Println("session lock held: running the nightly report")

@@ -27,6 +27,7 @@ type Shared struct {
 	muxes   []*Mux
 	opening int
 	openErr error // why the last open failed (nil once one succeeds)
+	noWire  bool  // an open found that the driver cannot give its connection (ErrNoWire): none is opened again
 	closed  bool
 	bg      sync.WaitGroup
 	bgCtx   context.Context
@@ -114,15 +115,22 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 // its own for as long as it is held). It is looked at when a session would open: sessions already open stay when
 // the pool shrinks later.
 func (s *Shared) limit() int {
+	if s.noWire {
+		return 0
+	}
 	if pm := s.pool.Stats().Max; pm > 0 {
 		return min(s.max, pm/2)
 	}
 	return s.max
 }
 
-// ErrNoShared is what Get returns when the pool is too small for any shared session (see limit): the caller takes
-// a session of its own.
+// ErrNoShared is what Get returns when the pool is too small for any shared session (see limit), or its driver
+// cannot give its connection (ErrNoWire): the caller takes a session of its own.
 var ErrNoShared = errors.New("advlock: the pool is too small for a shared session")
+
+// ErrNoWire is what a Conn's Wire returns (wrapped) when the driver cannot give its connection for a shared session:
+// the Shared then opens none (ErrNoShared), and every lock takes a session of its own.
+var ErrNoWire = errors.New("advlock: the driver gives no access to its connection")
 
 // openLocked starts opening one more shared session in the background.
 func (s *Shared) openLocked() {
@@ -143,6 +151,9 @@ func (s *Shared) openLocked() {
 		s.mu.Lock()
 		s.opening--
 		s.openErr = err
+		if errors.Is(err, ErrNoWire) {
+			s.noWire = true // the driver cannot give its connection: every lock takes a session of its own
+		}
 		if err == nil {
 			if s.closed {
 				s.mu.Unlock()
