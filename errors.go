@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 
+	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/session"
 )
 
@@ -59,6 +60,9 @@ var (
 	// other than meant (a host holding an '@', which an unescaped '@' in a password gives). The message never shows
 	// the string or any part of it; the parser's own error is reachable with errors.As.
 	ErrInvalidDSN = session.ErrInvalidDSN
+	// ErrLeaseTable: with [WithLeases], the lease tables do not exist and this role may not create them; the
+	// message says what to run ([LeaseTableSQL]). Nothing was locked.
+	ErrLeaseTable = lease.ErrLeaseTable
 )
 
 // notAcquiredError is ErrNotAcquired with the reason in its text.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
+	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -45,7 +46,8 @@ type Locker struct {
 	deadlocks       atomic.Int64 // waits ended with ErrDeadlock
 
 	fenceSem chan struct{} // one fence check at a time (a buffered channel of 1: waiting for it honours ctx)
-	fenceOK  atomic.Bool   // the fencing sequence exists and may be used
+	fenceOK  atomic.Bool   // the fencing sequence exists and may be used (and with leases, the lease tables)
+	leases   *lease.Config // WithLeases: locks are leases (leases.go); nil: session locks
 
 	slots       *ownSlots    // sessions of their own, when the pool is the Locker's own or limited (budget.go); nil: no limit
 	appSlots    bool         // slots is a share of the application's pool (New), which nested waits pass by
@@ -125,6 +127,9 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 		} else if m > 0 && l.shared != nil {
 			l.slots, l.appSlots = &ownSlots{max: appShare(m, min(o.SharedSessions, m/2))}, true
 		}
+	}
+	if o.Leases {
+		l.leases = leaseConfig(o)
 	}
 	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
 	return l
@@ -216,7 +221,12 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 		return nil, err
 	}
 	defer done()
-	if l.opts.Fencing {
+	if l.leases != nil {
+		if err := l.leaseCall(ctx, shared, wait); err != nil {
+			return nil, err
+		}
+	}
+	if l.opts.Fencing || l.leases != nil {
 		if err := l.ensureFence(ctx, !wait); err != nil {
 			return nil, err
 		}
@@ -224,7 +234,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 	t := session.Target{ID: key.id, Shared: shared}
 	start := time.Now()
 	var w *waiter
-	if wait && ctx.Value(noDetectKey{}) == nil {
+	if wait && ctx.Value(noDetectKey{}) == nil && l.leases == nil {
 		if held := heldRefs(ctx); len(held) > 0 {
 			parent := ctx
 			w, ctx = l.watchWait(ctx, key, t, held)
@@ -262,7 +272,7 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 		return nil, err
 	}
 	nlk.h = h
-	if s, ok := h.(*session.Session); ok && s.Target().ID != t.ID {
+	if s, ok := h.(interface{ Target() session.Target }); ok && s.Target().ID != t.ID {
 		l.granted1(ctx, nlk, t, s.Target().ID)
 	}
 	l.mu.Lock()
@@ -325,7 +335,11 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 	defer cancel(nil)
 	stop := context.AfterFunc(l.closeCtx, func() { cancel(ErrClosed) })
 	defer stop()
-	if err := session.EnsureFence(cctx, l.pool, try); err != nil {
+	err := session.EnsureFence(cctx, l.pool, try)
+	if err == nil && l.leases != nil {
+		err = lease.Ensure(cctx, l.pool, l.leases.Bound)
+	}
+	if err != nil {
 		if ctx.Err() == nil && errors.Is(context.Cause(cctx), ErrClosed) {
 			return ErrClosed
 		}
@@ -340,6 +354,9 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 // shared session) takes a session of its own at once, and never tries on a shared session. w is the wait's
 // deadlock watch, if any.
 func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, w *waiter, start time.Time, onEnd session.OnEnd) (handle, error) {
+	if l.leases != nil {
+		return l.takeLease(ctx, t, wait, onEnd)
+	}
 	if l.shared != nil && !passed && !(wait && l.contended.recent(t.ID)) {
 		for attempt := 0; ; attempt++ {
 			m, err := l.shared.Get(ctx, wait)

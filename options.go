@@ -106,6 +106,33 @@ func WithFencing() Option {
 	return option(func(o *config.Options) { o.Fencing = true })
 }
 
+// WithLeases makes every lock of the Locker a lease: a row of the table public.advlock_lease instead of a session
+// lock, so that it needs no session of its own. Every statement is one short autocommit statement without
+// parameters, which any pooler (PgBouncer in transaction mode, Supabase's and Neon's pooled ports, RDS Proxy) and
+// any driver carries. A lease lasts 15 s on the server's clock and is renewed every 5 s; its holder trusts it until
+// its own clock, counted from when it sent the last renewal the server confirmed, reaches 14 s, and Done closes
+// then at the latest. A holder that dies holds its key until its lease expires.
+//
+// A lease excludes other leases of the same key, not pg_advisory_lock users of the same number: a key must be
+// taken as a lease by everyone who takes it. Its fencing token is its term (WithFencing changes nothing).
+// Shared locks (RLock, TryRLock) are refused with errors.ErrUnsupported, and so is a wait without a bound (Wait
+// or a ctx deadline) whose caller holds locks (inside Do's fn, or with Holding): leases have no deadlock
+// detection. The table (and the fencing sequence) are created on first use where the role may: LeaseTableSQL is
+// what to run where DDL goes through migrations. See docs/leases.md.
+func WithLeases() Option {
+	return option(func(o *config.Options) { o.Leases = true })
+}
+
+// WithLeaseLength sets the length of the Locker's leases (see [WithLeases]): renewed every third of it, trusted
+// by the holder until a fifteenth of it before it ends. Values < 1s keep the default of 15s.
+func WithLeaseLength(d time.Duration) Option {
+	return option(func(o *config.Options) {
+		if d >= time.Second {
+			o.LeaseLength = d
+		}
+	})
+}
+
 // CallOption adjusts one call of Lock, RLock, Do (not TryLock, TryRLock or TryDo, which never wait).
 type CallOption func(*callOpts)
 

@@ -15,7 +15,7 @@ import (
 // Code that README.md and docs/*.md show. These functions are compiled with the package's tests and never run;
 // TestDocsGoBlocks (docs_test.go) fails when a ```go block of the docs is not an excerpt of a Go file that builds,
 // such as this one.
-var _ = []any{apiOnOneScreen, leaderElection, semaphoreSlots, transactionScope, holdingLocks, openOptions}
+var _ = []any{apiOnOneScreen, leaderElection, semaphoreSlots, transactionScope, holdingLocks, openOptions, leases}
 
 // The README's "API in one screen".
 func apiOnOneScreen(ctx context.Context, pool *pgxpool.Pool, dsn string, opts []advlock.Option, key advlock.Key,
@@ -104,4 +104,13 @@ func openOptions(ctx context.Context, dsn string) (*advlock.Locker, error) {
 		advlock.WithFencing(),
 		advlock.WithLogger(nil), // a *slog.Logger; nil logs nothing
 	)
+}
+
+// docs/leases.md.
+func leases(ctx context.Context, dsn string, run func(context.Context) error) {
+	l, err := advlock.Open(ctx, dsn, advlock.WithLeases()) // also advlock.New(pool, advlock.WithLeases()), advsql
+	err = l.Do(ctx, advlock.NameKey("billing-sync"), func(ctx context.Context) error {
+		return run(ctx) // ctx ends if the lease is lost; advlock.FenceToken(ctx) is the lease's term
+	})
+	_ = err
 }

@@ -49,6 +49,11 @@ type Options struct {
 	OwnPool bool
 	// Fencing: every session-lock grant carries a token from the sequence session.FenceSeq.
 	Fencing bool
+	// Leases: locks are rows of a table (internal/lease), of LeaseLength (0: the default), waits trying again every
+	// LeasePoll (0: the default; tests shorten it).
+	Leases      bool
+	LeaseLength time.Duration
+	LeasePoll   time.Duration
 	// OnClose, when set, runs once when the Locker is closed, after everything else (advsql.Open closes its
 	// *sql.DB).
 	OnClose func()

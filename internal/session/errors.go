@@ -29,7 +29,8 @@ var (
 		"got the same server session): a session-level lock would stay on a server session that other clients use; " +
 		"use pool_mode=session for session locks, or transaction-scoped locks, which work there: DoTx (a Locker from " +
 		"Open works with the DSN as written; over a pgx pool of your own, set default_query_exec_mode=cache_describe " +
-		"on a pooler that keeps no prepared statements) or XactLock in your own transaction")
+		"on a pooler that keeps no prepared statements) or XactLock in your own transaction; or leases, locks as rows " +
+		"of a table that work through any pooler (WithLeases)")
 	ErrUnverified = errors.New("advlock: could not prove that the connection is a server session of its own: the " +
 		"pid the driver reports is not the session's (a pooler answers in its place) or it reports none, and no second connection " +
 		"was free within 2s to rule out a pooler in transaction mode; refusing a session-level lock that could leak " +

@@ -1,0 +1,494 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/config"
+	"github.com/advlock/advlock/internal/lease"
+	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
+)
+
+// withLeasePoll shortens how often a waiting lease tries again (tests only).
+func withLeasePoll(d time.Duration) Option { return option(func(o *config.Options) { o.LeasePoll = d }) }
+
+// leaseRow reads key k's row of the lease table: its term, and whether it exists.
+func leaseRow(t *testing.T, c *pgx.Conn, k Key) (term int64, ok bool) {
+	t.Helper()
+	v, _ := k.Int64()
+	err := c.QueryRow(context.Background(), "SELECT term FROM "+lease.Table+" WHERE space = 1 AND key = $1", v).Scan(&term)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return term, true
+}
+
+// Leases exclude each other, with the server's row as the truth: a TryLock writes the key's row with the lock's
+// term as its token, another Locker's TryLock is refused while it stands, Unlock deletes it, and the next holder's
+// term is greater. A waiting Lock is granted once the holder lets go; Wait bounds it (ErrNotAcquired); shared locks
+// are refused (errors.ErrUnsupported). The tables are created on first use in a database that never saw advlock, by
+// eight Lockers at once.
+func TestLeases(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 60*time.Second)
+	var ls []*Locker
+	for range 8 {
+		l := New(pgtest.Pool(t, url, nil), WithLeases(), withLeasePoll(20*time.Millisecond))
+		defer l.Close()
+		ls = append(ls, l)
+	}
+	k := key(t)
+	var wg sync.WaitGroup
+	got := make(chan *Lock, 8)
+	for _, l := range ls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lk, err := l.TryLock(ctx, k)
+			switch {
+			case err == nil:
+				got <- lk
+			case !errors.Is(err, ErrNotAcquired):
+				t.Errorf("TryLock on first use: %v", err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(got)
+	var first *Lock
+	for lk := range got {
+		if first != nil {
+			t.Fatalf("two leases of one key granted: tokens %d and %d", first.Token(), lk.Token())
+		}
+		first = lk
+	}
+	if first == nil {
+		t.Fatal("no Locker got the lease")
+	}
+	if term, ok := leaseRow(t, obs, k); !ok || term != first.Token() {
+		t.Fatalf("the lease table holds term %d (%v) for the key, want the lock's token %d", term, ok, first.Token())
+	}
+	other := ls[0]
+	if first.l == other {
+		other = ls[1]
+	}
+	if _, err := other.TryLock(ctx, k); !errors.Is(err, ErrNotAcquired) {
+		t.Fatalf("TryLock of a key another lease holds: %v", err)
+	}
+	if _, err := other.Lock(ctx, k, Wait(300*time.Millisecond)); !errors.Is(err, ErrNotAcquired) {
+		t.Fatalf("Lock(Wait(300ms)) of a key another lease holds: %v", err)
+	}
+	if _, err := other.RLock(ctx, k); !errors.Is(err, errors.ErrUnsupported) {
+		t.Errorf("RLock with leases: %v, want errors.ErrUnsupported", err)
+	}
+	res := make(chan *Lock, 1)
+	go func() {
+		lk, err := other.Lock(ctx, k)
+		if err != nil {
+			t.Error(err)
+		}
+		res <- lk
+	}()
+	time.Sleep(100 * time.Millisecond)
+	if err := first.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	second := <-res
+	if second == nil {
+		t.FailNow()
+	}
+	if second.Token() <= first.Token() {
+		t.Errorf("the next holder's token %d is not greater than %d", second.Token(), first.Token())
+	}
+	if term, ok := leaseRow(t, obs, k); !ok || term != second.Token() {
+		t.Errorf("the lease table holds term %d (%v), want the second lock's %d", term, ok, second.Token())
+	}
+	if err := second.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := leaseRow(t, obs, k); ok {
+		t.Error("the lease's row outlived Unlock")
+	}
+}
+
+// A lease is renewed while held (its row's expiry moves on, its term stays), and a lease that is no longer its
+// holder's (its row deleted, as a break does) is told as lost at the next renewal: Done closes, Err and Unlock
+// match ErrLockLost, and Do's fn's ctx ends with it.
+func TestLeaseRenewAndLoss(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 60*time.Second)
+	l := New(b.pool, WithLeases(), WithLeaseLength(1500*time.Millisecond))
+	defer l.Close()
+	k := key(t)
+	v, _ := k.Int64()
+	lk, err := l.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var first time.Time
+	if err := b.obs.QueryRow(ctx, "SELECT expires FROM "+lease.Table+" WHERE space = 1 AND key = $1", v).Scan(&first); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second) // longer than the lease: held only if renewed
+	select {
+	case <-lk.Done():
+		t.Fatalf("the lease ended while its holder lived: %v", lk.Err())
+	default:
+	}
+	var later time.Time
+	if err := b.obs.QueryRow(ctx, "SELECT expires FROM "+lease.Table+" WHERE space = 1 AND key = $1", v).Scan(&later); err != nil {
+		t.Fatal(err)
+	}
+	if !later.After(first.Add(time.Second)) {
+		t.Errorf("the lease's expiry did not move on: %v then %v", first, later)
+	}
+	if term, _ := leaseRow(t, b.obs, k); term != lk.Token() {
+		t.Errorf("renewal changed the term: %d, want %d", term, lk.Token())
+	}
+	if _, err := b.obs.Exec(ctx, "DELETE FROM "+lease.Table+" WHERE space = 1 AND key = $1", v); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.WaitClosed(t, lk.Done(), 2*time.Second, "a broken lease told as lost")
+	if !errors.Is(lk.Err(), ErrLockLost) || !errors.Is(lk.Unlock(ctx), ErrLockLost) {
+		t.Errorf("a broken lease: Err %v, want ErrLockLost", lk.Err())
+	}
+
+	// Do: fn's ctx ends with the loss.
+	err = l.Do(ctx, k, func(fctx context.Context) error {
+		if _, err := b.obs.Exec(ctx, "DELETE FROM "+lease.Table+" WHERE space = 1 AND key = $1", v); err != nil {
+			return err
+		}
+		<-fctx.Done()
+		return fctx.Err()
+	})
+	if !errors.Is(err, ErrLockLost) {
+		t.Errorf("Do whose lease was broken: %v, want ErrLockLost", err)
+	}
+}
+
+// The moment exclusion rests on: a holder whose network goes silent stops trusting its lease (Done closes, the
+// loss told) before the server can grant the key to anyone else, on the holder's own clock counted from the send of
+// its last confirmed renewal. A waiter on another connection is granted only after that, once the lease expired on
+// the server's clock. The holder's link has 200 ms of latency each way, so that a window counted from the reply
+// instead of the send would outlast the lease on the server.
+func TestLeaseTrustEndsBeforeTakeover(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 60*time.Second)
+	proxy, pool := proxiedPool(t, url, 4)
+	const length = 1500 * time.Millisecond
+	holder := New(pool, WithLeases(), WithLeaseLength(length))
+	defer holder.Close()
+	waiter := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length), withLeasePoll(5*time.Millisecond))
+	defer waiter.Close()
+	proxy.Latency(200 * time.Millisecond)
+	for i := range 3 {
+		k := key(t)
+		lk, err := holder.TryLock(ctx, k)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// Silent at once (the grant is the last confirmed statement), and after a renewal was confirmed (the
+		// renewals go out every 500 ms and take 400 ms to be answered), at two moments of the next one.
+		time.Sleep([]time.Duration{0, 1000 * time.Millisecond, 1200 * time.Millisecond}[i])
+		proxy.Blackhole(true)
+		var told time.Time
+		doneAt := make(chan time.Time, 1)
+		go func() { <-lk.Done(); doneAt <- time.Now() }()
+		got, err := waiter.Lock(ctx, k, Wait(5*time.Second))
+		granted := time.Now()
+		if err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case told = <-doneAt:
+		default:
+			t.Fatalf("round %d: the waiter was granted while the silent holder still trusted its lease", i)
+		}
+		if !told.Before(granted) || !errors.Is(lk.Err(), ErrLockLost) {
+			t.Errorf("round %d: loss told at %v, the waiter granted at %v (%v)", i, told, granted, lk.Err())
+		}
+		t.Logf("round %d: the silent holder stopped trusting %v before the waiter's grant", i, granted.Sub(told).Round(time.Millisecond))
+		if got.Token() <= lk.Token() {
+			t.Errorf("the takeover's token %d is not greater than %d", got.Token(), lk.Token())
+		}
+		proxy.Blackhole(false)
+		_ = got.Unlock(ctx)
+	}
+}
+
+// Through PgBouncer in transaction mode with the DSN as a user writes it: leases exclude, Do runs, a waiter is
+// granted after the holder lets go, and the holder of a broken lease is told.
+func TestLeasesThroughTransactionPooler(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts pgbouncer")
+	}
+	url := pgtest.URL(t)
+	burl := pgtest.Bouncer(t, url, "transaction")
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 60*time.Second)
+	a, err := Open(ctx, burl, WithLeases(), WithLeaseLength(1500*time.Millisecond), withLeasePoll(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	b, err := Open(ctx, burl, WithLeases(), withLeasePoll(10*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	k := key(t)
+	var inside, overlaps int32
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, l := range []*Locker{a, b, a, b} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range 10 {
+				err := l.Do(ctx, k, func(context.Context) error {
+					mu.Lock()
+					inside++
+					if inside > 1 {
+						overlaps++
+					}
+					mu.Unlock()
+					time.Sleep(2 * time.Millisecond)
+					mu.Lock()
+					inside--
+					mu.Unlock()
+					return nil
+				})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if overlaps != 0 {
+		t.Errorf("%d overlapping runs of one key through transaction pooling", overlaps)
+	}
+	lk, err := a.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, _ := k.Int64()
+	if _, err := obs.Exec(ctx, "DELETE FROM "+lease.Table+" WHERE space = 1 AND key = $1", v); err != nil {
+		t.Fatal(err)
+	}
+	pgtest.WaitClosed(t, lk.Done(), 2*time.Second, "a broken lease told through the pooler")
+}
+
+// lateReplies is a pool whose statements are answered by the server at once but reach the holder after delay (a
+// slow link on the way back), from the moment slow is set; once cut is set, every statement fails without reaching
+// the server.
+type lateReplies struct {
+	session.Pool
+	delay     time.Duration
+	slow, cut atomic.Bool
+}
+
+func (p *lateReplies) Acquire(ctx context.Context) (session.Conn, error) {
+	if p.cut.Load() {
+		return nil, errors.New("network cut")
+	}
+	c, err := p.Pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &lateConn{Conn: c, p: p}, nil
+}
+
+type lateConn struct {
+	session.Conn
+	p *lateReplies
+}
+
+func (c *lateConn) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	r, err := c.Conn.QueryInt(ctx, sql, args...)
+	if c.p.slow.Load() {
+		time.Sleep(c.p.delay)
+	}
+	return r, err
+}
+
+// A holder trusts its lease from when it sent the statement that granted or renewed it, not from when the answer
+// came: the server computed the expiry as it ran the statement. Here a renewal's answer comes 600 ms after the
+// server ran it (more than the 200 ms margin of a 3 s lease), and then the network is cut: counted from the answer,
+// the holder would still trust its lease after the server expired it and granted it to a waiter. Its loss is told
+// before the waiter's grant.
+func TestLeaseTrustCountedFromSend(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 60*time.Second)
+	p := &lateReplies{Pool: pgxPool{pgtest.Pool(t, url, nil)}, delay: 600 * time.Millisecond}
+	holder := New(nil, option(func(o *config.Options) { o.Backend = p }), WithLeases(), WithLeaseLength(3*time.Second))
+	defer holder.Close()
+	waiter := New(pgtest.Pool(t, url, nil), WithLeases(), withLeasePoll(5*time.Millisecond))
+	defer waiter.Close()
+	k := key(t)
+	lk, err := holder.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.slow.Store(true) // the first renewal (sent 1 s after the grant) is answered 600 ms late
+	time.Sleep(1900 * time.Millisecond)
+	p.cut.Store(true) // no later statement reaches the server
+	doneAt := make(chan time.Time, 1)
+	go func() { <-lk.Done(); doneAt <- time.Now() }()
+	got, err := waiter.Lock(ctx, k, Wait(10*time.Second))
+	granted := time.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer got.Unlock(ctx)
+	select {
+	case told := <-doneAt:
+		t.Logf("the holder stopped trusting its lease %v before the waiter's grant", granted.Sub(told).Round(time.Millisecond))
+	default:
+		t.Fatal("the waiter was granted while the holder still trusted its lease")
+	}
+}
+
+// A failover that loses the last renewals (asynchronous replication) does not let the promoted server grant a lease
+// its holder still trusts: the holder, renewing on the primary while the standby lagged, has its lease expired long
+// ago in the standby's copy; the primary stops, the standby is promoted, and a waiter on it asks at once. Nothing
+// is granted for one lease length on the new timeline, by which time the old holder, cut off, has stopped trusting
+// its lease; the waiter's term is greater (the new timeline).
+func TestLeaseFailover(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a primary and a standby")
+	}
+	fp := startPair(t)
+	ctx := ctxT(t, 2*time.Minute)
+	const length = 2 * time.Second
+	holder := New(pgtest.Pool(t, fp.primary.URL, nil), WithLeases(), WithLeaseLength(length))
+	defer holder.Close()
+	k := key(t)
+	lk, err := holder.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fp.caughtUp(t)
+	fp.repl.Refuse(true) // the standby loses its primary: the holder's renewals from now on are not replicated
+	fp.repl.Cut()
+	time.Sleep(length + 500*time.Millisecond) // the standby's copy of the lease has expired; the primary's has not
+	select {
+	case <-lk.Done():
+		t.Fatalf("the holder lost its lease before the failover: %v", lk.Err())
+	default:
+	}
+	if err := fp.primary.Stop("immediate"); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Now()
+	doneAt := make(chan time.Time, 1)
+	go func() { <-lk.Done(); doneAt <- time.Now() }()
+	if err := fp.standby.Promote(); err != nil {
+		t.Fatal(err)
+	}
+	waiter := New(pgtest.Pool(t, fp.standby.URL, nil), WithLeases(), WithLeaseLength(length), withLeasePoll(5*time.Millisecond))
+	defer waiter.Close()
+	got, err := waiter.Lock(ctx, k, Wait(20*time.Second))
+	granted := time.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer got.Unlock(ctx)
+	select {
+	case told := <-doneAt:
+		t.Logf("the primary stopped; the holder stopped trusting %v later, the waiter on the promoted server was granted %v later",
+			told.Sub(stopped).Round(time.Millisecond), granted.Sub(stopped).Round(time.Millisecond))
+	default:
+		t.Fatal("the promoted server granted the lease while its holder on the old primary still trusted it")
+	}
+	if got.Token() <= lk.Token() {
+		t.Errorf("the promoted server's term %d is not greater than the old holder's %d", got.Token(), lk.Token())
+	}
+}
+
+// Lead and Semaphore over leases: a leader whose lease is broken (its row deleted, as a break does) is told at its
+// next renewal and steps down, and a leader with a greater term leads; a semaphore of 2 admits 2 leases and a
+// waiting Acquire takes whichever slot frees first.
+func TestLeaseLeadAndSemaphore(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 60*time.Second)
+	var ls []*Locker
+	for range 2 {
+		l := New(b.pool, WithLeases(), WithLeaseLength(1500*time.Millisecond), withLeasePoll(10*time.Millisecond))
+		defer l.Close()
+		ls = append(ls, l)
+	}
+	k := key(t)
+	v, _ := k.Int64()
+	terms, ended := make(chan int64, 16), make(chan error, 16)
+	lctx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	for _, l := range ls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = l.Lead(lctx, k, func(ctx context.Context) error {
+				terms <- FenceToken(ctx)
+				<-ctx.Done()
+				ended <- context.Cause(ctx)
+				return nil
+			})
+		}()
+	}
+	first := <-terms
+	if _, err := b.obs.Exec(ctx, "DELETE FROM "+lease.Table+" WHERE space = 1 AND key = $1", v); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-ended:
+		if !errors.Is(err, ErrLockLost) {
+			t.Errorf("the broken leader's term ended with %v, want ErrLockLost", err)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("the leader whose lease was broken was not told within a renewal")
+	}
+	select {
+	case second := <-terms:
+		if second <= first {
+			t.Errorf("the next term's token %d is not greater than %d", second, first)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("nobody led again after the leader's lease was broken")
+	}
+	stop()
+	wg.Wait()
+
+	sem := ls[0].Semaphore("lease-sem-"+k.String(), 2)
+	a, err := sem.TryAcquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := ls[1].Semaphore("lease-sem-"+k.String(), 2).TryAcquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sem.TryAcquire(ctx); !errors.Is(err, ErrNotAcquired) {
+		t.Fatalf("a third lease of a semaphore of 2: %v", err)
+	}
+	time.AfterFunc(200*time.Millisecond, func() { _ = c.Unlock(context.Background()) })
+	d, err := sem.Acquire(ctx, Wait(5*time.Second))
+	if err != nil {
+		t.Fatalf("Acquire once a slot frees: %v", err)
+	}
+	if d.Key().Equal(a.Key()) {
+		t.Errorf("two holders of the same slot %s", d.Key())
+	}
+	_ = a.Unlock(ctx)
+	_ = d.Unlock(ctx)
+}
