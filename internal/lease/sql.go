@@ -74,7 +74,9 @@ const (
 )
 
 // GrantSQL takes id's lease for owner, for length on the server's clock, when no lease holds it or the one that does
-// has expired (a takeover, by a conditional upsert: one statement, no lock held between statements). It yields
+// has expired (a takeover, by a conditional upsert: one statement, no lock held between statements). A key held by a
+// live lease is seen first and not tried at all, so that a waiter's tries neither lock the holder's row nor draw a
+// token nor write anything (the upsert's own condition decides the race of two grants that both saw none). It yields
 // the new term (a fencing token, > 0), resultHeld, or resultQuiet. Every statement is a literal without parameters,
 // so that any driver sends it over the simple protocol and any pooler, in any mode, carries it.
 //
@@ -94,6 +96,8 @@ func GrantSQL(id session.ID, owner, holder string, length time.Duration) string 
 		"g AS (INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) " +
 		"SELECT " + space(id) + ", " + strconv.FormatInt(id.V, 10) + ", " + quote(owner) + ", " + session.TokenSQL +
 		", clock_timestamp() + " + l + ", " + quote(holder) + " WHERE NOT (SELECT quiet FROM q) " +
+		"AND NOT EXISTS (SELECT 1 FROM " + Table + " WHERE space = " + space(id) + " AND key = " + strconv.FormatInt(id.V, 10) +
+		" AND expires >= clock_timestamp()) " +
 		"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = EXCLUDED.term, " +
 		"expires = EXCLUDED.expires, granted = clock_timestamp(), holder = EXCLUDED.holder " +
 		"WHERE l.expires < clock_timestamp() RETURNING term) " +
