@@ -37,17 +37,21 @@ import (
 //
 // A Locker from [New] (or advsql.New) shares the application's pool. When that pool has a limit and the Locker
 // has shared sessions (the default), it takes for sessions of their own (waits in the server, and the locks they
-// got) at most half of the connections its shared sessions leave, at least one (appShare), shared out as above; the
-// rest stays the application's, so that a holder whose fn queries the same pool always finds a connection (ten
-// holders and waiters of one key on a pool of ten, each querying the pool in fn, would otherwise wait for each
-// other for ever). A wait whose caller holds locks (nested) passes this share by and waits for the pool's
-// connections, with the application's queries: made to wait for a session of its own held by waits that wait for
-// its caller's locks, it could never be served. With WithSharedSessions(0) every held lock is on a session of its
-// own, and the Locker takes what the pool gives (size the pool for the locks held at once).
+// got) at most half of the connections its shared sessions leave (appShare: none over a pool of 2), shared out as
+// above; the rest stays the application's, so that a holder whose fn queries the same pool always finds a
+// connection (ten holders and waiters of one key on a pool of ten, each querying the pool in fn, would otherwise
+// wait for each other for ever). A wait whose caller holds locks (nested), one that passed its gate (another
+// caller of this Locker holds the key) and a semaphore's wait for any slot pass this share by and wait for the
+// pool's connections, with the application's queries: held to the share, each could wait for ever behind locks
+// its own Locker holds there (its caller's, a leader's). With WithSharedSessions(0), or a driver whose
+// connection cannot carry a shared session, every held lock is on a session of its own, and the Locker takes what
+// the pool gives (size the pool for the locks held at once).
 
 // appShare is how many sessions of their own a Locker over the application's pool (of conns connections, shared of
-// them for shared sessions at most) takes: half of what the shared sessions leave, at least 1.
-func appShare(conns, shared int) int { return max(1, (conns-shared)/2) }
+// them for shared sessions at most) takes: half of what the shared sessions leave. Over a pool of 2 that is none:
+// waits then take their key on the shared session once it is free (tried every 20 ms), and the application keeps
+// the other connection.
+func appShare(conns, shared int) int { return (conns - shared) / 2 }
 
 // ownPoolShared is how many shared sessions a Locker whose pool (of conns connections) is its own opens unless
 // WithSharedSessions says: a quarter of the pool, at least 1 and at most 4 (1 for DefaultOpenConns). One shared
@@ -143,7 +147,7 @@ func (s *ownSlots) give() {
 // the slot back; it must be called once the session is given up, or at once when no session is made.
 // A wait that passed by its gate never tries on a shared session, which may hold the key for the caller it passed.
 func (l *Locker) ownSession(ctx context.Context, t session.Target, wait, passed, nested bool, onEnd session.OnEnd) (h handle, give func(), err error) {
-	if l.slots == nil || nested && l.appSlots {
+	if l.slots == nil || l.appSlots && (nested || l.shared.Unusable()) {
 		return nil, nil, nil
 	}
 	if !wait {

@@ -16,7 +16,9 @@ import (
 )
 
 // withLeasePoll shortens how often a waiting lease tries again (tests only).
-func withLeasePoll(d time.Duration) Option { return option(func(o *config.Options) { o.LeasePoll = d }) }
+func withLeasePoll(d time.Duration) Option {
+	return option(func(o *config.Options) { o.LeasePoll = d })
+}
 
 // leaseRow reads key k's row of the lease table: its term, and whether it exists.
 func leaseRow(t *testing.T, c *pgx.Conn, k Key) (term int64, ok bool) {

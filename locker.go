@@ -72,9 +72,10 @@ type Locker struct {
 // whose every call returns ErrNoPool. The pool's sessions keep whatever settings the application gave them; see
 // [Open] for a pool tuned for locking. The Locker takes at most half of the pool's connections for its shared
 // sessions, and for its waits in the server (each keeping its session for the lock it gets) at most half of what
-// they leave, at least one: more waits wait in this process, so that the application (fn's own queries among them)
-// always has the rest. A wait whose caller holds locks waits for the pool's connections with the application's
-// queries instead. With [WithSharedSessions](0) every held lock takes one of the pool's connections.
+// they leave (none over a pool of 2: waits then take their key on a shared session once it is free): more waits
+// wait in this process, so that the application (fn's own queries among them) always has the rest. A wait whose
+// caller holds locks, one for a key another caller of this Locker holds, and a semaphore's wait for any slot wait
+// for the pool's connections with the application's queries instead. With [WithSharedSessions](0) every held lock takes one of the pool's connections.
 func New(pool *pgxpool.Pool, opts ...Option) *Locker {
 	o := config.Defaults()
 	for _, opt := range opts {
@@ -413,7 +414,10 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 		}
 	}
 	for {
-		h, give, err := l.ownSession(ctx, t, wait, passed, w != nil, onEnd)
+		// A nested wait, one that passed its gate and a semaphore's wait for any slot are not held to a share of the
+		// application's pool: each could wait for ever behind the locks its own Locker holds there.
+		_, anyOf := ctx.Value(alternativesKey{}).([]Key)
+		h, give, err := l.ownSession(ctx, t, wait, passed, w != nil || passed || anyOf, onEnd)
 		if h != nil || err != nil {
 			return h, err
 		}
@@ -656,7 +660,8 @@ type Stats struct {
 	PeakConns int
 	// MaxOwnSessions is how many sessions of their own (Lock calls waiting in the server, and the locks they got)
 	// a Locker from Open (or advsql.Open) has at most at once: its pool's connections less the shared sessions and
-	// one kept for its own reads (see [DefaultOpenConns]); 0 with New, where the pool is the only limit.
+	// one kept for its own reads (see [DefaultOpenConns]); with New over a limited pool, half of what the shared
+	// sessions leave (see [New]); 0 where the pool is the only limit.
 	// WaitingForSession counts the Lock calls waiting in this process because all of those are in use: they get
 	// the sessions given back in the order they came, and meanwhile try their key again on a shared session
 	// every 20 ms (less often when many wait). With New, waits that find the pool empty wait in the pool's own
@@ -665,7 +670,7 @@ type Stats struct {
 	WaitingForSession int
 	// WaitYields counts, since Open, the waits in the server that gave their session of their own to a wait
 	// queued for one (each after a whole slice without a grant), then queued again: with more waits than
-	// MaxOwnSessions, each gets its turn in the server, one slice at a time. 0 with New.
+	// MaxOwnSessions, each gets its turn in the server, one slice at a time.
 	WaitYields int64
 	Pool       PoolStats
 }

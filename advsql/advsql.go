@@ -26,11 +26,13 @@ package advsql
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"database/sql"
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"net"
 	"net/url"
@@ -56,9 +58,8 @@ import (
 // New returns a Locker over db, which the caller owns and closes after [advlock.Locker.Close]. A nil db gives a
 // Locker whose every call returns advlock.ErrNoPool. When db has a limit (SetMaxOpenConns), the Locker's shared
 // sessions take at most half of its connections, and its waits in the server (each keeping its session for the
-// lock it gets) at most half of what they leave, at least one: more waits wait in this process, so that the
-// application (fn's own queries among them) always has the rest. A wait whose caller holds locks waits for db's
-// connections with the application's queries instead. With advlock.WithSharedSessions(0) every held lock takes one
+// lock it gets) at most half of what they leave (none over a pool of 2): more waits wait in this process, so that
+// the application (fn's own queries among them) always has the rest; see advlock.New. With advlock.WithSharedSessions(0) every held lock takes one
 // of db's connections. Locker.DoTx is not available on it; use [DoTx]. Its Inspect,
 // Leader and LockTable read through db.
 func New(db *sql.DB, opts ...advlock.Option) *advlock.Locker {
@@ -238,7 +239,7 @@ func (a *conn) Wire(f func(pc *pgconn.PgConn) error) error {
 	return a.c.Raw(func(dc any) error {
 		pc, err := libpqConn(dc)
 		if err != nil {
-			return fmt.Errorf("%w: %v", session.ErrNoWire, err)
+			return err // ErrNoWire for a connection laid out otherwise; a passing state of this one, not
 		}
 		return f(pc)
 	})
@@ -246,27 +247,36 @@ func (a *conn) Wire(f func(pc *pgconn.PgConn) error) error {
 
 // libpqConn takes lib/pq's connection dc over for a shared session, which drives the protocol on its socket from
 // then on, as it does pgx's: a pgconn.PgConn over the same socket. lib/pq gives no access to it, so it is read by
-// reflection from the fields lib/pq keeps it in (its socket, and its read buffer, which must hold nothing unread);
+// reflection from the fields lib/pq keeps it in (its socket, and its read buffer, whose unread bytes are read first);
 // anything laid out otherwise (another lib/pq version) is refused, and the Locker then takes a session per lock.
 // lib/pq never uses the connection again: a shared session is never pooled, its end closes it.
 func libpqConn(dc any) (*pgconn.PgConn, error) {
 	v := reflect.ValueOf(dc)
 	if v.Kind() != reflect.Pointer || v.IsNil() || v.Type().String() != "*pq.conn" || v.Elem().Kind() != reflect.Struct {
-		return nil, fmt.Errorf("%T is not lib/pq's connection", dc)
+		return nil, fmt.Errorf("%w: %T is not lib/pq's connection", session.ErrNoWire, dc)
 	}
 	c, buf := v.Elem().FieldByName("c"), v.Elem().FieldByName("buf")
 	if !c.IsValid() || c.Type() != reflect.TypeFor[net.Conn]() || !buf.IsValid() || buf.Type() != reflect.TypeFor[*bufio.Reader]() {
-		return nil, errors.New("lib/pq's connection is not laid out as this version of advlock knows it")
+		return nil, fmt.Errorf("%w: lib/pq's connection is not laid out as this version of advlock knows it", session.ErrNoWire)
 	}
 	nc, _ := reflect.NewAt(c.Type(), unsafe.Pointer(c.UnsafeAddr())).Elem().Interface().(net.Conn)
 	br, _ := reflect.NewAt(buf.Type(), unsafe.Pointer(buf.UnsafeAddr())).Elem().Interface().(*bufio.Reader)
-	if nc == nil || br == nil || br.Buffered() != 0 {
-		return nil, errors.New("lib/pq's connection has no socket, or input it has not read")
+	if nc == nil || br == nil {
+		return nil, errors.New("lib/pq's connection has no socket") // closed: this open fails, the next tries another
 	}
+	// What lib/pq read but has not handled (a message the server sent after its last answer: a notification, a
+	// FATAL) is read first, then the socket.
+	pending, err := br.Peek(br.Buffered())
+	if err != nil {
+		return nil, fmt.Errorf("lib/pq's read buffer: %w", err)
+	}
+	pending = bytes.Clone(pending)
 	return pgconn.Construct(&pgconn.HijackedConn{
 		Conn: nc, PID: libpqPID(dc), TxStatus: 'I', Frontend: pgproto3.NewFrontend(nc, nc),
 		Config: &pgconn.Config{
-			BuildFrontend: pgproto3.NewFrontend,
+			BuildFrontend: func(r io.Reader, w io.Writer) *pgproto3.Frontend {
+				return pgproto3.NewFrontend(io.MultiReader(bytes.NewReader(pending), r), w)
+			},
 			BuildContextWatcherHandler: func(pc *pgconn.PgConn) ctxwatch.Handler {
 				return &pgconn.DeadlineContextWatcherHandler{Conn: pc.Conn()}
 			},

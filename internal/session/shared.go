@@ -212,6 +212,13 @@ func (s *Shared) remove(m *Mux) {
 	}
 }
 
+// Unusable reports whether no shared session will ever open: the driver cannot give its connection (ErrNoWire).
+func (s *Shared) Unusable() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.noWire
+}
+
 // Sessions is the number of shared sessions open now.
 func (s *Shared) Sessions() int {
 	s.mu.Lock()
