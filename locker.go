@@ -125,7 +125,7 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 			}
 			_, _, own := share(m, shared)
 			l.slots = &ownSlots{max: own}
-		} else if m > 0 && l.shared != nil {
+		} else if m >= 2 && l.shared != nil { // a pool of 1 has no room for a shared session: a session per lock
 			l.slots, l.appSlots = &ownSlots{max: appShare(m, min(o.SharedSessions, m/2))}, true
 		}
 	}
