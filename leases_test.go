@@ -203,28 +203,12 @@ func TestLeaseTrustEndsBeforeTakeover(t *testing.T) {
 		// renewals go out every 500 ms and take 400 ms to be answered), at two moments of the next one.
 		time.Sleep([]time.Duration{0, 1000 * time.Millisecond, 1200 * time.Millisecond}[i])
 		proxy.Blackhole(true)
-		var told time.Time
-		doneAt := make(chan time.Time, 1)
-		go func() { <-lk.Done(); doneAt <- time.Now() }()
-		got, err := waiter.Lock(ctx, k, Wait(5*time.Second))
-		granted := time.Now()
-		if err != nil {
-			t.Fatal(err)
-		}
-		select {
-		case told = <-doneAt:
-		default:
-			t.Fatalf("round %d: the waiter was granted while the silent holder still trusted its lease", i)
-		}
-		if !told.Before(granted) || !errors.Is(lk.Err(), ErrLockLost) {
-			t.Errorf("round %d: loss told at %v, the waiter granted at %v (%v)", i, told, granted, lk.Err())
-		}
+		got, told, granted := takeover(ctx, t, waiter, k, lk, 5*time.Second)
 		t.Logf("round %d: the silent holder stopped trusting %v before the waiter's grant", i, granted.Sub(told).Round(time.Millisecond))
 		if got.Token() <= lk.Token() {
 			t.Errorf("the takeover's token %d is not greater than %d", got.Token(), lk.Token())
 		}
 		proxy.Blackhole(false)
-		_ = got.Unlock(ctx)
 	}
 }
 
@@ -346,20 +330,8 @@ func TestLeaseTrustCountedFromSend(t *testing.T) {
 	p.slow.Store(true) // the first renewal (sent 1 s after the grant) is answered 600 ms late
 	time.Sleep(1900 * time.Millisecond)
 	p.cut.Store(true) // no later statement reaches the server
-	doneAt := make(chan time.Time, 1)
-	go func() { <-lk.Done(); doneAt <- time.Now() }()
-	got, err := waiter.Lock(ctx, k, Wait(10*time.Second))
-	granted := time.Now()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer got.Unlock(ctx)
-	select {
-	case told := <-doneAt:
-		t.Logf("the holder stopped trusting its lease %v before the waiter's grant", granted.Sub(told).Round(time.Millisecond))
-	default:
-		t.Fatal("the waiter was granted while the holder still trusted its lease")
-	}
+	_, told, granted := takeover(ctx, t, waiter, k, lk, 10*time.Second)
+	t.Logf("the holder stopped trusting its lease %v before the waiter's grant", granted.Sub(told).Round(time.Millisecond))
 }
 
 // A failover that loses the last renewals (asynchronous replication) does not let the promoted server grant a lease
@@ -394,26 +366,14 @@ func TestLeaseFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	stopped := time.Now()
-	doneAt := make(chan time.Time, 1)
-	go func() { <-lk.Done(); doneAt <- time.Now() }()
 	if err := fp.standby.Promote(); err != nil {
 		t.Fatal(err)
 	}
 	waiter := New(pgtest.Pool(t, fp.standby.URL, nil), WithLeases(), WithLeaseLength(length), withLeasePoll(5*time.Millisecond))
 	defer waiter.Close()
-	got, err := waiter.Lock(ctx, k, Wait(20*time.Second))
-	granted := time.Now()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer got.Unlock(ctx)
-	select {
-	case told := <-doneAt:
-		t.Logf("the primary stopped; the holder stopped trusting %v later, the waiter on the promoted server was granted %v later",
-			told.Sub(stopped).Round(time.Millisecond), granted.Sub(stopped).Round(time.Millisecond))
-	default:
-		t.Fatal("the promoted server granted the lease while its holder on the old primary still trusted it")
-	}
+	got, told, granted := takeover(ctx, t, waiter, k, lk, 20*time.Second)
+	t.Logf("the primary stopped; the holder stopped trusting %v later, the waiter on the promoted server was granted %v later",
+		told.Sub(stopped).Round(time.Millisecond), granted.Sub(stopped).Round(time.Millisecond))
 	if got.Token() <= lk.Token() {
 		t.Errorf("the promoted server's term %d is not greater than the old holder's %d", got.Token(), lk.Token())
 	}
@@ -493,4 +453,27 @@ func TestLeaseLeadAndSemaphore(t *testing.T) {
 	}
 	_ = a.Unlock(ctx)
 	_ = d.Unlock(ctx)
+}
+
+// takeover has waiter take k (Lock, bounded) while lk's holder is cut off, and reports when the holder was told of
+// its loss and when the waiter was granted; it fails the test when the waiter was granted first.
+func takeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk *Lock, bound time.Duration) (got *Lock, told, granted time.Time) {
+	t.Helper()
+	doneAt := make(chan time.Time, 1)
+	go func() { <-lk.Done(); doneAt <- time.Now() }()
+	got, err := waiter.Lock(ctx, k, Wait(bound))
+	granted = time.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = got.Unlock(context.Background()) })
+	select {
+	case told = <-doneAt:
+	default:
+		t.Fatal("the waiter was granted while the holder still trusted its lease")
+	}
+	if !errors.Is(lk.Err(), ErrLockLost) {
+		t.Errorf("the holder's lease ended with %v, want ErrLockLost", lk.Err())
+	}
+	return got, told, granted
 }
