@@ -27,7 +27,8 @@ type LockInfo struct {
 	Shared  bool // ShareLock (RLock) rather than ExclusiveLock
 	Granted bool // held; false means waiting
 	// WaitStart is when the wait began (nil while held): for a wait of advlock, which is sent again every slice,
-	// when its first statement was sent (what its statements publish); for any other, pg_locks.waitstart.
+	// when its first statement was sent (what its statements publish); for any other, pg_locks.waitstart, or, in the
+	// moment after a wait begins when that is still null, the start of the statement that waits.
 	WaitStart       *time.Time
 	BlockedBy       []int32 // pids the waiter waits for (pg_blocking_pids); empty while held
 	PID             int32   // server process id of the session
@@ -211,6 +212,10 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		// A wait of advlock is sent again every slice (pg_locks.waitstart is the current slice's start); each of
 		// its statements says how long the wait has waited, so it began that long before the statement started
 		// (on the server's clock).
+		if !li.Granted && li.WaitStart == nil {
+			// pg_locks.waitstart is null for a moment after a wait begins: the statement began it.
+			li.WaitStart = queryStart
+		}
 		if waited, ok := commentWaited(comment); ok && queryStart != nil && li.WaitStart != nil {
 			if began := queryStart.Add(-waited); began.Before(*li.WaitStart) {
 				li.WaitStart = &began
