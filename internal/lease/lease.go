@@ -295,8 +295,10 @@ func Ensure(ctx context.Context, pool session.Pool, bound time.Duration) error {
 			return fmt.Errorf("%w: the tables %s and %s do not exist and this role may not create them (it needs "+
 				"CREATE on schema public); as a role that may, run advlock.LeaseTableSQL, then GRANT SELECT, INSERT, "+
 				"UPDATE, DELETE ON %s, %s TO <role>: %v", ErrLeaseTable, Table, Timelines, Table, Timelines, err)
-		case (code == "23505" || code == "42P07") && attempt < 3:
-			continue // created by another client at the same moment: look again
+		case (code == "23505" || code == "42P07" || code == "42710") && attempt < 5:
+			// Created by another client at the same moment (its row type, its table or its index was there first;
+			// that client's one transaction made both tables, and has committed): look again.
+			continue
 		default:
 			return fmt.Errorf("create the lease table: %w", err)
 		}

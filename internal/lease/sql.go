@@ -26,7 +26,8 @@ const DDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key 
 	"holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key));\n" +
 	"CREATE TABLE IF NOT EXISTS " + Timelines + " (timeline int8 PRIMARY KEY, since timestamptz NOT NULL);\n"
 
-// CreateSQL runs DDL (a create racing another's can fail with a duplicate key on pg_type, or 42P07: it exists now).
+// CreateSQL runs DDL (a create racing another's can fail with 23505, a duplicate key on pg_type, 42710, its row type
+// exists, or 42P07: the table exists now).
 const CreateSQL = DDL + "SELECT 1"
 
 // ExistsSQL yields 1 when both tables exist.
