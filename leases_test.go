@@ -317,7 +317,7 @@ func (c *lateConn) QueryInt(ctx context.Context, sql string, args ...any) (int64
 func TestLeaseTrustCountedFromSend(t *testing.T) {
 	url := pgtest.URL(t)
 	ctx := ctxT(t, 60*time.Second)
-	p := &lateReplies{Pool: pgxPool{pgtest.Pool(t, url, nil)}, delay: 600 * time.Millisecond}
+	p := &lateReplies{Pool: pgxPool{p: pgtest.Pool(t, url, nil)}, delay: 600 * time.Millisecond}
 	holder := New(nil, option(func(o *config.Options) { o.Backend = p }), WithLeases(), WithLeaseLength(3*time.Second))
 	defer holder.Close()
 	waiter := New(pgtest.Pool(t, url, nil), WithLeases(), withLeasePoll(5*time.Millisecond))

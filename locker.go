@@ -87,7 +87,7 @@ func New(pool *pgxpool.Pool, opts ...Option) *Locker {
 	case pool == nil:
 		return newLocker(nil, nil, o)
 	}
-	return newLocker(pgxPool{pool}, pool, o)
+	return newLocker(pgxPool{p: pool}, pool, o)
 }
 
 // newLocker makes a Locker over a backend; pgxp is the pgxpool behind it, if any (for DoTx).

@@ -118,7 +118,8 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("advlock: open pool: %w", err) // a configuration pgxpool refuses: it does not connect
 	}
-	l := newLocker(pgxPool{pool}, pool, o)
+	named := cfg.ConnConfig.DefaultQueryExecMode == pgx.QueryExecModeCacheDescribe && cfg.ConnConfig.StatementCacheCapacity > 0
+	l := newLocker(pgxPool{p: pool, named: named}, pool, o)
 	l.ownsPool = pool
 	return l, nil
 }

@@ -14,8 +14,14 @@ import (
 	"github.com/jackc/puddle/v2"
 )
 
-// pgxPool adapts a *pgxpool.Pool to the session lifecycle.
-type pgxPool struct{ p *pgxpool.Pool }
+// pgxPool adapts a *pgxpool.Pool to the session lifecycle. named: its connections keep a statement cache but do
+// not use it by default (Open's pool, in cache_describe mode so that DoTx works through any pooler): the lock
+// statements use it on a session proved pinned, where named prepared statements are safe (one round trip, no
+// parse).
+type pgxPool struct {
+	p     *pgxpool.Pool
+	named bool
+}
 
 func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 	c, err := a.p.Acquire(ctx)
@@ -25,7 +31,7 @@ func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &pgxConn{c: c, Reader: pgxwait.Reader{PC: c.Conn().PgConn()}}, nil
+	return &pgxConn{c: c, Reader: pgxwait.Reader{PC: c.Conn().PgConn()}, named: a.named}, nil
 }
 
 func (pgxPool) Wires() bool { return true }
@@ -63,11 +69,15 @@ func (a pgxPool) Stats() session.PoolStats {
 type pgxConn struct {
 	c *pgxpool.Conn
 	pgxwait.Reader
+	named bool // see pgxPool
 }
 
 func (a *pgxConn) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
 	if len(args) == 0 {
 		return a.ExecInt(ctx, sql)
+	}
+	if ok, _ := a.Verified(); ok && a.named {
+		args = append([]any{pgx.QueryExecModeCacheStatement}, args...)
 	}
 	var v int64
 	err := a.c.QueryRow(ctx, sql, args...).Scan(&v)
