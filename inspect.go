@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/puddle/v2"
@@ -21,7 +22,7 @@ type Querier interface {
 }
 
 // LockInfo is one advisory lock held or waited for, as the server sees it: a pg_locks row joined with
-// pg_stat_activity.
+// pg_stat_activity; or a lease held ([WithLeases]): a row of the lease table, with Lease set.
 type LockInfo struct {
 	Key     Key  // decoded from classid/objid/objsubid; a NameKey shows as the Int64Key of its hash
 	Shared  bool // ShareLock (RLock) rather than ExclusiveLock
@@ -52,6 +53,19 @@ type LockInfo struct {
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
 	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
 	ClientSessions int
+	// Lease is set for a lease (a lock of a Locker [WithLeases]): its row. A lease is held (Granted) and exclusive,
+	// has no server session (PID 0, no application name, address or state) and excludes only other leases of its
+	// key, not session locks of the same number. Waits for a lease are not listed: they try again every poll.
+	Lease *LeaseInfo
+}
+
+// LeaseInfo is a lease's row, as the server sees it at the read.
+type LeaseInfo struct {
+	Token   int64         // its term: the fencing token its holder holds
+	Holder  string        // who holds it, for people: host and process id (advlock run adds its KEY)
+	Granted time.Time     // when it was granted (the server's clock)
+	Expires time.Time     // when it ends unless renewed (the server's clock)
+	Left    time.Duration // until Expires, on the server's clock at the read
 }
 
 // HeldLock is one lock a waiting caller holds.
@@ -81,8 +95,9 @@ FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid`
 
 // Inspect lists every advisory lock in the current database, holders first, then waiters in the order they
-// started waiting. It needs PostgreSQL 14 or later (pg_locks.waitstart). Rows of other users' sessions show
-// their application name and address only to roles allowed to see them (pg_read_all_stats).
+// started waiting, and after them the live leases ([WithLeases]) by key, where the lease table exists and the role
+// may read it. It needs PostgreSQL 14 or later (pg_locks.waitstart). Rows of other users' sessions show their
+// application name and address only to roles allowed to see them (pg_read_all_stats).
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
 // waiting (its wait ended between the two reads) or a session is gone, Inspect reads both again (up to 3 times),
@@ -100,7 +115,35 @@ func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 			break
 		}
 	}
-	return out, nil
+	leases, err := inspectLeases(ctx, q)
+	if err != nil {
+		return nil, fmt.Errorf("advlock: inspect the leases: %w", err)
+	}
+	return append(out, leases...), nil
+}
+
+// inspectLeases lists the live leases, none where the lease table does not exist or the role may not read it.
+func inspectLeases(ctx context.Context, q Querier) ([]LockInfo, error) {
+	rows, err := q.Query(ctx, lease.ReadableSQL)
+	if err != nil {
+		return nil, err
+	}
+	readable, err := pgx.CollectExactlyOneRow(rows, pgx.RowTo[bool])
+	if err != nil || !readable {
+		return nil, err
+	}
+	if rows, err = q.Query(ctx, lease.ListSQL); err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
+		var sp int16
+		var v, left int64
+		li := LockInfo{Granted: true, Lease: &LeaseInfo{}}
+		err := r.Scan(&sp, &v, &li.Lease.Token, &li.Lease.Holder, &li.Lease.Granted, &li.Lease.Expires, &left)
+		li.Lease.Left = time.Duration(left) * time.Millisecond
+		li.Key = keyOf(session.ID{Pair: sp == 2, V: v})
+		return li, err
+	})
 }
 
 // Inspect is the package's [Inspect] through the Locker's own pool: its *pgxpool.Pool, or with advsql the *sql.DB
@@ -359,7 +402,15 @@ type heldJSON struct {
 	PID  int32  `json:"pid"`
 }
 
-// Mode is "shared" or "exclusive".
+type leaseJSON struct {
+	Token   int64     `json:"token"`
+	Holder  string    `json:"holder"`
+	Granted time.Time `json:"granted"`
+	Expires time.Time `json:"expires"`
+	LeftMS  int64     `json:"left_ms"`
+}
+
+// Mode is "shared" or "exclusive" (a lease is exclusive).
 func (li LockInfo) Mode() string {
 	if li.Shared {
 		return "shared"
@@ -378,6 +429,11 @@ func (li LockInfo) MarshalJSON() ([]byte, error) {
 		start = &li.BackendStart
 	}
 	var holds []heldJSON
+	var ls *leaseJSON
+	if li.Lease != nil {
+		ls = &leaseJSON{Token: li.Lease.Token, Holder: li.Lease.Holder, Granted: li.Lease.Granted,
+			Expires: li.Lease.Expires, LeftMS: li.Lease.Left.Milliseconds()}
+	}
 	for _, h := range li.CallerHolds {
 		holds = append(holds, heldJSON{Key: h.Key.String(), Mode: modeName(h.Shared), PID: h.PID})
 	}
@@ -396,8 +452,9 @@ func (li LockInfo) MarshalJSON() ([]byte, error) {
 		InCycle         bool       `json:"in_cycle,omitempty"`
 		Intent          bool       `json:"intent,omitempty"`
 		ClientSessions  int        `json:"client_sessions"`
+		Lease           *leaseJSON `json:"lease,omitempty"`
 	}{li.Key.String(), li.Mode(), li.Granted, li.WaitStart, blocked, li.PID, li.ApplicationName, li.ClientAddr,
-		start, li.State, holds, li.InCycle, li.Intent, li.ClientSessions})
+		start, li.State, holds, li.InCycle, li.Intent, li.ClientSessions, ls})
 }
 
 // LockTableUse is how full the server's shared lock table is. Every advisory lock takes an entry, in a table that

@@ -179,26 +179,33 @@ func sleep(ctx context.Context, d time.Duration) bool {
 
 // Leadership is who leads a key, as the server saw it at Observed.
 type Leadership struct {
-	LockInfo           // the leader's lock: its session's PID, ApplicationName, ClientAddr, BackendStart
+	LockInfo           // the leader's lock: its session's PID, ApplicationName, ClientAddr, BackendStart; for a lease, its Lease
 	Observed time.Time // when the server was asked (its clock)
 }
 
 // Leader is the package's [Leader] through the Locker's own pool: its *pgxpool.Pool, or with advsql the *sql.DB it
-// locks through (see [Locker.Inspect]).
+// locks through (see [Locker.Inspect]). It answers for the Locker's own kind of lock: the lease of key for a
+// Locker [WithLeases], the session lock otherwise.
 func (l *Locker) Leader(ctx context.Context, key Key) (Leadership, bool, error) {
 	var who Leadership
 	var ok bool
 	err := l.query(ctx, func(ctx context.Context, q Querier) error {
 		var err error
-		who, ok, err = Leader(ctx, q, key)
+		leases := l.leases != nil
+		who, ok, err = leader(ctx, q, key, func(li LockInfo) bool { return (li.Lease != nil) == leases })
 		return err
 	})
 	return who, ok, err
 }
 
 // Leader reports who leads key now (holds it exclusively), from any process, through conn (a *pgxpool.Pool,
-// *pgx.Conn or pgx.Tx): false when nobody does. It reads pg_locks like [Inspect].
+// *pgx.Conn or pgx.Tx): false when nobody does. It reads pg_locks and the leases like [Inspect]: the holder of
+// key's session lock, else of its lease.
 func Leader(ctx context.Context, conn Querier, key Key) (Leadership, bool, error) {
+	return leader(ctx, conn, key, func(LockInfo) bool { return true })
+}
+
+func leader(ctx context.Context, conn Querier, key Key, kind func(LockInfo) bool) (Leadership, bool, error) {
 	rows, err := conn.Query(ctx, "SELECT now()")
 	if err != nil {
 		return Leadership{}, false, fmt.Errorf("advlock: leader: %w", err)
@@ -216,7 +223,7 @@ func Leader(ctx context.Context, conn Querier, key Key) (Leadership, bool, error
 		return Leadership{}, false, err
 	}
 	for _, li := range locks {
-		if li.Granted && !li.Shared && li.Key.Equal(key) {
+		if li.Granted && !li.Shared && li.Key.Equal(key) && kind(li) {
 			li.Key = key
 			return Leadership{LockInfo: li, Observed: now}, true, nil
 		}

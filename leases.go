@@ -10,10 +10,12 @@ import (
 	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/jackc/pgx/v5"
 )
 
-// LeaseTableSQL creates the tables that [WithLeases] keeps its leases in (CREATE TABLE IF NOT EXISTS), for a
-// team whose DDL goes through migrations. A Locker creates them on first use where its role may.
+// LeaseTableSQL creates the tables that [WithLeases] keeps its leases in (CREATE TABLE IF NOT EXISTS) and the
+// functions that grant, renew and release them (CREATE OR REPLACE FUNCTION), for a team whose DDL goes through
+// migrations; it may run again. A Locker creates them on first use where its role may.
 const LeaseTableSQL = lease.DDL
 
 // leaseConfig is what the Locker's options make of its leases.
@@ -28,6 +30,9 @@ func leaseConfig(o config.Options) *lease.Config {
 	}
 	host, _ := os.Hostname()
 	c.Holder = host + " pid " + strconv.Itoa(os.Getpid())
+	if o.LeaseHolder != "" {
+		c.Holder += " " + o.LeaseHolder
+	}
 	return &c
 }
 
@@ -72,4 +77,21 @@ func (l *Locker) takeLease(ctx context.Context, t session.Target, wait bool, onE
 		return nil, err
 	}
 	return h, nil
+}
+
+// BreakLease deletes key's lease ([WithLeases]) if its term is token (a [LeaseInfo.Token] from [Inspect]),
+// through conn: true when it did, false when that lease had already gone (released, or expired and taken over).
+// Its holder learns at its next renewal (within a third of the lease length) and its lock ends with ErrLockLost;
+// until then it may act as the holder while another takes the key: break a lease only when its holder is gone or
+// stuck. The role needs DELETE on the lease table.
+func BreakLease(ctx context.Context, conn Querier, key Key, token int64) (bool, error) {
+	rows, err := conn.Query(ctx, lease.BreakSQL(key.id, token))
+	if err != nil {
+		return false, fmt.Errorf("advlock: break lease: %w", err)
+	}
+	n, err := pgx.CollectExactlyOneRow(rows, pgx.RowTo[int64])
+	if err != nil {
+		return false, fmt.Errorf("advlock: break lease: %w", err)
+	}
+	return n == 1, nil
 }

@@ -118,7 +118,8 @@ func WithFencing() Option {
 // Shared locks (RLock, TryRLock) are refused with errors.ErrUnsupported, and so is a wait without a bound (Wait
 // or a ctx deadline) whose caller holds locks (inside Do's fn, or with Holding): leases have no deadlock
 // detection. The table (and the fencing sequence) are created on first use where the role may: LeaseTableSQL is
-// what to run where DDL goes through migrations. See docs/leases.md.
+// what to run where DDL goes through migrations. Inspect, Leader and advlock ls list the leases held
+// (LockInfo.Lease), and BreakLease (advlock break) deletes one. See docs/leases.md.
 func WithLeases() Option {
 	return option(func(o *config.Options) { o.Leases = true })
 }

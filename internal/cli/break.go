@@ -21,8 +21,12 @@ func breakCmd(ctx context.Context, args []string, std Stdio) int {
 Shows the sessions holding KEY, asks for confirmation (unless --yes), and terminates them with
 pg_terminate_backend. Any answer but y or yes, or none (end of input), terminates nobody and says so.
 
-Exit status: 0 terminated (or nobody held KEY); 1 not confirmed; 77 no privilege to terminate a holder;
-69 database unreachable; 2 usage error.
+A lease of KEY (advlock run --leases, advlock.WithLeases) is broken by deleting its row: its holder learns at its
+next renewal (within 5s by default) and ends its lock (advlock run ends COMMAND, exit 70); until then it may still
+act as the holder while another takes KEY. Break a lease only when its holder is gone or stuck.
+
+Exit status: 0 terminated or deleted (or nobody held KEY); 1 not confirmed; 77 no privilege to terminate a
+holder or delete a lease; 69 database unreachable; 2 usage error.
 `)
 	yes := fs.Bool("yes", false, "do not ask for confirmation")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
@@ -55,13 +59,20 @@ Exit status: 0 terminated (or nobody held KEY); 1 not confirmed; 77 no privilege
 		}
 	}
 	if len(holders) == 0 {
-		fmt.Fprintf(std.Out, "no session holds %s\n", key)
+		fmt.Fprintf(std.Out, "no session or lease holds %s\n", key)
 		return exitOK
 	}
 	fmt.Fprintf(std.Out, "%s is held by:\n", key)
 	printTable(std.Out, holders, time.Now())
 	if !*yes {
-		fmt.Fprintf(std.Out, "terminate %d backend(s)? [y/N] ", len(holders))
+		var what []string
+		if n := len(holders) - leases(holders); n > 0 {
+			what = append(what, fmt.Sprintf("terminate %d backend(s)", n))
+		}
+		if n := leases(holders); n > 0 {
+			what = append(what, fmt.Sprintf("delete %d lease(s)", n))
+		}
+		fmt.Fprintf(std.Out, "%s? [y/N] ", strings.Join(what, " and "))
 		line, err := bufio.NewReader(std.In).ReadString('\n')
 		if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
 			if err != nil || !echoes(std.In) { // no Enter echoed after the prompt: end its line first
@@ -79,15 +90,28 @@ Exit status: 0 terminated (or nobody held KEY); 1 not confirmed; 77 no privilege
 	defer c.Close(context.WithoutCancel(ctx))
 	for _, h := range holders {
 		var ok bool
-		err := c.QueryRow(ctx, "SELECT pg_terminate_backend($1)", h.PID).Scan(&ok)
+		var err error
+		if h.Lease != nil {
+			ok, err = advlock.BreakLease(ctx, c, key, h.Lease.Token)
+		} else {
+			err = c.QueryRow(ctx, "SELECT pg_terminate_backend($1)", h.PID).Scan(&ok)
+		}
 		var pgErr *pgconn.PgError
 		switch {
+		case errors.As(err, &pgErr) && pgErr.Code == "42501" && h.Lease != nil:
+			fmt.Fprintf(std.Err, "advlock: break: %s (needs DELETE on public.advlock_lease)\n", strings.TrimPrefix(err.Error(), "advlock: "))
+			return exitNoPerm
 		case errors.As(err, &pgErr) && pgErr.Code == "42501":
 			fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 			return exitNoPerm
 		case err != nil:
 			fmt.Fprintf(std.Err, "advlock: break: %s\n", describe(err))
 			return exitUnavailable
+		case h.Lease != nil && !ok:
+			fmt.Fprintf(std.Out, "the lease of term %d had already gone\n", h.Lease.Token)
+		case h.Lease != nil:
+			fmt.Fprintf(std.Out, "deleted the lease of term %d (%s); its holder learns at its next renewal\n",
+				h.Lease.Token, h.Lease.Holder)
 		case !ok:
 			fmt.Fprintf(std.Out, "pid %d had already gone\n", h.PID)
 		default:
@@ -95,6 +119,17 @@ Exit status: 0 terminated (or nobody held KEY); 1 not confirmed; 77 no privilege
 		}
 	}
 	return exitOK
+}
+
+// leases counts the leases among rows.
+func leases(rows []advlock.LockInfo) int {
+	n := 0
+	for _, r := range rows {
+		if r.Lease != nil {
+			n++
+		}
+	}
+	return n
 }
 
 // echoes reports whether r is a terminal, which echoes the answer typed at a prompt and the Enter that ends it.

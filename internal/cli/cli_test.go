@@ -404,7 +404,7 @@ func TestBreak(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("holder not told after break")
 	}
-	if code, out, _ := run(t, "", "break", "--yes", "--dsn", url, k); code != 0 || !strings.Contains(out, "no session holds") {
+	if code, out, _ := run(t, "", "break", "--yes", "--dsn", url, k); code != 0 || !strings.Contains(out, "no session or lease holds") {
 		t.Errorf("break of a free key: %d %q", code, out)
 	}
 }

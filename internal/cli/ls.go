@@ -190,6 +190,9 @@ func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 		}
 	}
 	who := func(r advlock.LockInfo) string {
+		if r.Lease != nil {
+			return fmt.Sprintf("lease of %s, %s", orDash(r.Lease.Holder), leaseState(r.Lease))
+		}
 		s := fmt.Sprintf("pid %d %s", r.PID, r.Mode())
 		if r.ApplicationName != "" {
 			s += fmt.Sprintf(" %q", r.ApplicationName)
@@ -210,6 +213,12 @@ func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 		}
 		if len(g.holders) == 0 {
 			fmt.Fprintln(w, "  held by nobody this listing shows")
+		}
+		for _, h := range g.holders {
+			if h.Lease != nil && len(g.holders) > 1 {
+				fmt.Fprintln(w, "  (a lease and a session lock of one key do not exclude each other)")
+				break
+			}
 		}
 		sort.SliceStable(g.waiters, func(i, j int) bool {
 			a, b := g.waiters[i].WaitStart, g.waiters[j].WaitStart
@@ -270,7 +279,12 @@ func printClients(w io.Writer, rows []advlock.LockInfo) {
 	byClient := map[client]*use{}
 	var order []*use
 	all := map[int32]bool{}
+	leases := 0
 	for _, r := range rows {
+		if r.Lease != nil {
+			leases++
+			continue
+		}
 		c := client{r.ClientAddr, r.ApplicationName}
 		u := byClient[c]
 		if u == nil {
@@ -285,6 +299,13 @@ func printClients(w io.Writer, rows []advlock.LockInfo) {
 		} else {
 			u.waiting[r.PID] = true
 		}
+	}
+	if leases > 0 {
+		fmt.Fprintf(w, "\n%d leases held: rows of public.advlock_lease, renewed by their holders, on no session; a lease "+
+			"excludes only other leases of its key\n", leases)
+	}
+	if len(order) == 0 {
+		return
 	}
 	sort.SliceStable(order, func(i, j int) bool {
 		a, b := order[i], order[j]
@@ -376,7 +397,12 @@ func (l *lister) read(ctx context.Context, keyText *string) ([]advlock.LockInfo,
 	for i, r := range rows {
 		// A key taken by advlock run NAME shows as NAME, which its session is named after; a key another tool
 		// locks (golang-migrate's or Rails' migration lock of this database, a DistributedLock name) as that.
-		if text, ok := strings.CutPrefix(r.ApplicationName, "advlock run "); ok {
+		named := r.ApplicationName
+		if r.Lease != nil {
+			_, named, _ = strings.Cut(r.Lease.Holder, " advlock run ") // host pid N advlock run KEY
+			named = "advlock run " + named
+		}
+		if text, ok := strings.CutPrefix(named, "advlock run "); ok && text != "" {
 			if k, err := advlock.ResolveKey(ctx, l.c, text); err == nil && k.Equal(r.Key) {
 				rows[i].Key = k
 				continue
@@ -416,6 +442,10 @@ func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "KEY\tMODE\tSTATUS\tWAITING\tBLOCKED BY\tPID\tAPPLICATION\tCLIENT\tBACKEND START\tSTATE")
 	for _, r := range rows {
+		if r.Lease != nil {
+			fmt.Fprintf(tw, "%s\tlease\theld\t-\t-\t-\t%s\t-\t-\t%s\n", r.Key, orDash(r.Lease.Holder), leaseState(r.Lease))
+			continue
+		}
 		status, waiting := "held", "-"
 		if !r.Granted {
 			status = "waiting"
@@ -443,6 +473,18 @@ func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 			app, r.ClientAddr, start, r.State)
 	}
 	tw.Flush()
+}
+
+// leaseState says a lease's term and how long it has left (on the server's clock).
+func leaseState(l *advlock.LeaseInfo) string {
+	return fmt.Sprintf("term %d, %v left", l.Token, l.Left.Round(100*time.Millisecond))
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }
 
 // otherWait is a session of the current database waiting for a lock that is not advisory (a row, a transaction

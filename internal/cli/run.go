@@ -14,10 +14,11 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/session"
 )
 
-const runSynopsis = "[--wait DURATION | --no-wait] [--shared] [--fence] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
+const runSynopsis = "[--wait DURATION | --no-wait] [--shared | --leases] [--fence] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
 
 const runExits = `
 Holds KEY while COMMAND runs and releases it when COMMAND exits. COMMAND finds KEY in $ADVLOCK_KEY (as advlock
@@ -38,6 +39,15 @@ does not include connecting; connecting is bounded by the DSN's connect_timeout 
 --keepalive intervals of silence and a waiter gets KEY; when advlock resumes it finds the lock lost and ends
 COMMAND (exit 70). COMMAND runs on while advlock is frozen: protect what it writes with a fencing check if that
 matters.
+
+With --leases (or ADVLOCK_LEASES=1 in the environment, for a crontab), KEY is held as a lease: a row of the table
+public.advlock_lease, taken, renewed and released by single statements, so that it works behind a pooler in
+transaction mode (PgBouncer pool_mode=transaction, Supabase's and Neon's pooled ports). A lease excludes only
+other leases of KEY, not session locks of it: every run of a job must use --leases or none. Its fencing token is
+always in $ADVLOCK_TOKEN. A lease lasts 15s, renewed every 5s; if advlock freezes or dies, a waiter gets KEY once
+the lease expires (--keepalive does not apply), and when advlock resumes it finds the lease lost and ends COMMAND
+(exit 70). advlock break KEY deletes a lease; its holder learns at its next renewal (within 5s) and ends COMMAND.
+--leases takes no --shared lock and detects no deadlock: a nested run's wait for a lease needs --wait.
 
 An advlock run inside COMMAND knows what this one holds ($ADVLOCK_HOLDING): if its wait closes a cycle of waits
 (two nested runs taking two keys in opposite orders), one of the waits gives up (exit 71) instead of both waiting
@@ -103,6 +113,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	grace := durationFlag(fs, "grace", 10*time.Second, "after the lock is lost, COMMAND has `DURATION` between SIGTERM and SIGKILL")
 	keepalive := durationFlag(fs, "keepalive", 5*time.Second, "ping the lock's session after `DURATION` of silence; the server ends it after 3 of them,\n"+
 		"so if advlock freezes (SIGSTOP, a stuck VM) a waiter gets KEY within about 3x this")
+	leases := fs.Bool("leases", envBool("ADVLOCK_LEASES"), "hold KEY as a lease, a row of a table, instead of a session lock: works through any pooler\n"+
+		"(default $ADVLOCK_LEASES)")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	keyArg, command, err := runArgs(fs, args)
 	if ae := argError(""); errors.As(err, &ae) {
@@ -122,6 +134,14 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	fs.Visit(func(f *flag.Flag) { waitSet = waitSet || f.Name == "wait" })
 	if *noWait && waitSet {
 		return usageError(std, "run: --wait and --no-wait exclude each other")
+	}
+	if v := os.Getenv("ADVLOCK_LEASES"); v != "" {
+		if _, err := strconv.ParseBool(v); err != nil {
+			return usageError(std, "run: ADVLOCK_LEASES=%q: want 1, true, 0 or false", v)
+		}
+	}
+	if *leases && *shared {
+		return usageError(std, "run: --shared and --leases exclude each other (a lease is exclusive)")
 	}
 	switch {
 	case *wait < 0:
@@ -180,6 +200,9 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	opts := []advlock.Option{advlock.WithKeepalive(*keepalive)}
 	if *fence {
 		opts = append(opts, advlock.WithFencing())
+	}
+	if *leases {
+		opts = append(opts, advlock.WithLeases(), leaseHolder("advlock run "+keyArg))
 	}
 	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait, opts)
 	close(stopSigWatch)
@@ -240,7 +263,7 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 	case ctx.Err() != nil: // a signal; reported by the caller
 		return nil, l, 0
 	case errors.Is(err, advlock.ErrNotAcquired):
-		fmt.Fprintf(std.Err, "advlock: %s is held by another session\n", key)
+		fmt.Fprintf(std.Err, "advlock: %s is held by another holder\n", key)
 		return nil, l, exitNotAcquired
 	}
 	fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))
@@ -317,6 +340,18 @@ loop:
 }
 
 var errSignal = errors.New("signal received")
+
+// envBool is the boolean the environment variable name holds (false when unset or not a boolean: runCmd refuses
+// that).
+func envBool(name string) bool {
+	v, _ := strconv.ParseBool(os.Getenv(name))
+	return v
+}
+
+// leaseHolder adds what to the holder a lease names (advlock ls shows it).
+func leaseHolder(what string) advlock.Option {
+	return config.NewOption(func(o *config.Options) { o.LeaseHolder = what }).(advlock.Option)
+}
 
 // holdingEnv reads ADVLOCK_HOLDING, which an advlock run that runs this process sets to what it holds (and what
 // those that run it hold): "pid.objsubid.classid.objid.mode" for each lock, comma-separated.

@@ -30,7 +30,8 @@ var (
 		"use pool_mode=session for session locks, or transaction-scoped locks, which work there: DoTx (a Locker from " +
 		"Open works with the DSN as written; over a pgx pool of your own, set default_query_exec_mode=cache_describe " +
 		"on a pooler that keeps no prepared statements) or XactLock in your own transaction; or leases, locks as rows " +
-		"of a table that work through any pooler (WithLeases)")
+		"of a table that work through any pooler and exclude only other leases of their key (WithLeases; advlock " +
+		"run --leases)")
 	ErrUnverified = errors.New("advlock: could not prove that the connection is a server session of its own: the " +
 		"pid the driver reports is not the session's (a pooler answers in its place) or it reports none, and no second connection " +
 		"was free within 2s to rule out a pooler in transaction mode; refusing a session-level lock that could leak " +
