@@ -76,7 +76,7 @@ func Take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onE
 	r, err := run(ctx, pool, cfg.Bound, GrantSQL(id, owner, cfg.Holder, cfg.Length))
 	if err != nil {
 		undo(pool, id, owner, cfg.Bound)
-		if session.SQLState(err) == "25006" { // a read-only transaction: a standby
+		if code := session.SQLState(err); code == "25006" || code == "55000" { // read-only, or "recovery is in progress": a standby
 			return nil, session.ErrStandby
 		}
 		return nil, err
