@@ -51,6 +51,7 @@ type contender struct {
 	pg       bool // PostgreSQL-based (has a server session to terminate)
 	shares   bool // advlock with shared sessions: holds thousands of locks on a few connections
 	optIn    bool // runs only when -only names it
+	polls    bool // a lease: waits try again every poll, so fewer handoff samples
 	new      func(ctx context.Context) (client, error)
 }
 
@@ -80,10 +81,11 @@ func openURL(url string, n int) string {
 func pgKey(key string) int64 { v, _ := advlock.NameKey("bench-" + key).Int64(); return v }
 
 type env struct {
-	pgURL    string
-	poolURL  string // pgURL with a pool big enough to hold 50 locks at once
-	redis    *goredislib.Client
-	etcdURLs []string
+	pgURL      string
+	bouncerURL string // PgBouncer in transaction mode in front of pgURL ("" when pgbouncer is not installed)
+	poolURL    string // pgURL with a pool big enough to hold 50 locks at once
+	redis      *goredislib.Client
+	etcdURLs   []string
 }
 
 // poolSizeKey in a ctx given to contender.new overrides the pool size of the pool it makes.
@@ -102,7 +104,7 @@ func (e *env) newPool(ctx context.Context) (*pgxpool.Pool, error) {
 }
 
 func contenders(e *env) []contender {
-	return []contender{
+	return append([]contender{
 		{name: "raw pgx (dedicated conn)", blocking: true, pg: true, new: func(ctx context.Context) (client, error) {
 			c, err := pgx.Connect(ctx, e.pgURL)
 			return &rawPgx{c: c}, err
@@ -154,7 +156,7 @@ func contenders(e *env) []contender {
 			}
 			return &etcdClient{c: c, s: s}, nil
 		}},
-	}
+	}, leaseContenders(e)...)
 }
 
 type rawPgx struct{ c *pgx.Conn }

@@ -130,7 +130,9 @@ func setup(ctx context.Context) (*env, func(), error) {
 	if !strings.Contains(pgURL, "?") {
 		poolURL = pgURL + "?pool_max_conns=64"
 	}
-	return &env{pgURL: pgURL, poolURL: poolURL, redis: rc, etcdURLs: []string{cu.String()}}, func() {
+	bouncerURL, stopBouncer := startBouncer(ctx, pgURL)
+	return &env{pgURL: pgURL, bouncerURL: bouncerURL, poolURL: poolURL, redis: rc, etcdURLs: []string{cu.String()}}, func() {
+		stopBouncer()
 		rc.Close()
 		etcd.Close()
 		os.RemoveAll(dir)

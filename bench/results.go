@@ -143,6 +143,24 @@ func (res *results) print(w io.Writer) {
 	if r := res.find(wLoss, "advlock Lock", "p50 after pg_terminate_backend", "ms"); r != nil {
 		target("advlock loss noticed p50 <= 100 ms", r, func(r *result) bool { return r.Value <= 100 }, num(r.Value)+" ms")
 	}
+	for _, via := range []string{"", viaBouncer} {
+		l, raw := res.find(wUncontended, leasesName+via, "throughput", "cycles/s"), res.find(wUncontended, rawLeaseName+via, "throughput", "cycles/s")
+		if l != nil && raw != nil && raw.Value > 0 {
+			x := l.Value / raw.Value
+			target("leases"+via+", 1 goroutine >= 0.8x the raw lease loop", l, func(*result) bool { return x >= 0.8 }, fmt.Sprintf("%.2fx", x))
+		}
+	}
+	if r := res.find(wUncontended, leasesName, "throughput", "cycles/s"); r != nil {
+		target("leases, 1 goroutine, x raw pgx's advisory locks (aim 0.5x)", r, func(r *result) bool { return r.XRaw >= 0.5 }, fmt.Sprintf("%.2fx", r.XRaw))
+	}
+	for _, via := range []string{"", viaBouncer} {
+		if r := res.find(wHandoff, leasesName+via, "p50", "ms"); r != nil {
+			target("leases"+via+" handoff p50 <= 2x the poll interval (400 ms)", r, func(r *result) bool { return r.Value <= 2*ms(leasePoll) }, num(r.Value)+" ms")
+		}
+	}
+	if r := res.find(wLoss, leasesName, "p50 after its row is deleted (renewed every 5s)", "ms"); r != nil {
+		target("leases loss noticed p50 <= the lease length (15 s)", r, func(r *result) bool { return r.Value <= 15000 }, num(r.Value)+" ms")
+	}
 }
 
 func (res *results) write(dir string) error {

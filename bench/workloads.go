@@ -31,6 +31,7 @@ const (
 	wMemory      = "6. client memory"
 	wMany        = "7. 256 goroutines, one process, distinct keys"
 	wManyOneKey  = "8. 256 goroutines, one process, one key"
+	wWAL         = "9. WAL written"
 )
 
 const rawName = "raw pgx (dedicated conn)"
@@ -78,7 +79,7 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 			tag := fmt.Sprintf("r%d-%s-%d", round, c.name, time.Now().UnixNano())
 			if c.blocking {
 				n := *flagHandoffs
-				if !c.pg {
+				if !c.pg || c.polls {
 					n = 20
 				}
 				if lat, err := handoff(ctx, c, n, tag+"-w4"); check(c, wHandoff, err) {
@@ -91,7 +92,10 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 				col.add(wMemory, c.name, "per acquire+release", "allocs/op", a, "")
 			}
 		}
-		loss(ctx, e, col, round)
+		loss(ctx, e, col, round, hasLeases(cs))
+		if hasLeases(cs) {
+			leaseWAL(ctx, e, cs, col, tag+"-wal")
+		}
 		for name, ops := range many(ctx, e, cs, 256, tag+"-m") {
 			col.add(wMany, name, "throughput", "cycles/s", ops, manyNotes[name])
 		}
@@ -294,7 +298,7 @@ func memory(ctx context.Context, c contender, tag string) (float64, float64, err
 // loss measures how long a holder takes to learn that its lock is gone: advlock after pg_terminate_backend of its
 // session, etcd after its session's lease is revoked, redsync (which has no notification) by a watchdog polling
 // Valid every 100 ms after the key disappears (as on expiry).
-func loss(ctx context.Context, e *env, col *collector, round int) {
+func loss(ctx context.Context, e *env, col *collector, round int, leases bool) {
 	obs, err := pgx.Connect(ctx, e.pgURL)
 	if err != nil {
 		log.Printf("loss: %v", err)
@@ -409,6 +413,9 @@ func loss(ctx context.Context, e *env, col *collector, round int) {
 		col.add(wLoss, "redsync (Redis)", "p50 after key expiry, 100ms watchdog", "ms", ms(percentile(lat, 50)), "")
 	}
 	col.add(wLoss, rawName, "p50", "ms", -1, "never: learns at its next statement")
+	if leases {
+		leaseLoss(ctx, e, obs, col, round)
+	}
 }
 
 // held measures memory per held lock and the server connections used to hold locks at once.

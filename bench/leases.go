@@ -1,0 +1,220 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log"
+	"strings"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/pgcluster"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// The lease contenders (advlock.WithLeases): advlock's leases, and the limit for a lock in a table, a raw
+// grant-and-release loop of single statements on a table of the same shape; each directly and, where pgbouncer is
+// installed, through PgBouncer in transaction mode (where session locks cannot live). They run when -only names
+// them (go run . -only lease), beside raw pgx: with every other contender connected at once, their clients would
+// take the server past max_connections=100.
+const (
+	leasesName   = "advlock leases"
+	rawLeaseName = "raw lease loop"
+	viaBouncer   = ", PgBouncer transaction"
+	leasePoll    = 200 * time.Millisecond // advlock's default: waits try again about this often
+)
+
+// rawLeaseDDL makes the raw loop's table: advlock's lease table under another name, and a sequence for its terms.
+var rawLeaseDDL = strings.ReplaceAll(advlock.LeaseTableSQL, "advlock_lease", "bench_lease") +
+	"CREATE SEQUENCE IF NOT EXISTS public.bench_lease_term"
+
+// The raw loop's statements: the grant a table lock needs at the least (free, or expired on the server's clock;
+// a new term), and the release keyed on owner and term.
+const (
+	rawGrant = "INSERT INTO public.bench_lease AS l (space, key, owner, term, expires) VALUES (1, $1, $2, " +
+		"nextval('public.bench_lease_term'), clock_timestamp() + interval '15 seconds') ON CONFLICT (space, key) DO UPDATE " +
+		"SET owner = EXCLUDED.owner, term = EXCLUDED.term, expires = EXCLUDED.expires WHERE l.expires < clock_timestamp() " +
+		"RETURNING term"
+	rawRelease = "DELETE FROM public.bench_lease WHERE space = 1 AND key = $1 AND owner = $2 AND term = $3"
+)
+
+var errHeld = errors.New("held")
+
+// rawLease is the raw loop on a dedicated connection: try-only (a table has no queue to wait in).
+type rawLease struct {
+	c     *pgx.Conn
+	owner string
+}
+
+func newRawLease(ctx context.Context, url string) (*rawLease, error) {
+	c, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return nil, err
+	}
+	return &rawLease{c: c, owner: fmt.Sprintf("bench-%d", time.Now().UnixNano())}, nil
+}
+
+func (r *rawLease) lock(ctx context.Context, key string) (func(context.Context) error, error) {
+	v := pgKey(key)
+	var term int64
+	err := r.c.QueryRow(ctx, rawGrant, v, r.owner).Scan(&term)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errHeld
+	}
+	if err != nil {
+		return nil, err
+	}
+	return func(ctx context.Context) error {
+		tag, err := r.c.Exec(ctx, rawRelease, v, r.owner, term)
+		if err == nil && tag.RowsAffected() != 1 {
+			err = fmt.Errorf("release deleted %d rows", tag.RowsAffected())
+		}
+		return err
+	}, nil
+}
+
+func (r *rawLease) cycle(ctx context.Context, key string, during func()) error {
+	return lockCycle(ctx, r, key, during)
+}
+
+func (r *rawLease) close() { r.c.Close(context.Background()) }
+
+// startBouncer starts PgBouncer in transaction mode in front of url, if pgbouncer is installed, and makes the
+// tables the lease contenders use (a first grant through the pooler would make them too).
+func startBouncer(ctx context.Context, url string) (string, func()) {
+	c, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return "", func() {}
+	}
+	defer c.Close(ctx)
+	if _, err := c.Exec(ctx, advlock.LeaseTableSQL+rawLeaseDDL); err != nil {
+		log.Printf("leases: %v", err)
+	}
+	b, err := pgcluster.StartBouncer(url, "transaction")
+	if err != nil {
+		log.Printf("leases through PgBouncer: skipped (%v)", err)
+		return "", func() {}
+	}
+	return b.URL, b.Stop
+}
+
+// leaseContenders are the lease contenders on e: directly, and through e.bouncerURL when it is set.
+func leaseContenders(e *env) []contender {
+	var cs []contender
+	for _, via := range []struct{ suffix, url string }{{"", e.pgURL}, {viaBouncer, e.bouncerURL}} {
+		if via.url == "" {
+			continue
+		}
+		url := via.url
+		cs = append(cs,
+			contender{name: leasesName + via.suffix, blocking: true, pg: true, polls: true, optIn: true, new: func(ctx context.Context) (client, error) {
+				cfg, err := pgxpool.ParseConfig(url)
+				if err != nil {
+					return nil, err
+				}
+				cfg.MaxConns = 64
+				if via.suffix != "" { // no prepared statements through PgBouncer 1.18 in transaction mode
+					cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+				}
+				p, err := pgxpool.NewWithConfig(ctx, cfg)
+				if err != nil {
+					return nil, err
+				}
+				return &advClient{p: p, l: advlock.New(p, advlock.WithLeases())}, nil
+			}},
+			contender{name: rawLeaseName + via.suffix, pg: true, polls: true, optIn: true, new: func(ctx context.Context) (client, error) {
+				u := url
+				if via.suffix != "" {
+					u = openURL(url, 0) + sepFor(url) + "default_query_exec_mode=simple_protocol"
+				}
+				return newRawLease(ctx, u)
+			}},
+		)
+	}
+	return cs
+}
+
+func sepFor(url string) string {
+	if strings.Contains(url, "?") {
+		return "&"
+	}
+	return "?"
+}
+
+// hasLeases reports whether cs holds the lease contenders.
+func hasLeases(cs []contender) bool {
+	for _, c := range cs {
+		if c.name == leasesName {
+			return true
+		}
+	}
+	return false
+}
+
+// leaseLoss measures how long a lease holder takes to learn that its lease was broken (its row deleted, as
+// advlock break does): it learns at its next renewal, every 5 s by default.
+func leaseLoss(ctx context.Context, e *env, obs *pgx.Conn, col *collector, round int) {
+	pool, err := pgxpool.New(ctx, e.poolURL)
+	if err != nil {
+		log.Printf("loss/leases: %v", err)
+		return
+	}
+	defer pool.Close()
+	l := advlock.New(pool, advlock.WithLeases())
+	defer l.Close()
+	var lat []time.Duration
+	for i := range 3 {
+		k := advlock.NameKey(fmt.Sprintf("bench-lease-loss-%d-%d-%d", round, i, time.Now().UnixNano()))
+		lk, err := l.TryLock(ctx, k)
+		if err != nil {
+			log.Printf("loss/leases: %v", err)
+			return
+		}
+		time.Sleep(time.Duration(i) * 1700 * time.Millisecond % (5 * time.Second)) // spread over the renewal period
+		if ok, err := advlock.BreakLease(ctx, obs, k, lk.Token()); err != nil || !ok {
+			log.Printf("loss/leases: break: %v %v", ok, err)
+			return
+		}
+		t0 := time.Now()
+		<-lk.Done()
+		lat = append(lat, time.Since(t0))
+	}
+	col.add(wLoss, leasesName, "p50 after its row is deleted (renewed every 5s)", "ms", ms(percentile(lat, 50)), "")
+}
+
+// leaseWAL measures the WAL each acquire+release writes (the server's pg_current_wal_lsn before and after n
+// cycles on one key): raw advisory locks write none; a lease writes its row and deletes it.
+func leaseWAL(ctx context.Context, e *env, cs []contender, col *collector, tag string) {
+	const n = 200
+	obs, err := pgx.Connect(ctx, e.pgURL)
+	if err != nil {
+		log.Printf("%s: %v", wWAL, err)
+		return
+	}
+	defer obs.Close(ctx)
+	for _, c := range cs {
+		if c.name != rawName && c.name != leasesName && c.name != rawLeaseName {
+			continue
+		}
+		cl, closeAll, err := newClients(ctx, c, 1)
+		if !check(c, wWAL, err) {
+			continue
+		}
+		key := tag + "-" + c.name
+		_ = cl[0].cycle(ctx, key, nil) // warm up
+		var before, after int64
+		_ = obs.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn() - '0/0'").Scan(&before)
+		for range n {
+			if err = cl[0].cycle(ctx, key, nil); err != nil {
+				break
+			}
+		}
+		_ = obs.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn() - '0/0'").Scan(&after)
+		closeAll()
+		if check(c, wWAL, err) {
+			col.add(wWAL, c.name, "WAL per acquire+release", "B", float64(after-before)/n, "the whole server's WAL: other writers count")
+		}
+	}
+}
