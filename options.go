@@ -124,6 +124,13 @@ func WithLeases() Option {
 	return option(func(o *config.Options) { o.Leases = true })
 }
 
+// WithLeaseHolder adds name to how the Locker's leases name their holder (see [WithLeases]), after the host and
+// process id: advlock ls, Inspect's LeaseInfo.Holder and Leader show it. Printable ASCII is kept (other characters
+// become '?'). advlock run --leases adds its KEY.
+func WithLeaseHolder(name string) Option {
+	return option(func(o *config.Options) { o.LeaseHolder = name })
+}
+
 // WithLeaseLength sets the length of the Locker's leases (see [WithLeases]): renewed every third of it, trusted
 // by the holder until a fifteenth of it before it ends. Values < 1s keep the default of 15s.
 func WithLeaseLength(d time.Duration) Option {

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/config"
 	"github.com/advlock/advlock/internal/session"
 )
 
@@ -202,7 +201,7 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		opts = append(opts, advlock.WithFencing())
 	}
 	if *leases {
-		opts = append(opts, advlock.WithLeases(), leaseHolder("advlock run "+keyArg))
+		opts = append(opts, advlock.WithLeases(), advlock.WithLeaseHolder("advlock run "+keyArg))
 	}
 	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait, opts)
 	close(stopSigWatch)
@@ -346,11 +345,6 @@ var errSignal = errors.New("signal received")
 func envBool(name string) bool {
 	v, _ := strconv.ParseBool(os.Getenv(name))
 	return v
-}
-
-// leaseHolder adds what to the holder a lease names (advlock ls shows it).
-func leaseHolder(what string) advlock.Option {
-	return config.NewOption(func(o *config.Options) { o.LeaseHolder = what }).(advlock.Option)
 }
 
 // holdingEnv reads ADVLOCK_HOLDING, which an advlock run that runs this process sets to what it holds (and what

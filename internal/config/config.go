@@ -54,7 +54,7 @@ type Options struct {
 	Leases      bool
 	LeaseLength time.Duration
 	LeasePoll   time.Duration
-	// LeaseHolder is added to the host and pid a lease names as its holder (advlock run: its KEY).
+	// LeaseHolder is added to the host and pid a lease names as its holder (WithLeaseHolder).
 	LeaseHolder string
 	// OnClose, when set, runs once when the Locker is closed, after everything else (advsql.Open closes its
 	// *sql.DB).
