@@ -79,6 +79,19 @@ func TestConformance(t *testing.T) {
 	conformance.Run(t, pgxBackend(url, url))
 }
 
+// Leases over pgxpool keep their guarantees directly and through PgBouncer in transaction mode, with the DSN as
+// a user writes it.
+func TestConformanceLeases(t *testing.T) {
+	url := pgtest.URL(t)
+	t.Run("direct", func(t *testing.T) { conformance.Leases(t, pgxBackend(url, url)) })
+	t.Run("pgbouncer-transaction", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("starts pgbouncer")
+		}
+		conformance.Leases(t, pgxBackend(pgtest.Bouncer(t, url, "transaction"), url))
+	})
+}
+
 // Through PgBouncer in session pooling mode, session locks keep every guarantee.
 func TestConformancePgBouncerSession(t *testing.T) {
 	if testing.Short() {

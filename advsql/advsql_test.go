@@ -110,6 +110,30 @@ func TestConformance(t *testing.T) {
 	}
 }
 
+// Leases over database/sql, with either driver, directly and through PgBouncer in transaction mode with the DSN as
+// a user writes it.
+func TestConformanceLeases(t *testing.T) {
+	url := pgtest.URL(t)
+	burl := ""
+	for _, via := range []string{"direct", "pgbouncer-transaction"} {
+		t.Run(via, func(t *testing.T) {
+			u := url
+			if via != "direct" {
+				if testing.Short() {
+					t.Skip("starts pgbouncer")
+				}
+				if burl == "" {
+					burl = pgtest.Bouncer(t, url, "transaction")
+				}
+				u = burl
+			}
+			for _, driver := range []string{"pgx", "postgres"} {
+				t.Run(driver, func(t *testing.T) { conformance.Leases(t, Backend(driver, u, url)) })
+			}
+		})
+	}
+}
+
 func TestNilDB(t *testing.T) {
 	if _, err := advsql.New(nil).TryLock(context.Background(), advlock.Int64Key(1)); !errors.Is(err, advlock.ErrNoPool) {
 		t.Errorf("New(nil).TryLock = %v, want ErrNoPool", err)
