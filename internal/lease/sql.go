@@ -57,6 +57,7 @@ const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, o
 	"DECLARE\n" +
 	"  tl int8 := " + timeline + ";\n" +
 	"  began timestamptz;\n" +
+	"  durable text;\n" +
 	"  t int8;\n" +
 	"BEGIN\n" +
 	"  IF tl > 1 THEN\n" +
@@ -67,9 +68,10 @@ const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, o
 	"      RETURN -1;\n" +
 	"    END IF;\n" +
 	"  END IF;\n" +
-	"  PERFORM 1 FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.expires >= clock_timestamp();\n" +
-	"  IF FOUND THEN RETURN 0; END IF;\n" +
-	"  PERFORM " + durable + ";\n" +
+	"  IF EXISTS (SELECT 1 FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.expires >= clock_timestamp()) THEN\n" +
+	"    RETURN 0;\n" +
+	"  END IF;\n" +
+	"  durable := " + durable + ";\n" +
 	"  INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) VALUES (sp, k, own, " + session.TokenSQL +
 	", clock_timestamp() + len_ms * interval '1 millisecond', hold) " +
 	"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = EXCLUDED.term, expires = EXCLUDED.expires, " +
@@ -80,21 +82,23 @@ const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, o
 // renewDDL: see RenewSQL. Its parameters: space, key, owner, term, the length in milliseconds.
 const renewDDL = "CREATE OR REPLACE FUNCTION " + renewFunc + "(sp int, k int8, own text, tm int8, len_ms int8) " +
 	"RETURNS int8 LANGUAGE plpgsql AS $f$\n" +
+	"DECLARE\n" +
+	"  durable text := " + durable + ";\n" +
+	"  n int8;\n" +
 	"BEGIN\n" +
-	"  PERFORM " + durable + ";\n" +
 	"  UPDATE " + Table + " AS l SET expires = clock_timestamp() + len_ms * interval '1 millisecond' " +
-	"WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm AND l.expires > clock_timestamp();\n" +
-	"  IF FOUND THEN RETURN 1; END IF;\n" +
-	"  RETURN 0;\n" +
+	"WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm AND l.expires > clock_timestamp() RETURNING 1 INTO n;\n" +
+	"  RETURN coalesce(n, 0);\n" +
 	"END $f$;\n"
 
 // releaseDDL: see ReleaseSQL. Its parameters: space, key, owner, term.
 const releaseDDL = "CREATE OR REPLACE FUNCTION " + releaseFunc + "(sp int, k int8, own text, tm int8) " +
 	"RETURNS int8 LANGUAGE plpgsql AS $f$\n" +
+	"DECLARE\n" +
+	"  n int8;\n" +
 	"BEGIN\n" +
-	"  DELETE FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm;\n" +
-	"  IF FOUND THEN RETURN 1; END IF;\n" +
-	"  RETURN 0;\n" +
+	"  DELETE FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm RETURNING 1 INTO n;\n" +
+	"  RETURN coalesce(n, 0);\n" +
 	"END $f$;\n"
 
 // CreateSQL runs DDL (a create racing another's can fail with 23505, a duplicate key on pg_type, 42710, its row type
