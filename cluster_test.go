@@ -395,7 +395,8 @@ func TestDeadlockTranslated(t *testing.T) {
 }
 
 // Fencing on a private cluster: the sequence is created on first use by a role that may; a role that may neither
-// create nor use it gets ErrFencing saying what to run; tokens go on growing across a clean restart and a crash.
+// create nor use it gets ErrFencing saying what to run (and with leases ErrLeaseTable, until LeaseTableSQL ran);
+// tokens go on growing across a clean restart and a crash.
 func TestFencingCluster(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a private PostgreSQL cluster")
@@ -431,6 +432,22 @@ func TestFencingCluster(t *testing.T) {
 		}
 		if _, err := obs.Exec(ctx, "GRANT USAGE ON SEQUENCE public.advlock_fence TO fenceweak"); err != nil {
 			t.Fatal(err)
+		}
+		// Leases: the role may not create the lease tables (ErrLeaseTable says what to run); once an admin ran
+		// LeaseTableSQL and granted what it says, its leases work.
+		leaser := New(pgtest.Pool(t, weakURL, nil), WithLeases())
+		defer leaser.Close()
+		if _, err := leaser.TryLock(ctx, key(t)); !errors.Is(err, ErrLeaseTable) || !strings.Contains(err.Error(), "LeaseTableSQL") {
+			t.Fatalf("leases for a role that may not create their tables: %v, want ErrLeaseTable saying what to run", err)
+		}
+		if _, err := obs.Exec(ctx, LeaseTableSQL+"; GRANT SELECT, INSERT, UPDATE, DELETE ON public.advlock_lease, "+
+			"public.advlock_lease_timeline, public.advlock_lease_wait TO fenceweak"); err != nil {
+			t.Fatal(err)
+		}
+		if lk, err := leaser.TryLock(ctx, key(t)); err != nil {
+			t.Fatalf("leases once LeaseTableSQL ran and the role was granted: %v", err)
+		} else {
+			_ = lk.Unlock(ctx)
 		}
 		// A schema hardened against PUBLIC: the role may not even look at public. That too is for an operator.
 		if _, err := obs.Exec(ctx, "REVOKE ALL ON SCHEMA public FROM PUBLIC"); err != nil {

@@ -53,9 +53,10 @@ type LockInfo struct {
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
 	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
 	ClientSessions int
-	// Lease is set for a lease (a lock of a Locker [WithLeases]): its row. A lease is held (Granted) and exclusive,
-	// has no server session (PID 0, no application name, address or state) and excludes only other leases of its
-	// key, not session locks of the same number. Waits for a lease are not listed: they try again every poll.
+	// Lease is set for a lease (a lock of a Locker [WithLeases]): its row, or a wait's. A lease is exclusive, has
+	// no server session (PID 0, no application name, address or state) and excludes only other leases of its key,
+	// not session locks of the same number. A wait for a lease (Granted false) has its Holder and WaitStart (the
+	// server's clock), no Token, Expires or Left.
 	Lease *LeaseInfo
 }
 
@@ -95,8 +96,8 @@ FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid`
 
 // Inspect lists every advisory lock in the current database, holders first, then waiters in the order they
-// started waiting, and after them the live leases ([WithLeases]) by key, where the lease table exists and the role
-// may read it. It needs PostgreSQL 14 or later (pg_locks.waitstart). Rows of other users' sessions show their
+// started waiting, and after them the live leases ([WithLeases]) by key, then the waits for leases, where the
+// lease tables exist and the role may read them. It needs PostgreSQL 14 or later (pg_locks.waitstart). Rows of other users' sessions show their
 // application name and address only to roles allowed to see them (pg_read_all_stats).
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
@@ -122,20 +123,25 @@ func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 	return append(out, leases...), nil
 }
 
-// inspectLeases lists the live leases, none where the lease table does not exist or the role may not read it.
+// inspectLeases lists the live leases, then the live waits for them, none where the tables do not exist or the role
+// may not read them.
 func inspectLeases(ctx context.Context, q Querier) ([]LockInfo, error) {
 	rows, err := q.Query(ctx, lease.ReadableSQL)
 	if err != nil {
 		return nil, err
 	}
-	readable, err := pgx.CollectExactlyOneRow(rows, pgx.RowTo[bool])
-	if err != nil || !readable {
+	type can struct{ leases, waits bool }
+	ok, err := pgx.CollectExactlyOneRow(rows, func(r pgx.CollectableRow) (can, error) {
+		var c can
+		return c, r.Scan(&c.leases, &c.waits)
+	})
+	if err != nil || !ok.leases {
 		return nil, err
 	}
 	if rows, err = q.Query(ctx, lease.ListSQL); err != nil {
 		return nil, err
 	}
-	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
 		var sp int16
 		var v, left int64
 		li := LockInfo{Granted: true, Lease: &LeaseInfo{}}
@@ -144,6 +150,22 @@ func inspectLeases(ctx context.Context, q Querier) ([]LockInfo, error) {
 		li.Key = keyOf(session.ID{Pair: sp == 2, V: v})
 		return li, err
 	})
+	if err != nil || !ok.waits {
+		return out, err
+	}
+	if rows, err = q.Query(ctx, lease.WaitersSQL); err != nil {
+		return nil, err
+	}
+	waits, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
+		var sp int16
+		var v int64
+		var since time.Time
+		li := LockInfo{Lease: &LeaseInfo{}, WaitStart: &since}
+		err := r.Scan(&sp, &v, &li.Lease.Holder, &since)
+		li.Key = keyOf(session.ID{Pair: sp == 2, V: v})
+		return li, err
+	})
+	return append(out, waits...), err
 }
 
 // Inspect is the package's [Inspect] through the Locker's own pool: its *pgxpool.Pool, or with advsql the *sql.DB

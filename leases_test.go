@@ -582,3 +582,81 @@ func TestLeaseInspect(t *testing.T) {
 		t.Errorf("the transaction Inspect read in: %v", err)
 	}
 }
+
+// Waits for a lease keep a queue: three Lockers that wait in turn are listed by Inspect as lease waits, oldest
+// first, and are granted in the order they began once the holder lets go, each after the one before it unlocks (a
+// try meanwhile is refused); a wait that gives up leaves the queue as Lock returns.
+func TestLeaseWaitersQueue(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 60*time.Second)
+	holder := New(b.pool, WithLeases(), withLeasePoll(5*time.Millisecond))
+	defer holder.Close()
+	k := key(t)
+	lk, err := holder.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	quitter := New(b.pool, WithLeases(), withLeasePoll(5*time.Millisecond), WithLeaseHolder("quitter"))
+	defer quitter.Close()
+	qctx, quit := context.WithCancel(ctx)
+	qdone := make(chan error, 1)
+	go func() { _, err := quitter.Lock(qctx, k); qdone <- err }()
+	order := make(chan int, 3)
+	var wg sync.WaitGroup
+	for i := range 3 {
+		l := New(b.pool, WithLeases(), withLeasePoll(5*time.Millisecond), WithLeaseHolder("waiter-"+strconv.Itoa(i)))
+		defer l.Close()
+		time.Sleep(100 * time.Millisecond)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			got, err := l.Lock(ctx, k)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			order <- i
+			time.Sleep(30 * time.Millisecond)
+			_ = got.Unlock(ctx)
+		}()
+	}
+	time.Sleep(100 * time.Millisecond)
+	rows, err := Inspect(ctx, b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var waits []string
+	for _, r := range rows {
+		if r.Lease != nil && !r.Granted && r.Key.Equal(k) {
+			_, name, _ := strings.Cut(r.Lease.Holder, strconv.Itoa(os.Getpid())+" ")
+			waits = append(waits, name)
+		}
+	}
+	if want := []string{"quitter", "waiter-0", "waiter-1", "waiter-2"}; strings.Join(waits, ",") != strings.Join(want, ",") {
+		t.Errorf("Inspect lists the lease waits %v, want %v", waits, want)
+	}
+	quit()
+	if err := <-qdone; !errors.Is(err, context.Canceled) {
+		t.Errorf("the quitter's wait: %v", err)
+	}
+	v, _ := k.Int64()
+	var n int
+	if err := b.obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Waits+" WHERE key = $1 AND holder LIKE '%quitter'", v).Scan(&n); err != nil || n != 0 {
+		t.Errorf("the quitter's wait rows after Lock returned: %d %v", n, err)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.TryLock(ctx, k); !errors.Is(err, ErrNotAcquired) {
+		t.Errorf("a try while waiters wait for the freed key: %v", err)
+	}
+	wg.Wait()
+	close(order)
+	var got []int
+	for i := range order {
+		got = append(got, i)
+	}
+	if len(got) != 3 || got[0] != 0 || got[1] != 1 || got[2] != 2 {
+		t.Errorf("waiters granted in the order %v, want 0 1 2", got)
+	}
+}

@@ -190,8 +190,11 @@ func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 		}
 	}
 	who := func(r advlock.LockInfo) string {
-		if r.Lease != nil {
+		if r.Lease != nil && r.Granted {
 			return fmt.Sprintf("lease of %s, %s", orDash(r.Lease.Holder), leaseState(r.Lease))
+		}
+		if r.Lease != nil {
+			return "lease wait of " + orDash(r.Lease.Holder)
 		}
 		s := fmt.Sprintf("pid %d %s", r.PID, r.Mode())
 		if r.ApplicationName != "" {
@@ -279,10 +282,14 @@ func printClients(w io.Writer, rows []advlock.LockInfo) {
 	byClient := map[client]*use{}
 	var order []*use
 	all := map[int32]bool{}
-	leases := 0
+	leases, leaseWaits := 0, 0
 	for _, r := range rows {
-		if r.Lease != nil {
+		if r.Lease != nil && r.Granted {
 			leases++
+			continue
+		}
+		if r.Lease != nil {
+			leaseWaits++
 			continue
 		}
 		c := client{r.ClientAddr, r.ApplicationName}
@@ -300,9 +307,9 @@ func printClients(w io.Writer, rows []advlock.LockInfo) {
 			u.waiting[r.PID] = true
 		}
 	}
-	if leases > 0 {
-		fmt.Fprintf(w, "\n%d leases held: rows of public.advlock_lease, renewed by their holders, on no session; a lease "+
-			"excludes only other leases of its key\n", leases)
+	if leases+leaseWaits > 0 {
+		fmt.Fprintf(w, "\n%d leases held, %d waits for leases: rows of public.advlock_lease and advlock_lease_wait, on no "+
+			"session; a lease excludes only other leases of its key\n", leases, leaseWaits)
 	}
 	if len(order) == 0 {
 		return
@@ -442,8 +449,13 @@ func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "KEY\tMODE\tSTATUS\tWAITING\tBLOCKED BY\tPID\tAPPLICATION\tCLIENT\tBACKEND START\tSTATE")
 	for _, r := range rows {
-		if r.Lease != nil {
+		if r.Lease != nil && r.Granted {
 			fmt.Fprintf(tw, "%s\tlease\theld\t-\t-\t-\t%s\t-\t-\t%s\n", r.Key, orDash(r.Lease.Holder), leaseState(r.Lease))
+			continue
+		}
+		if r.Lease != nil {
+			fmt.Fprintf(tw, "%s\tlease\twaiting\t%s\t-\t-\t%s\t-\t-\tpolling\n", r.Key,
+				now.Sub(*r.WaitStart).Round(time.Millisecond), orDash(r.Lease.Holder))
 			continue
 		}
 		status, waiting := "held", "-"

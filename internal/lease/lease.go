@@ -71,9 +71,14 @@ var errQuiet = errors.New("the server was promoted less than one lease length ag
 // unknown (an error, or ctx cancelled while it ran) is undone: whatever it may have granted to this owner is
 // deleted, so that no row outlives the call.
 func Take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onEnd session.OnEnd) (*Lease, error) {
+	return take(ctx, pool, id, cfg, onEnd, "")
+}
+
+// take is Take for waiter ("" for a try): see GrantSQL.
+func take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onEnd session.OnEnd, waiter string) (*Lease, error) {
 	owner := newOwner()
 	sent := time.Now()
-	r, err := run(ctx, pool, cfg.Bound, GrantSQL(id, owner, cfg.Holder, cfg.Length))
+	r, err := run(ctx, pool, cfg.Bound, GrantSQL(id, owner, cfg.Holder, cfg.Length, waiter))
 	if err != nil {
 		undo(pool, id, owner, cfg.Bound)
 		if code := session.SQLState(err); code == "25006" || code == "55000" { // read-only, or "recovery is in progress": a standby
@@ -103,13 +108,16 @@ func Take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onE
 // ctx's deadline, only by its bound; a grant that a cancel raced is given back.
 func Wait(ctx context.Context, pool session.Pool, id session.ID, alts []session.ID, cfg Config, onEnd session.OnEnd) (*Lease, error) {
 	ids := append([]session.ID{id}, alts...)
+	waiter := newOwner()
+	queued := false // a try found a key held: the wait may have rows in Waits
 	for {
 		var l *Lease
 		var err error
 		for _, id := range ids {
-			if l, err = Take(context.WithoutCancel(ctx), pool, id, cfg, onEnd); !errors.Is(err, session.ErrNotAcquired) {
+			if l, err = take(context.WithoutCancel(ctx), pool, id, cfg, onEnd, waiter); !errors.Is(err, session.ErrNotAcquired) {
 				break
 			}
+			queued = true
 		}
 		if !errors.Is(err, session.ErrNotAcquired) {
 			if err == nil && ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded) {
@@ -117,7 +125,10 @@ func Wait(ctx context.Context, pool session.Pool, id session.ID, alts []session.
 				_ = l.Release(context.Background(), session.ErrNotHeld)
 				return nil, session.WithContext(ctx, ctx.Err())
 			}
-			return l, err
+			if err != nil && queued {
+				leave(pool, waiter, cfg.Bound)
+			}
+			return l, err // a grant deleted the wait's rows
 		}
 		d := cfg.Poll/2 + time.Duration(rand.Int64N(int64(cfg.Poll)))
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < d {
@@ -128,9 +139,11 @@ func Wait(ctx context.Context, pool session.Pool, id session.ID, alts []session.
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
+			leave(pool, waiter, cfg.Bound)
 			return nil, session.WithContext(ctx, fmt.Errorf("lease not granted before the wait ended: %w", err))
 		}
 		if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+			leave(pool, waiter, cfg.Bound)
 			return nil, session.WithContext(ctx, fmt.Errorf("lease not granted before the deadline: %w", err))
 		}
 	}
@@ -163,6 +176,12 @@ func run(ctx context.Context, pool session.Pool, bound time.Duration, sql string
 	}
 	c.Release()
 	return r, nil
+}
+
+// leave deletes the rows of a wait that ends without a grant, so that it holds back nobody (a row it cannot delete
+// stops counting WaitStale after its last poll).
+func leave(pool session.Pool, waiter string, bound time.Duration) {
+	_, _ = run(context.Background(), pool, bound, LeaveSQL(waiter))
 }
 
 // undo deletes whatever lease of id a grant in doubt may have given owner.
@@ -292,9 +311,9 @@ func Ensure(ctx context.Context, pool session.Pool, bound time.Duration) error {
 		switch code := session.SQLState(err); {
 		case err == nil:
 		case code == "42501":
-			return fmt.Errorf("%w: the tables %s and %s do not exist and this role may not create them (it needs "+
-				"CREATE on schema public); as a role that may, run advlock.LeaseTableSQL, then GRANT SELECT, INSERT, "+
-				"UPDATE, DELETE ON %s, %s TO <role>: %v", ErrLeaseTable, Table, Timelines, Table, Timelines, err)
+			return fmt.Errorf("%w: the tables %s, %s and %s, or their functions, are missing and this role may not "+
+				"create them (it needs CREATE on schema public); as a role that may, run advlock.LeaseTableSQL, then GRANT "+
+				"SELECT, INSERT, UPDATE, DELETE ON %[2]s, %[3]s, %[4]s TO <role>: %[5]v", ErrLeaseTable, Table, Timelines, Waits, err)
 		case (code == "23505" || code == "42P07" || code == "42710") && attempt < 5:
 			// Created by another client at the same moment (its row type, its table or its index was there first;
 			// that client's one transaction made both tables, and has committed): look again.

@@ -15,10 +15,21 @@ import (
 //
 // Timelines remembers, for each timeline after the first, when a grant was first asked for on it: the first lease
 // length of a timeline grants nothing (see GrantSQL).
+//
+// Waits holds a row for each waiting Lock and key it waits for (waiter: random per wait), refreshed while it waits
+// (seen, at most once a second) and deleted when it is granted or gives up: a key goes to the waiter that has
+// waited longest among those seen in the last WaitStale, and a try does not take a key that live waiters wait for.
 const (
 	Table     = "public.advlock_lease"
 	Timelines = "public.advlock_lease_timeline"
+	Waits     = "public.advlock_lease_wait"
 )
+
+// WaitStale is how long a wait's row counts after it was last seen: a waiter that died (or was cut off) stops
+// holding back the key's tries and later waiters that long after its last poll.
+const WaitStale = 3 * time.Second
+
+const stale = "interval '3 seconds'" // WaitStale
 
 // The functions that grant, renew and release a lease, beside the tables: each call is one short literal
 // statement (any driver, any pooler), and the server plans the statements inside a function once per server
@@ -37,10 +48,19 @@ const DDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key 
 	"term int8 NOT NULL, expires timestamptz NOT NULL, granted timestamptz NOT NULL DEFAULT clock_timestamp(), " +
 	"holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key));\n" +
 	"CREATE TABLE IF NOT EXISTS " + Timelines + " (timeline int8 PRIMARY KEY, since timestamptz NOT NULL);\n" +
+	"CREATE TABLE IF NOT EXISTS " + Waits + " (space int2 NOT NULL, key int8 NOT NULL, waiter text NOT NULL, " +
+	"since timestamptz NOT NULL, seen timestamptz NOT NULL, holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key, waiter));\n" +
 	"LOCK TABLE " + Table + " IN SHARE ROW EXCLUSIVE MODE;\n" +
+	"DROP FUNCTION IF EXISTS " + grantFunc + "(int, int8, text, text, int8);\n" +
 	grantDDL + renewDDL + releaseDDL
 
-// grantDDL: see GrantSQL. Its parameters: space, key, owner, holder, the length in milliseconds.
+// grantDDL: see GrantSQL. Its parameters: space, key, owner, holder, the length in milliseconds, and the waiter
+// (empty for a try).
+//
+// The key goes to a try only when no live waiter waits for it, and to a waiter only when no live waiter has waited
+// longer (the earliest since, then the least waiter id): the order a server queue would give. A waiter not granted
+// enters the queue (its row, since now) or refreshes its row (seen, at most once a second: a poll writes nothing
+// in between); granted, its rows are deleted, for every key it waited for.
 //
 // A promotion can lose the last grants and renewals (asynchronous replication): a holder may trust a lease that
 // the promoted server never heard of, or one whose expiry it knows only from an older renewal. So on a timeline
@@ -52,11 +72,12 @@ const DDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key 
 // A key held by a live lease is seen first and not tried at all, so that a waiter's tries neither lock the
 // holder's row nor draw a token nor write anything (the upsert's own condition decides the race of two grants that
 // both saw none).
-const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text, len_ms int8) " +
+const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text, len_ms int8, wt text) " +
 	"RETURNS int8 LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
 	"  tl int8 := " + timeline + ";\n" +
 	"  began timestamptz;\n" +
+	"  mine timestamptz;\n" +
 	"  durable text;\n" +
 	"  t int8;\n" +
 	"BEGIN\n" +
@@ -68,15 +89,28 @@ const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, o
 	"      RETURN -1;\n" +
 	"    END IF;\n" +
 	"  END IF;\n" +
-	"  IF EXISTS (SELECT 1 FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.expires >= clock_timestamp()) THEN\n" +
-	"    RETURN 0;\n" +
+	"  IF wt <> '' THEN\n" +
+	"    SELECT w.since INTO mine FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter = wt;\n" +
 	"  END IF;\n" +
-	"  durable := " + durable + ";\n" +
-	"  INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) VALUES (sp, k, own, " + session.TokenSQL +
+	"  IF NOT EXISTS (SELECT 1 FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.expires >= clock_timestamp()) " +
+	"AND NOT EXISTS (SELECT 1 FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter <> wt " +
+	"AND w.seen > clock_timestamp() - " + stale + " AND (mine IS NULL OR w.since < mine OR w.since = mine AND w.waiter < wt)) THEN\n" +
+	"    durable := " + durable + ";\n" +
+	"    INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) VALUES (sp, k, own, " + session.TokenSQL +
 	", clock_timestamp() + len_ms * interval '1 millisecond', hold) " +
 	"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = EXCLUDED.term, expires = EXCLUDED.expires, " +
 	"granted = clock_timestamp(), holder = EXCLUDED.holder WHERE l.expires < clock_timestamp() RETURNING l.term INTO t;\n" +
-	"  RETURN coalesce(t, 0);\n" +
+	"    IF t IS NOT NULL THEN\n" +
+	"      IF wt <> '' THEN DELETE FROM " + Waits + " AS w WHERE w.waiter = wt; END IF;\n" +
+	"      RETURN t;\n" +
+	"    END IF;\n" +
+	"  END IF;\n" +
+	"  IF wt <> '' THEN\n" +
+	"    INSERT INTO " + Waits + " AS w (space, key, waiter, since, seen, holder) VALUES (sp, k, wt, clock_timestamp(), " +
+	"clock_timestamp(), hold) ON CONFLICT (space, key, waiter) DO UPDATE SET seen = clock_timestamp() " +
+	"WHERE w.seen < clock_timestamp() - interval '1 second';\n" +
+	"  END IF;\n" +
+	"  RETURN 0;\n" +
 	"END $f$;\n"
 
 // renewDDL: see RenewSQL. Its parameters: space, key, owner, term, the length in milliseconds.
@@ -107,7 +141,7 @@ const CreateSQL = DDL + "SELECT 1"
 
 // ExistsSQL yields 1 when the tables and the functions exist.
 const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regclass('" + Timelines + "') IS NOT NULL " +
-	"AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
+	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regprocedure('" + grantFunc + "(int, int8, text, text, int8, text)') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
 	"AND to_regproc('" + releaseFunc + "') IS NOT NULL)::int"
 
 // timeline is the server's timeline (see session.TokenSQL): 1 until the first promotion of the cluster.
@@ -152,12 +186,18 @@ const (
 )
 
 // GrantSQL takes id's lease for owner, for length on the server's clock, when no lease holds it or the one that does
-// has expired (a takeover, by a conditional upsert: one statement, no lock held between statements). It yields the
+// has expired (a takeover, by a conditional upsert: one statement, no lock held between statements), and no live
+// waiter comes first (waiter: this wait's id, empty for a try; see grantDDL). It yields the
 // new term (a fencing token, > 0), resultHeld, or resultQuiet (see grantDDL). Every statement is a literal without
 // parameters, so that any driver sends it over the simple protocol and any pooler, in any mode, carries it.
-func GrantSQL(id session.ID, owner, holder string, length time.Duration) string {
+func GrantSQL(id session.ID, owner, holder string, length time.Duration, waiter string) string {
 	return "SELECT " + grantFunc + "(" + space(id) + ", " + strconv.FormatInt(id.V, 10) + ", " + quote(owner) + ", " +
-		quote(holder) + ", " + ms(length) + ")"
+		quote(holder) + ", " + ms(length) + ", " + quote(waiter) + ")"
+}
+
+// LeaveSQL deletes the rows of a wait that ends without a grant: 1 when it had any.
+func LeaveSQL(waiter string) string {
+	return "WITH d AS (DELETE FROM " + Waits + " WHERE waiter = " + quote(waiter) + " RETURNING 1) SELECT least(count(*), 1) FROM d"
 }
 
 // RenewSQL extends owner's lease of id, of term, to length from now on the server's clock, if it still holds it and
@@ -188,10 +228,18 @@ const ListSQL = "SELECT space, key, term, holder, granted, expires, " +
 	"(extract(epoch FROM expires - clock_timestamp()) * 1000)::int8 FROM " + Table +
 	" WHERE expires > clock_timestamp() ORDER BY space, key"
 
-// ReadableSQL yields whether the lease table exists and the current role may read it (no error either way: a read
-// inside the caller's transaction must not abort it).
-const ReadableSQL = "SELECT CASE WHEN to_regclass('" + Table + "') IS NULL THEN false " +
-	"ELSE has_table_privilege(to_regclass('" + Table + "'), 'SELECT') END"
+// WaitersSQL lists the live waits (seen within WaitStale): space, key, holder, since.
+const WaitersSQL = "SELECT space, key, holder, since FROM " + Waits + " WHERE seen > clock_timestamp() - " + stale +
+	" ORDER BY space, key, since, waiter"
+
+// ReadableSQL yields whether the lease table, and the table of waits, exist and the current role may read them (no
+// error either way: a read inside the caller's transaction must not abort it).
+var ReadableSQL = "SELECT " + readable(Table) + ", " + readable(Waits)
+
+func readable(table string) string {
+	return "CASE WHEN to_regclass('" + table + "') IS NULL THEN false ELSE has_table_privilege(to_regclass('" + table +
+		"'), 'SELECT') END"
+}
 
 // BreakSQL deletes id's lease if its term is term (whoever holds it): 1 when deleted, 0 when that lease was gone
 // (released, or taken over by a newer term). Its holder learns at its next renewal.

@@ -35,11 +35,11 @@ func TestStatements(t *testing.T) {
 	}
 	for _, id := range []session.ID{{V: 42}, {Pair: true, V: 7<<32 | 9}} {
 		length := 300 * time.Millisecond
-		a := one(t, c, GrantSQL(id, "owner-a", "a", length))
+		a := one(t, c, GrantSQL(id, "owner-a", "a", length, ""))
 		if a <= 0 {
 			t.Fatalf("grant of a free key: %d", a)
 		}
-		if r := one(t, c, GrantSQL(id, "owner-b", "b", length)); r != resultHeld {
+		if r := one(t, c, GrantSQL(id, "owner-b", "b", length, "")); r != resultHeld {
 			t.Fatalf("grant of a held key: %d, want %d", r, resultHeld)
 		}
 		if r := one(t, c, RenewSQL(id, "owner-a", a, length)); r != 1 {
@@ -55,7 +55,7 @@ func TestStatements(t *testing.T) {
 		if r := one(t, c, RenewSQL(id, "owner-a", a, length)); r != 0 {
 			t.Errorf("renewal of an expired lease (nobody took it over): %d", r)
 		}
-		b := one(t, c, GrantSQL(id, "owner-b", "b", length))
+		b := one(t, c, GrantSQL(id, "owner-b", "b", length, ""))
 		if b <= a {
 			t.Fatalf("takeover of an expired lease: %d, want a term greater than %d", b, a)
 		}
@@ -77,10 +77,71 @@ func TestStatements(t *testing.T) {
 		}
 	}
 	// The two key spaces never overlap: int8 key 7<<32|9 is not the pair (7, 9).
-	if r := one(t, c, GrantSQL(session.ID{V: 7<<32 | 9}, "x", "x", time.Second)); r <= 0 {
+	if r := one(t, c, GrantSQL(session.ID{V: 7<<32 | 9}, "x", "x", time.Second, "")); r <= 0 {
 		t.Errorf("int8 key beside a pair of the same bits: %d", r)
 	}
-	if r := one(t, c, GrantSQL(session.ID{Pair: true, V: 7<<32 | 9}, "y", "y", time.Second)); r <= 0 {
+	if r := one(t, c, GrantSQL(session.ID{Pair: true, V: 7<<32 | 9}, "y", "y", time.Second, "")); r <= 0 {
 		t.Errorf("pair beside an int8 key of the same bits: %d", r)
+	}
+}
+
+// The queue of waits, statement by statement: waiters that find the key held enter its queue in order; once it is
+// free the key goes to the one that has waited longest, not to a later waiter nor to a try; a granted waiter's rows
+// are gone; a wait last seen more than WaitStale ago holds nobody back; LeaveSQL takes a wait out.
+func TestWaitQueue(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	c := pgtest.Conn(t, url)
+	ctx := context.Background()
+	if _, err := c.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
+		t.Fatal(err)
+	}
+	id := session.ID{V: 42}
+	length := time.Minute
+	a := one(t, c, GrantSQL(id, "a", "a", length, ""))
+	for _, w := range []string{"w1", "w2", "w3"} {
+		if r := one(t, c, GrantSQL(id, "o-"+w, w, length, w)); r != resultHeld {
+			t.Fatalf("%s's poll of a held key: %d", w, r)
+		}
+		time.Sleep(5 * time.Millisecond) // distinct since
+	}
+	var queued int
+	if err := c.QueryRow(ctx, "SELECT count(*) FROM "+Waits+" WHERE key = 42").Scan(&queued); err != nil || queued != 3 {
+		t.Fatalf("waits queued: %d %v, want 3", queued, err)
+	}
+	if r := one(t, c, ReleaseSQL(id, "a", a)); r != 1 {
+		t.Fatal("release")
+	}
+	if r := one(t, c, GrantSQL(id, "o-w2", "w2", length, "w2")); r != resultHeld {
+		t.Errorf("the second waiter took the key before the first: %d", r)
+	}
+	if r := one(t, c, GrantSQL(id, "try", "try", length, "")); r != resultHeld {
+		t.Errorf("a try took the key while waiters wait: %d", r)
+	}
+	w1 := one(t, c, GrantSQL(id, "o-w1", "w1", length, "w1"))
+	if w1 <= a {
+		t.Fatalf("the first waiter's poll of the free key: %d", w1)
+	}
+	if err := c.QueryRow(ctx, "SELECT count(*) FROM "+Waits+" WHERE waiter = 'w1'").Scan(&queued); err != nil || queued != 0 {
+		t.Errorf("the granted waiter's rows: %d %v", queued, err)
+	}
+	one(t, c, ReleaseSQL(id, "o-w1", w1))
+	// w2's wait goes stale (its process died): w3 is next; then w3 leaves, and a try takes the key.
+	if _, err := c.Exec(ctx, "UPDATE "+Waits+" SET seen = clock_timestamp() - interval '4 seconds' WHERE waiter = 'w2'"); err != nil {
+		t.Fatal(err)
+	}
+	w3 := one(t, c, GrantSQL(id, "o-w3", "w3", length, "w3"))
+	if w3 <= w1 {
+		t.Fatalf("the next live waiter, past a stale one: %d", w3)
+	}
+	one(t, c, ReleaseSQL(id, "o-w3", w3))
+	if r := one(t, c, GrantSQL(id, "o-w4", "w4", length, "w4")); r <= 0 {
+		t.Errorf("a new waiter, with only a stale wait queued: %d", r)
+	}
+	one(t, c, UndoSQL(id, "o-w4"))
+	if r := one(t, c, LeaveSQL("w2")); r != 1 {
+		t.Errorf("LeaveSQL of a queued wait: %d", r)
+	}
+	if r := one(t, c, GrantSQL(id, "try2", "try", length, "")); r <= 0 {
+		t.Errorf("a try with no wait queued: %d", r)
 	}
 }
