@@ -458,6 +458,20 @@ func TestFencingCluster(t *testing.T) {
 			t.Errorf("fencing for a role that may not use schema public: %v, want ErrFencing naming GRANT USAGE ON SCHEMA", err)
 		}
 		hardened.Close()
+		// Inspect by that role, inside its transaction, with the lease tables there but out of its reach: the
+		// session locks are listed, no lease, and the transaction goes on.
+		wc := pgtest.Conn(t, weakURL)
+		tx, err := wc.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := Inspect(ctx, tx); err != nil {
+			t.Errorf("Inspect by a role that may not use schema public: %v", err)
+		}
+		if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+			t.Errorf("the transaction Inspect read in: %v", err)
+		}
+		_ = tx.Rollback(ctx)
 		if _, err := obs.Exec(ctx, "GRANT USAGE ON SCHEMA public TO PUBLIC"); err != nil {
 			t.Fatal(err)
 		}

@@ -111,7 +111,7 @@ holder or delete a lease; 69 database unreachable; 2 usage error.
 			fmt.Fprintf(std.Out, "the lease of term %d had already gone\n", h.Lease.Token)
 		case h.Lease != nil:
 			fmt.Fprintf(std.Out, "deleted the lease of term %d (%s); its holder learns at its next renewal\n",
-				h.Lease.Token, h.Lease.Holder)
+				h.Lease.Token, orDash(h.Lease.Holder))
 		case !ok:
 			fmt.Fprintf(std.Out, "pid %d had already gone\n", h.PID)
 		default:

@@ -411,5 +411,10 @@ func connect(ctx context.Context, conn, app string) (*pgx.Conn, error) {
 		cfg.ConnectTimeout = advlock.DefaultConnectTimeout
 	}
 	cfg.RuntimeParams["application_name"] = app
+	if !strings.Contains(conn, "default_query_exec_mode") {
+		// No named prepared statements: through a pooler in transaction mode (the DSN of a --leases user) another
+		// client's server session may already hold one of the same name (42P05).
+		cfg.DefaultQueryExecMode = pgx.QueryExecModeCacheDescribe
+	}
 	return pgx.ConnectConfig(ctx, cfg)
 }

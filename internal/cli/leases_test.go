@@ -102,3 +102,28 @@ func TestRunLeases(t *testing.T) {
 		}
 	}
 }
+
+// What ls prints of a lease's holder cannot forge lines: anyone who may write the lease table chooses that text.
+func TestLsLeaseHolderText(t *testing.T) {
+	if got := orDash("h pid 1\nint:1  lease  held\x1b[2J\xff"); strings.ContainsAny(got, "\n\x1b") || strings.Contains(got, "\xff") {
+		t.Errorf("orDash kept control characters: %q", got)
+	}
+}
+
+// advlock ls and break through PgBouncer in transaction mode, with the DSN of a --leases user: each runs again and
+// again (named prepared statements of one connection would meet those of another on the server: 42P05).
+func TestLsThroughTransactionPooler(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts pgbouncer")
+	}
+	burl := pgtest.Bouncer(t, pgtest.URL(t), "transaction")
+	k := keyName(t)
+	for i := range 4 {
+		if code, _, errOut := run(t, "", "ls", "--dsn", burl, k); code != 0 {
+			t.Fatalf("ls #%d through PgBouncer in transaction mode: exit %d: %s", i, code, errOut)
+		}
+		if code, _, errOut := run(t, "", "break", "--yes", "--dsn", burl, k); code != 0 {
+			t.Fatalf("break #%d through PgBouncer in transaction mode: exit %d: %s", i, code, errOut)
+		}
+	}
+}

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"text/tabwriter"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/advlock/advlock"
 	"github.com/jackc/pgx/v5"
@@ -492,11 +494,18 @@ func leaseState(l *advlock.LeaseInfo) string {
 	return fmt.Sprintf("term %d, %v left", l.Token, l.Left.Round(100*time.Millisecond))
 }
 
+// orDash is s for a table cell: "-" when empty, control characters (and what is not UTF-8) as '?', so that text
+// anyone who may write the lease tables wrote cannot forge lines of the listing.
 func orDash(s string) string {
 	if s == "" {
 		return "-"
 	}
-	return s
+	return strings.Map(func(r rune) rune {
+		if r == utf8.RuneError || unicode.IsControl(r) {
+			return '?'
+		}
+		return r
+	}, s)
 }
 
 // otherWait is a session of the current database waiting for a lock that is not advisory (a row, a transaction

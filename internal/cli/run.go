@@ -136,7 +136,7 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	}
 	if v := os.Getenv("ADVLOCK_LEASES"); v != "" {
 		if _, err := strconv.ParseBool(v); err != nil {
-			return usageError(std, "run: ADVLOCK_LEASES=%q: want 1, true, 0 or false", v)
+			return usageError(std, "run: ADVLOCK_LEASES=%q: want 1, t or true (in any case) for leases, 0, f or false for none", v)
 		}
 	}
 	if *leases && *shared {

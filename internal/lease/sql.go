@@ -41,17 +41,22 @@ const (
 	releaseFunc = "public.advlock_lease_release"
 )
 
-// DDL creates the tables and functions where missing. The lock on the table, taken once it exists, makes two
-// first uses at one moment write the functions one after the other (two CREATE OR REPLACE FUNCTION at once can
-// fail with "tuple concurrently updated").
+// ddlKey is a fixed advisory key (an int8 with no meaning elsewhere): see DDL.
+const ddlKey = "-4157301190483726771"
+
+// DDL creates the tables and functions where missing. The transaction lock on ddlKey makes two first uses at one
+// moment (each runs DDL as one transaction) write the functions one after the other: two CREATE OR REPLACE
+// FUNCTION at once can fail with "tuple concurrently updated". It blocks no lease statement, and run outside a
+// transaction (psql -f) it is taken and let go at once. Running it again replaces the functions, which only their
+// owner may do. A function whose arguments change gets a new overload beside the old one, which the processes of
+// the version before go on calling while a deploy rolls.
 const DDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key int8 NOT NULL, owner text NOT NULL, " +
 	"term int8 NOT NULL, expires timestamptz NOT NULL, granted timestamptz NOT NULL DEFAULT clock_timestamp(), " +
 	"holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key));\n" +
 	"CREATE TABLE IF NOT EXISTS " + Timelines + " (timeline int8 PRIMARY KEY, since timestamptz NOT NULL);\n" +
 	"CREATE TABLE IF NOT EXISTS " + Waits + " (space int2 NOT NULL, key int8 NOT NULL, waiter text NOT NULL, " +
 	"since timestamptz NOT NULL, seen timestamptz NOT NULL, holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key, waiter));\n" +
-	"LOCK TABLE " + Table + " IN SHARE ROW EXCLUSIVE MODE;\n" +
-	"DROP FUNCTION IF EXISTS " + grantFunc + "(int, int8, text, text, int8);\n" +
+	"SELECT pg_advisory_xact_lock(" + ddlKey + ");\n" +
 	grantDDL + renewDDL + releaseDDL
 
 // grantDDL: see GrantSQL. Its parameters: space, key, owner, holder, the length in milliseconds, and the waiter
@@ -233,12 +238,14 @@ const WaitersSQL = "SELECT space, key, holder, since FROM " + Waits + " WHERE se
 	" ORDER BY space, key, since, waiter"
 
 // ReadableSQL yields whether the lease table, and the table of waits, exist and the current role may read them (no
-// error either way: a read inside the caller's transaction must not abort it).
-var ReadableSQL = "SELECT " + readable(Table) + ", " + readable(Waits)
+// error either way, even for a role that may not use schema public: a read inside the caller's transaction must
+// not abort it).
+var ReadableSQL = "SELECT " + readable("advlock_lease") + ", " + readable("advlock_lease_wait")
 
 func readable(table string) string {
-	return "CASE WHEN to_regclass('" + table + "') IS NULL THEN false ELSE has_table_privilege(to_regclass('" + table +
-		"'), 'SELECT') END"
+	return "coalesce((SELECT has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(c.oid, 'SELECT') " +
+		"FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace " +
+		"WHERE n.nspname = 'public' AND c.relname = '" + table + "'), false)"
 }
 
 // BreakSQL deletes id's lease if its term is term (whoever holds it): 1 when deleted, 0 when that lease was gone
