@@ -335,3 +335,23 @@ func BenchmarkLeaderHandoff(b *testing.B) {
 		b.ReportMetric(float64(total.Microseconds())/1000/float64(n), "ms/handoff")
 	}
 }
+
+// BenchmarkLeaseCycle: TryLock + Unlock of a lease (WithLeases): a grant and a release, each one statement.
+//
+//	go test -run '^$' -bench LeaseCycle -benchmem -cpuprofile /tmp/lease.prof .
+func BenchmarkLeaseCycle(b *testing.B) {
+	l := New(pgtest.Pool(b, pgtest.URL(b), nil), WithLeases())
+	defer l.Close()
+	ctx := context.Background()
+	k := Int64Key(time.Now().UnixNano())
+	b.ReportAllocs()
+	for b.Loop() {
+		lk, err := l.TryLock(ctx, k)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

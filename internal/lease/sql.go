@@ -35,10 +35,15 @@ const stale = "interval '3 seconds'" // WaitStale
 // statement (any driver, any pooler), and the server plans the statements inside a function once per server
 // connection and keeps the plan, where a literal statement of the same work would be planned at every call (a
 // grant and release took 450 us as literals, 180 us planned once, on this project's test machine).
+//
+// Their names carry a version, made anew whenever a body or its arguments change: a database that has the
+// functions of an earlier version gets those of this one beside them on first use (CREATE OR REPLACE of the same
+// name would leave an older body in place, since first use runs DDL only where something is missing), and the
+// processes of the earlier version go on calling theirs while a deploy rolls.
 const (
-	grantFunc   = "public.advlock_lease_grant"
-	renewFunc   = "public.advlock_lease_renew"
-	releaseFunc = "public.advlock_lease_release"
+	grantFunc   = "public.advlock_lease_grant_v1"
+	renewFunc   = "public.advlock_lease_renew_v1"
+	releaseFunc = "public.advlock_lease_release_v1"
 )
 
 // ddlKey is a fixed advisory key (an int8 with no meaning elsewhere): see DDL.
@@ -48,8 +53,7 @@ const ddlKey = "-4157301190483726771"
 // moment (each runs DDL as one transaction) write the functions one after the other: two CREATE OR REPLACE
 // FUNCTION at once can fail with "tuple concurrently updated". It blocks no lease statement, and run outside a
 // transaction (psql -f) it is taken and let go at once. Running it again replaces the functions, which only their
-// owner may do. A function whose arguments change gets a new overload beside the old one, which the processes of
-// the version before go on calling while a deploy rolls.
+// owner may do.
 const DDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key int8 NOT NULL, owner text NOT NULL, " +
 	"term int8 NOT NULL, expires timestamptz NOT NULL, granted timestamptz NOT NULL DEFAULT clock_timestamp(), " +
 	"holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key));\n" +
@@ -83,7 +87,7 @@ const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, o
 	"  tl int8 := " + timeline + ";\n" +
 	"  began timestamptz;\n" +
 	"  mine timestamptz;\n" +
-	"  durable text;\n" +
+	"  durable text := " + lazy + ";\n" +
 	"  t int8;\n" +
 	"BEGIN\n" +
 	"  IF tl > 1 THEN\n" +
@@ -134,6 +138,7 @@ const renewDDL = "CREATE OR REPLACE FUNCTION " + renewFunc + "(sp int, k int8, o
 const releaseDDL = "CREATE OR REPLACE FUNCTION " + releaseFunc + "(sp int, k int8, own text, tm int8) " +
 	"RETURNS int8 LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
+	"  lazy text := " + lazy + ";\n" +
 	"  n int8;\n" +
 	"BEGIN\n" +
 	"  DELETE FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm RETURNING 1 INTO n;\n" +
@@ -146,7 +151,7 @@ const CreateSQL = DDL + "SELECT 1"
 
 // ExistsSQL yields 1 when the tables and the functions exist.
 const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regclass('" + Timelines + "') IS NOT NULL " +
-	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regprocedure('" + grantFunc + "(int, int8, text, text, int8, text)') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
+	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
 	"AND to_regproc('" + releaseFunc + "') IS NOT NULL)::int"
 
 // timeline is the server's timeline (see session.TokenSQL): 1 until the first promotion of the cluster.
@@ -156,6 +161,11 @@ const timeline = "least(('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_
 // back what a holder was told), without waiting for a synchronous standby: a promotion is covered otherwise (see
 // GrantSQL).
 const durable = "set_config('synchronous_commit', 'local', true)"
+
+// lazy lets the statement's commit answer before its WAL is flushed: for what a crash may take back without harm
+// (a release, whose row then expires; a wait's row, which then goes stale). A grant sets it first and durable once
+// it writes the lease.
+const lazy = "set_config('synchronous_commit', 'off', true)"
 
 func space(id session.ID) string {
 	if id.Pair {
@@ -214,8 +224,8 @@ func RenewSQL(id session.ID, owner string, term int64, length time.Duration) str
 }
 
 // ReleaseSQL ends owner's lease of id, of term: 1 when it held it (expired or not: nobody took it over), 0 when
-// not (another lease took the key over after it expired). It need not be durable: a release a crash takes back
-// leaves a row that expires.
+// not (another lease took the key over after it expired). It is not flushed before it answers (lazy): a release a
+// crash takes back leaves a row that expires.
 func ReleaseSQL(id session.ID, owner string, term int64) string {
 	return "SELECT " + releaseFunc + "(" + space(id) + ", " + strconv.FormatInt(id.V, 10) + ", " + quote(owner) + ", " +
 		strconv.FormatInt(term, 10) + ")"
