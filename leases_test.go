@@ -704,3 +704,40 @@ func TestLeaseGrantSurvivesCrash(t *testing.T) {
 		}
 	}
 }
+
+// A lease holds no session, and says so: Stats counts it in Held and HeldLeases, not in OwnSessions, and the
+// observer's LockEnd names it a lease, with its token and no pid.
+func TestLeaseStatsAndObserver(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	ends := make(chan LockEnd, 1)
+	l := New(b.pool, WithLeases(), WithObserver(endObserver(func(e LockEnd) { ends <- e })))
+	defer l.Close()
+	lk, err := l.TryLock(ctx, key(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := l.Stats(); st.Held != 1 || st.HeldLeases != 1 || st.OwnSessions != 0 || st.HeldShared != 0 {
+		t.Errorf("Stats while a lease is held: %+v", st)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case e := <-ends:
+		if e.Session != "lease" || e.PID != 0 || e.Token != lk.Token() || e.Cause != CauseReleased {
+			t.Errorf("LockEnd of a lease: %+v", e)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no LockEnd")
+	}
+}
+
+// endObserver is an Observer that hands each LockEnd to f.
+type endObserver func(LockEnd)
+
+func (f endObserver) LockStart(ctx context.Context, _ LockCall) (context.Context, func(LockOutcome)) {
+	return ctx, func(LockOutcome) {}
+}
+func (f endObserver) Session(SessionEvent) {}
+func (f endObserver) LockEnd(e LockEnd)    { f(e) }

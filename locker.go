@@ -638,6 +638,7 @@ func trimPrefix(s string) string {
 type Stats struct {
 	Held             int   // locks held
 	HeldShared       int   // of them on shared sessions
+	HeldLeases       int   // of them leases (WithLeases), which hold no session
 	WaitingInProcess int   // Lock calls waiting behind another holder of the same key in this Locker
 	WaitingInServer  int   // Lock calls waiting in PostgreSQL, each on a session of its own
 	SharedSessions   int   // shared sessions open
@@ -697,8 +698,11 @@ func (l *Locker) Stats() Stats {
 	l.mu.Lock()
 	st.Held = len(l.held)
 	for lk := range l.held {
-		if _, ok := lk.h.(*session.Held); ok {
+		switch lk.h.(type) {
+		case *session.Held:
 			st.HeldShared++
+		case *lease.Lease:
+			st.HeldLeases++
 		}
 	}
 	for _, g := range l.gates {
@@ -709,7 +713,7 @@ func (l *Locker) Stats() Stats {
 	if l.shared != nil {
 		st.SharedSessions = l.shared.Sessions()
 	}
-	st.OwnSessions = st.Held - st.HeldShared + st.WaitingInServer
+	st.OwnSessions = st.Held - st.HeldShared - st.HeldLeases + st.WaitingInServer
 	st.Campaigning, st.Leading = int(l.campaigning.Load()), int(l.leading.Load())
 	st.CampaignRetries = l.campaignRetries.Load()
 	st.GraphReadings, st.Deadlocks = l.graphReadings.Load(), l.deadlocks.Load()

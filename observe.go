@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
+	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/session"
 )
 
@@ -74,8 +75,8 @@ const (
 type LockEnd struct {
 	Key     Key
 	Shared  bool
-	Session string // where it was held: "shared" (a shared session's) or "dedicated" (a session of its own)
-	PID     uint32 // the server session that held it (pg_backend_pid); 0 when unknown
+	Session string // where it was held: "shared" (a shared session's), "dedicated" (a session of its own) or "lease" (WithLeases: a row, no session)
+	PID     uint32 // the server session that held it (pg_backend_pid); 0 when unknown, and for a lease
 	Token   int64  // its fencing token (0 without fencing)
 	Held    time.Duration
 	Cause   string // one of the Cause constants
@@ -293,8 +294,11 @@ func (l *Locker) lockEnded(lk *Lock, err error) {
 	}
 	e := LockEnd{Key: lk.key, Shared: lk.shared, Session: "dedicated", PID: lk.h.PID(), Token: lk.Token(),
 		Held: time.Since(lk.grantedAt), Err: err}
-	if _, ok := lk.h.(*session.Held); ok {
+	switch lk.h.(type) {
+	case *session.Held:
 		e.Session = "shared"
+	case *lease.Lease:
+		e.Session = "lease"
 	}
 	switch {
 	case errors.Is(e.Err, ErrLockLost):
