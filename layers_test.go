@@ -22,7 +22,7 @@ var layers = map[string][]string{
 	"internal/session":             {"internal/mutant"},
 	"internal/pgxwait":             {"internal/session"},
 	"internal/config":              {"internal/session"},
-	"internal/lease":               {"internal/session"},
+	"internal/lease":               {"internal/session", "internal/mutant"},
 	"":                             {"internal/session", "internal/config", "internal/pgxwait", "internal/mutant", "internal/lease"},
 	"advsql":                       {"", "internal/session", "internal/config", "internal/pgxwait"},
 	"internal/testkit/pgtest":      {"internal/pgcluster"},

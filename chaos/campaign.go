@@ -55,7 +55,18 @@ type Options struct {
 	// the standby made to lag, the primary stopped (immediate), the standby promoted, the old primary rebuilt as
 	// the new standby; the campaign goes on with the roles swapped (see failover.go).
 	Failover bool
+	// Leases runs every worker's locks as leases (advlock.WithLeases, LeaseLength long), PgBouncer in transaction
+	// mode on its path, the operations leases offer, and the fault kind "break_lease" (a lease's row deleted, as
+	// advlock break does) in place of the terminates; the checker judges each holder by the lease table's own
+	// record of when its lease ended (see checkLeases).
+	Leases      bool
+	LeaseLength time.Duration
 }
+
+// leaseFaultKinds replace the terminates in a lease campaign: a lease's row deleted (advlock break), and a link
+// that slows down (a renewal answered late) and then goes silent past the lease's length, the moment a holder
+// that counted its trust from an answer instead of a send would trust past the expiry the server gave.
+var leaseFaultKinds = []string{"break_lease", "slow_then_silent"}
 
 // Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
 // workers themselves and counted with them, and "failover" is drawn only in a failover campaign.
@@ -70,6 +81,7 @@ type fault struct {
 	Worker int
 	Detail string
 	PID    int32    // the backend it ended (terminate)
+	Term   int64    // the lease it deleted (break_lease)
 	Keys   []string // the advisory locks that backend held just before
 	Held   int      // advisory locks its target (a worker, or every worker) held when it was injected
 	Waits  int      // advisory locks its target waited for then (slow_link, aimed at a worker that waits)
@@ -166,8 +178,23 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if !slices.ContainsFunc(opWeights, func(o opWeight) bool { return o.op == op }) {
 			return nil, fmt.Errorf("chaos: no operation %q", op)
 		}
+		if opt.Leases && !slices.Contains(leaseOps, op) {
+			return nil, fmt.Errorf("chaos: operation %q is not one leases offer (%s)", op, strings.Join(leaseOps, ", "))
+		}
+	}
+	if opt.Leases && opt.Failover {
+		return nil, errors.New("chaos: -leases with -failover is not there yet (the lease table's record of when each lease ended lives on the lock server)")
+	}
+	if opt.Leases && opt.LeaseLength == 0 {
+		opt.LeaseLength = 2 * time.Second
 	}
 	for _, k := range opt.Faults {
+		if opt.Leases && strings.HasPrefix(k, "terminate_") {
+			return nil, fmt.Errorf("chaos: fault kind %q has nothing to end in a lease campaign (break_lease is its kind)", k)
+		}
+		if slices.Contains(leaseFaultKinds, k) && opt.Leases {
+			continue
+		}
 		if !slices.Contains(faultKinds, k) && !(k == "failover" && opt.Failover) {
 			return nil, fmt.Errorf("chaos: no fault kind %q (there are: %s, and failover with -failover)", k,
 				strings.Join(faultKinds, ", "))
@@ -219,7 +246,11 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if needBouncer {
 		// PgBouncer's defaults but one: after a server restart it refuses logins for server_login_retry (15 s);
 		// 1 s keeps its workers in the campaign.
-		if c.bouncer, err = pgcluster.StartBouncer(c.cluster.URL, "session", "server_login_retry = 1"); err != nil {
+		mode := "session"
+		if opt.Leases {
+			mode = "transaction" // where session locks cannot live: what leases are for
+		}
+		if c.bouncer, err = pgcluster.StartBouncer(c.cluster.URL, mode, "server_login_retry = 1"); err != nil {
 			return nil, err
 		}
 		defer func() { c.bouncer.Stop(); os.RemoveAll(c.bouncer.Dir) }()
@@ -281,6 +312,9 @@ func (c *campaign) setupLedger(ctx context.Context) error {
 		_, err = conn.Exec(ctx, `CREATE TABLE chaos_fence (key text PRIMARY KEY, fence bigint NOT NULL);
 			CREATE TABLE chaos_writes (id bigserial PRIMARY KEY, key text NOT NULL, token bigint NOT NULL,
 				cs text NOT NULL, worker int NOT NULL, mode text NOT NULL, accepted bool, at timestamptz NOT NULL)`)
+		if err == nil && c.opt.Leases {
+			_, err = conn.Exec(ctx, leaseLogDDL)
+		}
 		conn.Close(ctx)
 		if err != nil {
 			return err
@@ -288,6 +322,24 @@ func (c *campaign) setupLedger(ctx context.Context) error {
 	}
 	return nil
 }
+
+// leaseLogDDL makes the lease tables, and a record of every change to a lease's row with the server's clock (a
+// trigger's): when each lease was granted, renewed until when, deleted; the checker's evidence in a lease campaign.
+// It commits with the change it records, so it says what the server holds, crash or not.
+var leaseLogDDL = "CREATE SEQUENCE IF NOT EXISTS public.advlock_fence; " + advlock.LeaseTableSQL + `;
+	CREATE TABLE chaos_lease_log (id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT clock_timestamp(),
+		op text NOT NULL, key int8 NOT NULL, term int8 NOT NULL, expires timestamptz NOT NULL, holder text NOT NULL);
+	CREATE FUNCTION chaos_lease_audit() RETURNS trigger LANGUAGE plpgsql AS $f$
+	BEGIN
+		IF TG_OP = 'DELETE' THEN
+			INSERT INTO chaos_lease_log (op, key, term, expires, holder) VALUES ('D', OLD.key, OLD.term, OLD.expires, OLD.holder);
+		ELSE
+			INSERT INTO chaos_lease_log (op, key, term, expires, holder) VALUES (left(TG_OP, 1), NEW.key, NEW.term, NEW.expires, NEW.holder);
+		END IF;
+		RETURN NULL;
+	END $f$;
+	CREATE TRIGGER chaos_lease_audit AFTER INSERT OR UPDATE OR DELETE ON public.advlock_lease
+		FOR EACH ROW EXECUTE FUNCTION chaos_lease_audit()`
 
 // via says how worker i reaches the server; a failover campaign has no PgBouncer (it would point at one server),
 // its workers go through a proxy instead.
@@ -345,6 +397,9 @@ func (c *campaign) newSlot(i int) (*slot, error) {
 		Broken: c.opt.Broken, Seed: c.opt.Seed*1000 + uint64(i), Keepalive: c.opt.Keepalive,
 		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4, Ops: c.opt.Ops,
 		WaitSlice: c.opt.WaitSlice}
+	if c.opt.Leases {
+		s.cfg.LeaseLength = c.opt.LeaseLength
+	}
 	return s, nil
 }
 
@@ -466,7 +521,7 @@ func (c *campaign) sample(ctx context.Context) {
 				continue
 			}
 		}
-		s, err := readLocks(qctx, conn)
+		s, err := c.read(qctx, conn)
 		cancel()
 		if err != nil {
 			conn.Close(context.Background())
@@ -477,6 +532,56 @@ func (c *campaign) sample(ctx context.Context) {
 		c.samples = append(c.samples, s)
 		c.mu.Unlock()
 	}
+}
+
+// read samples what holds the workers' keys: pg_locks, or in a lease campaign the lease table.
+func (c *campaign) read(ctx context.Context, conn *pgx.Conn) (Sample, error) {
+	if c.opt.Leases {
+		return readLeases(ctx, conn)
+	}
+	return readLocks(ctx, conn)
+}
+
+// readLeases samples the live leases and the live waits for them, each under the worker it names (its holder
+// text ends with the worker's name), as readLocks samples pg_locks (no pid: a lease has no session).
+func readLeases(ctx context.Context, conn *pgx.Conn) (Sample, error) {
+	rows, err := conn.Query(ctx, `SELECT statement_timestamp(), clock_timestamp(), x.key, x.granted, x.holder
+		FROM (SELECT 1) one LEFT JOIN (
+			SELECT key, true AS granted, holder FROM public.advlock_lease WHERE expires > clock_timestamp()
+			UNION ALL SELECT key, false, holder FROM public.advlock_lease_wait WHERE seen > clock_timestamp() - interval '3 seconds'
+		) x ON true`)
+	if err != nil {
+		return Sample{}, err
+	}
+	s := Sample{Held: map[string][]Holder{}}
+	for rows.Next() {
+		var at, read time.Time
+		var key *int64
+		var granted *bool
+		var holder *string
+		if err := rows.Scan(&at, &read, &key, &granted, &holder); err != nil {
+			return Sample{}, err
+		}
+		if s.At.IsZero() {
+			s.At, s.Read = at, read
+		}
+		if key == nil {
+			continue
+		}
+		app := *holder
+		if i := strings.LastIndexByte(app, ' '); i >= 0 {
+			app = app[i+1:]
+		}
+		k := canon(advlock.Int64Key(*key))
+		s.Held[k] = append(s.Held[k], Holder{App: app, Granted: *granted})
+	}
+	if err := rows.Err(); err != nil {
+		return Sample{}, err
+	}
+	if s.At.IsZero() {
+		return Sample{}, errors.New("lease sample: no row")
+	}
+	return s, nil
 }
 
 func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
@@ -621,6 +726,51 @@ func (c *campaign) inject(ctx context.Context) {
 			if !done {
 				deck = append(deck, kind)
 			}
+		case "break_lease":
+			// A live lease of a worker, its row deleted as advlock break does: its holder learns at its next
+			// renewal, and another may take the key meanwhile (docs/leases.md). Looked for again for a while, as a
+			// terminate is.
+			done := false
+			for try := 0; try < 10 && !done && ctx.Err() == nil; try++ {
+				if try > 0 {
+					sleepCtx(ctx, 100*time.Millisecond)
+				}
+				key, term, w, ok := c.breakLease(ctx)
+				if !ok {
+					continue
+				}
+				f.Worker, f.Term, f.Keys, f.Held, f.Detail = w, term, []string{key}, 1, fmt.Sprintf("term %d of %s", term, key)
+				c.record(f)
+				done = true
+			}
+			if !done {
+				deck = append(deck, kind)
+			}
+		case "slow_then_silent":
+			if len(proxied) == 0 {
+				continue
+			}
+			s := c.pickHolder(now, proxied, rng)
+			f.Worker, f.Held = s.cfg.ID, heldIn(now, s.cfg.Name)
+			d := time.Duration(600+rng.IntN(300)) * time.Millisecond
+			silent := c.opt.LeaseLength + time.Second
+			for _, p := range s.proxies {
+				p.Latency(d)
+			}
+			// Long enough that a renewal goes out and is answered (late) before the silence: a renewal period and
+			// a slow round trip.
+			sleepCtx(ctx, c.opt.LeaseLength/3+2*d+300*time.Millisecond)
+			for _, p := range s.proxies {
+				p.Blackhole(true)
+			}
+			sleepCtx(ctx, silent)
+			for _, p := range s.proxies {
+				p.Blackhole(false)
+				p.Latency(0)
+			}
+			f.Until = time.Now()
+			f.Detail = fmt.Sprintf("%v a chunk, then silent for %v, holding %d", d, silent, f.Held)
+			c.record(f)
 		case "cut", "blackhole", "latency", "slow_link":
 			if len(proxied) == 0 {
 				continue
@@ -719,10 +869,37 @@ func (c *campaign) inject(ctx context.Context) {
 	}
 }
 
+// breakLease deletes one live lease of a worker, picked at random: its key, term and worker.
+func (c *campaign) breakLease(ctx context.Context) (key string, term int64, worker int, ok bool) {
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(qctx, c.primary().URL)
+	if err != nil {
+		return "", 0, 0, false
+	}
+	defer conn.Close(context.Background())
+	var k int64
+	var holder string
+	err = conn.QueryRow(qctx, `DELETE FROM public.advlock_lease WHERE (space, key) = (SELECT space, key FROM public.advlock_lease
+			WHERE expires > clock_timestamp() AND holder LIKE '% chaos-w%' ORDER BY random() LIMIT 1)
+		RETURNING key, term, holder`).Scan(&k, &term, &holder)
+	if err != nil {
+		return "", 0, 0, false
+	}
+	if _, err := fmt.Sscanf(holder[strings.LastIndexByte(holder, ' ')+1:], "chaos-w%d", &worker); err != nil {
+		return "", 0, 0, false
+	}
+	return canon(advlock.Int64Key(k)), term, worker, true
+}
+
 // kinds lists the fault kinds this campaign draws from.
 func (c *campaign) kinds() []string {
 	if len(c.opt.Faults) > 0 {
 		return c.opt.Faults
+	}
+	if c.opt.Leases {
+		return append(slices.DeleteFunc(slices.Clone(faultKinds), func(k string) bool { return strings.HasPrefix(k, "terminate_") }),
+			leaseFaultKinds...)
 	}
 	if c.opt.Failover {
 		return append(slices.Clone(faultKinds), "failover")
@@ -829,7 +1006,7 @@ func (c *campaign) locksNow(ctx context.Context) Sample {
 		return Sample{}
 	}
 	defer conn.Close(context.Background())
-	s, _ := readLocks(qctx, conn)
+	s, _ := c.read(qctx, conn)
 	return s
 }
 
@@ -855,14 +1032,14 @@ func (c *campaign) leftovers(ctx context.Context) []string {
 		}
 	}
 	var out []string
-	deadline := time.Now().Add(3*c.opt.Keepalive + 10*time.Second)
+	deadline := time.Now().Add(3*c.opt.Keepalive + c.opt.LeaseLength + 10*time.Second)
 	for {
 		out = out[:0]
 		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		conn, err := pgx.Connect(qctx, c.primary().URL)
 		if err == nil {
 			var s Sample
-			s, err = readLocks(qctx, conn)
+			s, err = c.read(qctx, conn)
 			conn.Close(context.Background())
 			for k, rows := range s.Held {
 				for _, r := range rows {

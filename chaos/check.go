@@ -51,12 +51,13 @@ type Evidence struct {
 	Worker int       // -1: every worker (a restart)
 	PID    int32     // the backend it ended, when one
 	Keys   []string  // the advisory locks that backend held just before (terminate)
+	Term   int64     // the lease it deleted (break_lease)
 }
 
 // ends reports whether e ends sessions (rather than only slowing or stopping a client).
 func (e Evidence) ends() bool {
 	switch e.Kind {
-	case "sigstop", "blackhole", "latency", "slow_link":
+	case "sigstop", "blackhole", "latency", "slow_link", "break_lease", "slow_then_silent":
 		return false
 	}
 	return true
@@ -120,6 +121,10 @@ type History struct {
 	Waits         []*Wait
 	DeadlockBound time.Duration
 	StarveBound   time.Duration
+	// A lease campaign: the lease table's log by term (nil otherwise), and the leases' length and renewal period.
+	Leases      map[int64]*LeaseLife
+	LeaseLength time.Duration
+	LeaseRenew  time.Duration
 
 	// Filled in by Check: how much it compared (a check that compared nothing proves nothing).
 	Confirmed       int             // (sample, holder) pairs where pg_locks showed the believing holder
@@ -312,123 +317,128 @@ func Check(h *History) []Violation {
 	}
 	keys := sortedKeys(byKey)
 
-	// Exclusion: each holder's interval runs from its grant to its last write before it was told of an end (its
-	// first write follows the grant and its last one precedes the release, so the ledger shows it whole). Two
-	// intervals of one key (not both shared) that overlap are a violation, unless the server's evidence shows
-	// that the earlier holder's session had ended by the later grant: a terminate of the backend pg_locks showed
-	// holding the key, the server's log of that backend's end, a restart, a cut of its network, its process
-	// killed or its Locker closed. The earlier holder must then have been told in time (the notice rule below)
-	// and its fenced writes refused (the token rules). An earlier holder that released cleanly held throughout:
-	// nothing excuses an overlap with it.
-	//
-	// Which of two was granted first is told by their tokens (drawn in the grant statement, in the server's order
-	// of grants), or, without tokens, by their records of the grant (a holder stopped between the grant and its
-	// record would be misplaced by the record alone).
-	type span struct {
-		c          *CS
-		begin, end time.Time
-	}
-	for _, k := range keys {
-		list := make([]span, 0, len(byKey[k]))
-		for _, c := range byKey[k] {
-			list = append(list, span{c, c.begin(), c.until()})
-		}
-		sort.Slice(list, func(i, j int) bool { return list[i].begin.Before(list[j].begin) })
-		for i, x := range list {
-			for _, y := range list[i+1:] {
-				if !y.begin.Before(x.end) {
-					break // sorted by grant record: no later one overlaps x either
-				}
-				a, b, aEnd := x.c, y.c, x.end
-				if a.Token > 0 && b.Token > 0 && b.Token < a.Token {
-					a, b, aEnd = y.c, x.c, y.end
-				}
-				if a.Mode == "s" && b.Mode == "s" {
-					continue
-				}
-				if a.Clean {
-					add(VOverlap, "key %s: %s %s (token %d, %s-%s, released cleanly) and %s %s (token %d, granted %s) both held it",
-						k, a.Op, a.ID, a.Token, ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
-					continue
-				}
-				// a was granted before b, so no later than b's record of its grant, whatever a's record says; and
-				// if its worker was stopped just before a's record, maybe before that stop.
-				from := a.begin()
-				if b.begin().Before(from) {
-					from = b.begin()
-				}
-				for _, p := range h.Pauses {
-					if p.Worker == a.Worker && p.From.Before(from) && !p.To.Before(from.Add(-faultSlack)) {
-						from = p.From
-					}
-				}
-				if _, ok := h.lostBy(a, from, b.begin().Add(logSlack), true); ok {
-					h.ExcusedOverlaps++
-					continue
-				}
-				add(VOverlap, "key %s: %s %s (token %d, told %s) held it %s-%s, and %s %s (token %d) was granted at %s with no evidence that the first one's session had ended",
-					k, a.Op, a.ID, a.Token, tsOr(a.Told), ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
-			}
-		}
-	}
-
-	// Loss notice: a holder whose session the server's evidence shows ended inside its section must learn it
-	// within the bound (from the evidence, or from the end of a pause that covered it): through the lock's Done,
-	// or by leaving its section in time (when Unlock is what says so). A holder told later is late_notice; one
-	// that stayed in its section past the bound and learned only at Unlock (or never) is never_told.
 	ids := sortedKeys(h.CS)
-	for _, id := range ids {
-		c := h.CS[id]
-		if c.Clean || c.Op == "dotx" || c.Op == "broken" || c.begin().IsZero() {
-			continue
+	if h.Leases != nil { // a lease campaign: judged by the lease table's log
+		out = append(out, h.checkLeases()...)
+	} else {
+		// Exclusion: each holder's interval runs from its grant to its last write before it was told of an end (its
+		// first write follows the grant and its last one precedes the release, so the ledger shows it whole). Two
+		// intervals of one key (not both shared) that overlap are a violation, unless the server's evidence shows
+		// that the earlier holder's session had ended by the later grant: a terminate of the backend pg_locks showed
+		// holding the key, the server's log of that backend's end, a restart, a cut of its network, its process
+		// killed or its Locker closed. The earlier holder must then have been told in time (the notice rule below)
+		// and its fenced writes refused (the token rules). An earlier holder that released cleanly held throughout:
+		// nothing excuses an overlap with it.
+		//
+		// Which of two was granted first is told by their tokens (drawn in the grant statement, in the server's order
+		// of grants), or, without tokens, by their records of the grant (a holder stopped between the grant and its
+		// record would be misplaced by the record alone).
+		type span struct {
+			c          *CS
+			begin, end time.Time
 		}
-		end := h.RunEnd
-		if c.Ended {
-			end = c.End
-		}
-		e, ok := h.lostBy(c, c.begin(), end, false)
-		if !ok || !c.Told.IsZero() && c.Told.Before(e.At) && c.ToldBy == "done" {
-			continue // no loss the server shows, or the holder knew first
-		}
-		deadline := e.At.Add(h.Bound)
-		for _, p := range h.Pauses { // a stopped process learns nothing: the bound runs from its resumption
-			if p.Worker == c.Worker && p.From.Before(deadline) && p.To.After(e.At) && p.To.Add(h.Bound).After(deadline) {
-				deadline = p.To.Add(h.Bound)
+		for _, k := range keys {
+			list := make([]span, 0, len(byKey[k]))
+			for _, c := range byKey[k] {
+				list = append(list, span{c, c.begin(), c.until()})
+			}
+			sort.Slice(list, func(i, j int) bool { return list[i].begin.Before(list[j].begin) })
+			for i, x := range list {
+				for _, y := range list[i+1:] {
+					if !y.begin.Before(x.end) {
+						break // sorted by grant record: no later one overlaps x either
+					}
+					a, b, aEnd := x.c, y.c, x.end
+					if a.Token > 0 && b.Token > 0 && b.Token < a.Token {
+						a, b, aEnd = y.c, x.c, y.end
+					}
+					if a.Mode == "s" && b.Mode == "s" {
+						continue
+					}
+					if a.Clean {
+						add(VOverlap, "key %s: %s %s (token %d, %s-%s, released cleanly) and %s %s (token %d, granted %s) both held it",
+							k, a.Op, a.ID, a.Token, ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
+						continue
+					}
+					// a was granted before b, so no later than b's record of its grant, whatever a's record says; and
+					// if its worker was stopped just before a's record, maybe before that stop.
+					from := a.begin()
+					if b.begin().Before(from) {
+						from = b.begin()
+					}
+					for _, p := range h.Pauses {
+						if p.Worker == a.Worker && p.From.Before(from) && !p.To.Before(from.Add(-faultSlack)) {
+							from = p.From
+						}
+					}
+					if _, ok := h.lostBy(a, from, b.begin().Add(logSlack), true); ok {
+						h.ExcusedOverlaps++
+						continue
+					}
+					add(VOverlap, "key %s: %s %s (token %d, told %s) held it %s-%s, and %s %s (token %d) was granted at %s with no evidence that the first one's session had ended",
+						k, a.Op, a.ID, a.Token, tsOr(a.Told), ts(a.begin()), ts(aEnd), b.Op, b.ID, b.Token, ts(b.begin()))
+				}
 			}
 		}
-		if h.killed(c.Worker, e.At.Add(-faultSlack), deadline) {
-			continue // its process died: nobody left to tell
+
+		// Loss notice: a holder whose session the server's evidence shows ended inside its section must learn it
+		// within the bound (from the evidence, or from the end of a pause that covered it): through the lock's Done,
+		// or by leaving its section in time (when Unlock is what says so). A holder told later is late_notice; one
+		// that stayed in its section past the bound and learned only at Unlock (or never) is never_told.
+		for _, id := range ids {
+			c := h.CS[id]
+			if c.Clean || c.Op == "dotx" || c.Op == "broken" || c.begin().IsZero() {
+				continue
+			}
+			end := h.RunEnd
+			if c.Ended {
+				end = c.End
+			}
+			e, ok := h.lostBy(c, c.begin(), end, false)
+			if !ok || !c.Told.IsZero() && c.Told.Before(e.At) && c.ToldBy == "done" {
+				continue // no loss the server shows, or the holder knew first
+			}
+			deadline := e.At.Add(h.Bound)
+			for _, p := range h.Pauses { // a stopped process learns nothing: the bound runs from its resumption
+				if p.Worker == c.Worker && p.From.Before(deadline) && p.To.After(e.At) && p.To.Add(h.Bound).After(deadline) {
+					deadline = p.To.Add(h.Bound)
+				}
+			}
+			if h.killed(c.Worker, e.At.Add(-faultSlack), deadline) {
+				continue // its process died: nobody left to tell
+			}
+			from := e.At // the notice is timed from the loss, or from the end of a pause that covered it
+			for _, p := range h.Pauses {
+				if p.Worker == c.Worker && !p.From.After(e.At) && p.To.After(from) {
+					from = p.To
+				}
+			}
+			n := Notice{Fault: e.Kind, By: "none", Verdict: "ok"}
+			lastW := lastWrite(c)
+			switch {
+			case c.ToldBy == "done":
+				n.By, n.After = "watcher", max(0, c.Told.Sub(from))
+				if c.Session == "shared" {
+					n.By = "reader"
+				}
+				if c.Told.After(deadline) {
+					n.Verdict = VLateNotice
+					add(VLateNotice, "key %s: %s %s told of its loss at %s, %v after %s at %s (bound %v)",
+						c.Key, c.Op, c.ID, ts(c.Told), c.Told.Sub(e.At).Round(time.Millisecond), e.Kind, ts(e.At), h.Bound)
+				}
+			default:
+				if c.ToldBy == "unlock" {
+					n.By, n.After = "unlock", max(0, c.Told.Sub(from))
+				}
+				if lastW.After(deadline) {
+					n.Verdict = VNeverTold
+					add(VNeverTold, "key %s: %s %s lost its lock (%s at %s) and wrote on until %s, never told (learned by: %s)",
+						c.Key, c.Op, c.ID, e.Kind, ts(e.At), ts(lastW), n.By)
+				}
+			}
+			h.Notices = append(h.Notices, n)
 		}
-		from := e.At // the notice is timed from the loss, or from the end of a pause that covered it
-		for _, p := range h.Pauses {
-			if p.Worker == c.Worker && !p.From.After(e.At) && p.To.After(from) {
-				from = p.To
-			}
-		}
-		n := Notice{Fault: e.Kind, By: "none", Verdict: "ok"}
-		lastW := lastWrite(c)
-		switch {
-		case c.ToldBy == "done":
-			n.By, n.After = "watcher", max(0, c.Told.Sub(from))
-			if c.Session == "shared" {
-				n.By = "reader"
-			}
-			if c.Told.After(deadline) {
-				n.Verdict = VLateNotice
-				add(VLateNotice, "key %s: %s %s told of its loss at %s, %v after %s at %s (bound %v)",
-					c.Key, c.Op, c.ID, ts(c.Told), c.Told.Sub(e.At).Round(time.Millisecond), e.Kind, ts(e.At), h.Bound)
-			}
-		default:
-			if c.ToldBy == "unlock" {
-				n.By, n.After = "unlock", max(0, c.Told.Sub(from))
-			}
-			if lastW.After(deadline) {
-				n.Verdict = VNeverTold
-				add(VNeverTold, "key %s: %s %s lost its lock (%s at %s) and wrote on until %s, never told (learned by: %s)",
-					c.Key, c.Op, c.ID, e.Kind, ts(e.At), ts(lastW), n.By)
-			}
-		}
-		h.Notices = append(h.Notices, n)
+
 	}
 
 	// The resource: accepted fenced writes per key never go back, and one token belongs to one grant.

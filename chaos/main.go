@@ -47,6 +47,7 @@ func mainCampaign() int {
 	faultList := flag.String("faults", "", "inject only these fault kinds (comma-separated; none: no faults; default: every kind)")
 	failover := flag.Bool("failover", false, "run the locks on a primary and a streaming standby, and inject failovers too (the ledger on a server of its own)")
 	waitSlice := flag.Duration("wait-slice", 0, "shorten each statement of a wait in the server (default: the library's 0.9 s)")
+	leases := flag.Bool("leases", false, "hold every lock as a lease (WithLeases), PgBouncer in transaction mode, and break leases as a fault")
 	flag.Parse()
 	if flag.NArg() > 0 || *duration <= 0 || *workers < 1 {
 		flag.Usage()
@@ -55,7 +56,7 @@ func mainCampaign() int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName, Failover: *failover,
-		WaitSlice: *waitSlice}
+		WaitSlice: *waitSlice, Leases: *leases}
 	if *opList != "" {
 		opt.Ops = strings.Split(*opList, ",")
 	}

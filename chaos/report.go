@@ -90,11 +90,17 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		semSlots[semSlotKey(i)] = i
 	}
 	ends := c.sessionEnds()
+	var leases map[int64]*LeaseLife
+	if c.opt.Leases {
+		if leases, err = c.leaseLog(ctx); err != nil {
+			return nil, fmt.Errorf("read the lease log: %w", err)
+		}
+	}
 	c.mu.Lock()
 	faults := append([]fault(nil), c.faults...)
 	var ev []Evidence
 	for _, f := range faults {
-		ev = append(ev, Evidence{Kind: f.Kind, At: f.At, Until: f.Until, Worker: f.Worker, PID: f.PID, Keys: f.Keys})
+		ev = append(ev, Evidence{Kind: f.Kind, At: f.At, Until: f.Until, Worker: f.Worker, PID: f.PID, Keys: f.Keys, Term: f.Term})
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
 		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
@@ -107,6 +113,9 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 			return w, err == nil && !strings.HasSuffix(app, "-ledger")
 		}}
 	c.mu.Unlock()
+	if c.opt.Leases {
+		h.Leases, h.LeaseLength, h.LeaseRenew = leases, c.opt.LeaseLength, c.opt.LeaseLength/3
+	}
 	vs := Check(h)
 
 	r := &Report{Seed: c.opt.Seed, DurationS: c.opt.Duration.Seconds(), Workers: c.opt.Workers, Ops: ops,

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -41,6 +42,8 @@ type workerConfig struct {
 	Goroutines int           `json:"goroutines"`
 	Ops        []string      `json:"ops,omitempty"` // only these operations, drawn evenly (default: the mix)
 	WaitSlice  time.Duration `json:"wait_slice,omitempty"`
+	// LeaseLength, when not zero: the worker's locks are leases of this length (Options.Leases).
+	LeaseLength time.Duration `json:"lease_length,omitempty"`
 }
 
 // Keys the workers contend for.
@@ -371,6 +374,10 @@ func (w *worker) open(ctx context.Context) (*advlock.Locker, error) {
 	if d := w.cfg.WaitSlice; d > 0 {
 		opts = append(opts, option(func(o *config.Options) { o.WaitSlice = d })) // a test knob of the library's
 	}
+	if d := w.cfg.LeaseLength; d > 0 {
+		opts = append(opts, advlock.WithLeases(), advlock.WithLeaseLength(d), advlock.WithLeaseHolder(w.cfg.Name),
+			option(func(o *config.Options) { o.LeasePoll = 20 * time.Millisecond })) // a test knob of the library's
+	}
 	return advlock.Open(ctx, w.cfg.DSN+"&application_name="+w.cfg.Name, opts...)
 }
 
@@ -414,6 +421,20 @@ func (w *worker) heldByMe() []string {
 				}
 			}
 			err = r.Err()
+		}
+		if err == nil && w.cfg.LeaseLength > 0 { // and the leases that name this worker (they expire on their own)
+			var r pgx.Rows
+			if r, err = q.Query(ctx, `SELECT key, term, (expires - clock_timestamp())::text FROM public.advlock_lease
+					WHERE holder LIKE '% ' || $1 AND expires > clock_timestamp()`, w.cfg.Name); err == nil {
+				for r.Next() {
+					var key, term int64
+					var left string
+					if r.Scan(&key, &term, &left) == nil {
+						rows = append(rows, fmt.Sprintf("lease of %s, term %d, %s left", canon(advlock.Int64Key(key)), term, left))
+					}
+				}
+				err = r.Err()
+			}
 		}
 		if c, ok := q.(*pgx.Conn); ok {
 			c.Close(context.Background()) // one connection at a time, whatever the loop's length
@@ -591,11 +612,27 @@ type opWeight struct {
 var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 11}, {"lock_deadline", 15}, {"lock_cancel", 11}, {"rlock", 11}, {"do", 11}, {"dotx", 9},
 	{"semaphore", 7}, {"pair", 10}, {"reader", 1}, {"writer", 1}, {"lead", 8}}
 
+// leaseOps are the operations of a lease campaign: those leases offer (no shared mode, no transaction lock, no wait
+// without a bound whose caller holds a lock), each as likely as in the usual mix.
+var leaseOps = []string{"hold", "hold_try", "trylock", "lock_deadline", "lock_cancel", "do", "semaphore", "lead"}
+
 // pick draws the next operation: from the mix, or evenly from the worker's own list.
 func (w *worker) pick(rng *rand.Rand) string {
 	if len(w.cfg.Ops) > 0 {
 		return w.cfg.Ops[rng.IntN(len(w.cfg.Ops))]
 	}
+	if w.cfg.LeaseLength > 0 {
+		for {
+			if op := w.pickMix(rng); slices.Contains(leaseOps, op) {
+				return op
+			}
+		}
+	}
+	return w.pickMix(rng)
+}
+
+// pickMix draws from the usual mix.
+func (w *worker) pickMix(rng *rand.Rand) string {
 	p := rng.IntN(100)
 	for _, o := range opWeights {
 		if p < o.p {
@@ -649,8 +686,12 @@ func (w *worker) section(op string, lk *advlock.Lock, mode, cs, wait string, pid
 	told := watchTold(lk.Done())
 	r := rngFor(cs)
 	switch op {
-	case "hold", "hold_try": // 2.5 to 5 s
-		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 20+r.IntN(20), 250*time.Millisecond)
+	case "hold", "hold_try": // 2.5 to 5 s; with leases 5 to 10 s, past the faults that outlast a lease
+		gap := 250 * time.Millisecond
+		if w.cfg.LeaseLength > 0 {
+			gap = 500 * time.Millisecond
+		}
+		w.critical(canon(lk.Key()), mode, lk.Token(), cs, lk.Done(), r, 20+r.IntN(20), gap)
 		if mode == "x" && r.IntN(2) == 0 {
 			select {
 			case <-lk.Done():

@@ -23,6 +23,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/advlock/advlock/internal/mutant"
 	"github.com/advlock/advlock/internal/session"
 )
 
@@ -62,6 +63,8 @@ type Lease struct {
 
 	mu    sync.Mutex
 	trust time.Time // the holder trusts the lease until then (monotonic)
+
+	token int64 // what Token reports instead of term, under mutant.LeaseTermReused
 }
 
 // errQuiet is a grant refused because the server's timeline is younger than one lease length (see GrantSQL).
@@ -95,8 +98,15 @@ func take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onE
 		undo(pool, id, owner, cfg.Bound)
 		return nil, fmt.Errorf("advlock: unexpected lease result %d", r)
 	}
+	if mutant.On(mutant.LeaseTrustFromReply) {
+		sent = time.Now()
+	}
 	l := &Lease{pool: pool, id: id, owner: owner, term: r, cfg: cfg, onEnd: onEnd, trust: trustFrom(sent, cfg),
 		stop: make(chan struct{}), stopped: make(chan struct{})}
+	if mutant.On(mutant.LeaseTermReused) {
+		first, _ := firstTerms.LoadOrStore(id, r)
+		l.token = first.(int64)
+	}
 	l.ctx, l.end = context.WithCancelCause(context.Background())
 	go l.renew()
 	return l, nil
@@ -222,8 +232,15 @@ func (l *Lease) renew() {
 			case <-ctx.Done():
 			}
 		}()
-		r, err := run(ctx, l.pool, l.cfg.Bound, RenewSQL(l.id, l.owner, l.term, l.cfg.Length))
+		sql := RenewSQL(l.id, l.owner, l.term, l.cfg.Length)
+		if mutant.On(mutant.LeaseRenewUnkeyed) {
+			sql = renewUnkeyedSQL(l.id, l.cfg.Length)
+		}
+		r, err := run(ctx, l.pool, l.cfg.Bound, sql)
 		cancel()
+		if mutant.On(mutant.LeaseTrustFromReply) {
+			sent = time.Now()
+		}
 		switch {
 		case err == nil && r == 1:
 			l.mu.Lock()
@@ -262,7 +279,15 @@ func (l *Lease) Err() error { return context.Cause(l.ctx) }
 func (l *Lease) AfterEnd(f func()) (stop func() bool) { return context.AfterFunc(l.ctx, f) }
 
 // Token is the lease's term: its fencing token.
-func (l *Lease) Token() int64 { return l.term }
+func (l *Lease) Token() int64 {
+	if l.token != 0 {
+		return l.token // mutant.LeaseTermReused
+	}
+	return l.term
+}
+
+// firstTerms is, for mutant.LeaseTermReused, the first term this process was granted for each key.
+var firstTerms sync.Map
 
 // Target is what the lease holds (one of a wait's alternatives, maybe).
 func (l *Lease) Target() session.Target { return session.Target{ID: l.id} }

@@ -223,6 +223,13 @@ func RenewSQL(id session.ID, owner string, term int64, length time.Duration) str
 		strconv.FormatInt(term, 10) + ", " + ms(length) + ")"
 }
 
+// renewUnkeyedSQL is the renewal of mutant.LeaseRenewUnkeyed: keyed on the key alone.
+func renewUnkeyedSQL(id session.ID, length time.Duration) string {
+	return "WITH r AS (UPDATE " + Table + " SET expires = clock_timestamp() + interval '" + ms(length) + " milliseconds' " +
+		"WHERE space = " + space(id) + " AND key = " + strconv.FormatInt(id.V, 10) + " AND expires > clock_timestamp() " +
+		"RETURNING 1) SELECT count(*) FROM r"
+}
+
 // ReleaseSQL ends owner's lease of id, of term: 1 when it held it (expired or not: nobody took it over), 0 when
 // not (another lease took the key over after it expired). It is not flushed before it answers (lazy): a release a
 // crash takes back leaves a row that expires.

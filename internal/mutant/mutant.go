@@ -39,12 +39,21 @@ const (
 	// IntentIgnored: readers ignore the intent of a writer waiting for their key (a shared try passes, a shared
 	// wait granted between two of the writer's slices keeps the key), so readers that come and go starve it.
 	IntentIgnored = "intent_ignored"
+	// LeaseRenewUnkeyed: a lease's renewal is keyed on its key alone, not on its owner and term, so a holder whose
+	// lease was broken renews the lease that took its place, and acts on as its holder.
+	LeaseRenewUnkeyed = "lease_renew_unkeyed"
+	// LeaseTermReused: a lease's holder presents the first term its process was granted for the key as its
+	// fencing token, whatever term this grant drew (a term that repeats, as a term counter that wraps would).
+	LeaseTermReused = "lease_term_reused"
+	// LeaseTrustFromReply: a lease's holder counts its trust window from the answer to a grant or renewal instead
+	// of from its send, so a slow answer lets it trust past the expiry the server gave.
+	LeaseTrustFromReply = "lease_trust_from_reply"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
-	TokenNoTimeline, IntentIgnored}
+	TokenNoTimeline, IntentIgnored, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"
