@@ -413,28 +413,14 @@ func Check(h *History) []Violation {
 					from = p.To
 				}
 			}
-			n := Notice{Fault: e.Kind, By: "none", Verdict: "ok"}
-			lastW := lastWrite(c)
-			switch {
-			case c.ToldBy == "done":
-				n.By, n.After = "watcher", max(0, c.Told.Sub(from))
-				if c.Session == "shared" {
-					n.By = "reader"
-				}
-				if c.Told.After(deadline) {
-					n.Verdict = VLateNotice
-					add(VLateNotice, "key %s: %s %s told of its loss at %s, %v after %s at %s (bound %v)",
-						c.Key, c.Op, c.ID, ts(c.Told), c.Told.Sub(e.At).Round(time.Millisecond), e.Kind, ts(e.At), h.Bound)
-				}
-			default:
-				if c.ToldBy == "unlock" {
-					n.By, n.After = "unlock", max(0, c.Told.Sub(from))
-				}
-				if lastW.After(deadline) {
-					n.Verdict = VNeverTold
-					add(VNeverTold, "key %s: %s %s lost its lock (%s at %s) and wrote on until %s, never told (learned by: %s)",
-						c.Key, c.Op, c.ID, e.Kind, ts(e.At), ts(lastW), n.By)
-				}
+			n := judgeNotice(c, e.Kind, from, deadline)
+			switch n.Verdict {
+			case VLateNotice:
+				add(VLateNotice, "key %s: %s %s told of its loss at %s, %v after %s at %s (bound %v)",
+					c.Key, c.Op, c.ID, ts(c.Told), c.Told.Sub(e.At).Round(time.Millisecond), e.Kind, ts(e.At), h.Bound)
+			case VNeverTold:
+				add(VNeverTold, "key %s: %s %s lost its lock (%s at %s) and wrote on until %s, never told (learned by: %s)",
+					c.Key, c.Op, c.ID, e.Kind, ts(e.At), ts(lastWrite(c)), n.By)
 			}
 			h.Notices = append(h.Notices, n)
 		}
@@ -639,6 +625,31 @@ func Check(h *History) []Violation {
 		add(VLeak, "%s", l)
 	}
 	return append(out, h.Problems...)
+}
+
+// judgeNotice judges how c's holder learned of an end (of kind fault) that it should have learned of by deadline:
+// told through Done later than deadline is late_notice; told only by Unlock, or never, while it wrote on past
+// deadline is never_told. After is timed from from.
+func judgeNotice(c *CS, fault string, from, deadline time.Time) Notice {
+	n := Notice{Fault: fault, By: "none", Verdict: "ok"}
+	switch {
+	case c.ToldBy == "done":
+		n.By, n.After = "watcher", max(0, c.Told.Sub(from))
+		if c.Session == "shared" {
+			n.By = "reader"
+		}
+		if c.Told.After(deadline) {
+			n.Verdict = VLateNotice
+		}
+	default:
+		if c.ToldBy == "unlock" {
+			n.By, n.After = "unlock", max(0, c.Told.Sub(from))
+		}
+		if lastWrite(c).After(deadline) {
+			n.Verdict = VNeverTold
+		}
+	}
+	return n
 }
 
 // Leak bounds: a lock in pg_locks that no holder of its worker believes it holds is a leak once it stays so for

@@ -130,24 +130,14 @@ func (h *History) checkLeases() []Violation {
 		if c.Clean || !c.Ended || !end.Before(c.End) || h.killed(c.Worker, c.begin(), c.End) {
 			continue
 		}
-		n := Notice{Fault: endKind(life, broken, closed), By: "none", Verdict: "ok"}
-		switch {
-		case c.ToldBy == "done":
-			n.By, n.After = "watcher", max(0, c.Told.Sub(end))
-			if c.Told.After(deadline) {
-				n.Verdict = VLateNotice
-				add(VLateNotice, "key %s: %s %s (term %d) told at %s that its lease ended, which it did at %s (%s)",
-					c.Key, c.Op, c.ID, c.Token, ts(c.Told), ts(end), n.Fault)
-			}
-		default:
-			if c.ToldBy == "unlock" {
-				n.By, n.After = "unlock", max(0, c.Told.Sub(end))
-			}
-			if lastW.After(deadline) {
-				n.Verdict = VNeverTold
-				add(VNeverTold, "key %s: %s %s (term %d) lost its lease at %s (%s) and wrote on until %s, never told (learned by: %s)",
-					c.Key, c.Op, c.ID, c.Token, ts(end), n.Fault, ts(lastW), n.By)
-			}
+		n := judgeNotice(c, endKind(life, broken, closed), end, deadline)
+		switch n.Verdict {
+		case VLateNotice:
+			add(VLateNotice, "key %s: %s %s (term %d) told at %s that its lease ended, which it did at %s (%s)",
+				c.Key, c.Op, c.ID, c.Token, ts(c.Told), ts(end), n.Fault)
+		case VNeverTold:
+			add(VNeverTold, "key %s: %s %s (term %d) lost its lease at %s (%s) and wrote on until %s, never told (learned by: %s)",
+				c.Key, c.Op, c.ID, c.Token, ts(end), n.Fault, ts(lastW), n.By)
 		}
 		h.Notices = append(h.Notices, n)
 	}
