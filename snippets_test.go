@@ -35,6 +35,7 @@ func apiOnOneScreen(ctx context.Context, pool *pgxpool.Pool, dsn string, opts []
 	err = l.DoTx(ctx, key, txfn)                               // a transaction that holds key: COMMIT or ROLLBACK ends it
 	err = advlock.XactLock(ctx, tx, key)                       // the same inside your own pgx.Tx
 	l, err = advlock.Open(ctx, dsn, advlock.WithFencing())     // lk.Token(), advlock.FenceToken(ctx) inside Do
+	l, err = advlock.Open(ctx, dsn, advlock.WithLeases())      // locks as rows of a table: through any pooler, any driver
 	err = l.Ping(ctx)                                          // one round trip: Open does not connect; fail fast at start
 	st := l.Stats()                                            // held, waiting, sessions, the pool's figures
 	rows, err := l.Inspect(ctx)                                // every advisory lock, through the Locker's own pool
