@@ -97,8 +97,9 @@ ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST
 
 // Inspect lists every advisory lock in the current database, holders first, then waiters in the order they
 // started waiting, and after them the live leases ([WithLeases]) by key, then the waits for leases, where the
-// lease tables exist and the role may read them. It needs PostgreSQL 14 or later (pg_locks.waitstart). Rows of other users' sessions show their
-// application name and address only to roles allowed to see them (pg_read_all_stats).
+// lease tables exist and the role may read them. It needs PostgreSQL 14 or later (pg_locks.waitstart). Rows of
+// other users' sessions show their application name and address only to roles allowed to see them
+// (pg_read_all_stats).
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
 // waiting (its wait ended between the two reads) or a session is gone, Inspect reads both again (up to 3 times),
@@ -138,34 +139,23 @@ func inspectLeases(ctx context.Context, q Querier) ([]LockInfo, error) {
 	if err != nil || !ok.leases {
 		return nil, err
 	}
-	if rows, err = q.Query(ctx, lease.ListSQL); err != nil {
+	if rows, err = q.Query(ctx, lease.ListSQL(ok.waits)); err != nil {
 		return nil, err
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
+	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
 		var sp int16
 		var v, left int64
-		li := LockInfo{Granted: true, Lease: &LeaseInfo{}}
-		err := r.Scan(&sp, &v, &li.Lease.Token, &li.Lease.Holder, &li.Lease.Granted, &li.Lease.Expires, &left)
-		li.Lease.Left = time.Duration(left) * time.Millisecond
+		li := LockInfo{Lease: &LeaseInfo{}}
+		err := r.Scan(&li.Granted, &sp, &v, &li.Lease.Token, &li.Lease.Holder, &li.Lease.Granted, &li.Lease.Expires, &left)
 		li.Key = keyOf(session.ID{Pair: sp == 2, V: v})
+		if li.Granted {
+			li.Lease.Left = time.Duration(left) * time.Millisecond
+		} else { // a wait: since, in place of granted and expires
+			since := li.Lease.Granted
+			li.WaitStart, li.Lease.Granted, li.Lease.Expires = &since, time.Time{}, time.Time{}
+		}
 		return li, err
 	})
-	if err != nil || !ok.waits {
-		return out, err
-	}
-	if rows, err = q.Query(ctx, lease.WaitersSQL); err != nil {
-		return nil, err
-	}
-	waits, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LockInfo, error) {
-		var sp int16
-		var v int64
-		var since time.Time
-		li := LockInfo{Lease: &LeaseInfo{}, WaitStart: &since}
-		err := r.Scan(&sp, &v, &li.Lease.Holder, &since)
-		li.Key = keyOf(session.ID{Pair: sp == 2, V: v})
-		return li, err
-	})
-	return append(out, waits...), err
 }
 
 // Inspect is the package's [Inspect] through the Locker's own pool: its *pgxpool.Pool, or with advsql the *sql.DB

@@ -341,7 +341,7 @@ func Ensure(ctx context.Context, pool session.Pool, bound time.Duration) error {
 				"SELECT, INSERT, UPDATE, DELETE ON %[2]s, %[3]s, %[4]s TO <role>: %[5]v", ErrLeaseTable, Table, Timelines, Waits, err)
 		case (code == "23505" || code == "42P07" || code == "42710") && attempt < 5:
 			// Created by another client at the same moment (its row type, its table or its index was there first;
-			// that client's one transaction made both tables, and has committed): look again.
+			// that client's one transaction made the tables and functions, and has committed): look again.
 			continue
 		default:
 			return fmt.Errorf("create the lease table: %w", err)
