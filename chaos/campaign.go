@@ -130,6 +130,10 @@ type campaign struct {
 	servers   []*pgcluster.Cluster // every server that held locks: their logs are evidence
 	ledgerDB  *pgcluster.Cluster   // the resource, on a server of its own that never fails over
 	failovers int
+	// lostLeaseLog: what each primary lost to a failover had in its lease log (a lease campaign), read before
+	// it was rebuilt.
+	lostLeaseLog   []leaseEntry
+	lostLogsUnread int
 }
 
 // primary is the server the locks are on now.
@@ -181,9 +185,6 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if opt.Leases && !slices.Contains(leaseOps, op) {
 			return nil, fmt.Errorf("chaos: operation %q is not one leases offer (%s)", op, strings.Join(leaseOps, ", "))
 		}
-	}
-	if opt.Leases && opt.Failover {
-		return nil, errors.New("chaos: -leases with -failover is not there yet (the lease table's record of when each lease ended lives on the lock server)")
 	}
 	if opt.Leases && opt.LeaseLength == 0 {
 		opt.LeaseLength = 2 * time.Second
@@ -897,14 +898,15 @@ func (c *campaign) kinds() []string {
 	if len(c.opt.Faults) > 0 {
 		return c.opt.Faults
 	}
+	kinds := slices.Clone(faultKinds)
 	if c.opt.Leases {
-		return append(slices.DeleteFunc(slices.Clone(faultKinds), func(k string) bool { return strings.HasPrefix(k, "terminate_") }),
+		kinds = append(slices.DeleteFunc(kinds, func(k string) bool { return strings.HasPrefix(k, "terminate_") }),
 			leaseFaultKinds...)
 	}
 	if c.opt.Failover {
-		return append(slices.Clone(faultKinds), "failover")
+		kinds = append(kinds, "failover")
 	}
-	return faultKinds
+	return kinds
 }
 
 // pickHolder picks one of the slots whose sessions pg_locks shows holding a lock, or any of them when none does.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -334,6 +335,45 @@ func TestChecker(t *testing.T) {
 			}
 		})
 	}
+
+	// Leases, judged by the lease table's log: two terms of one key whose lives overlap are two leases at once (a
+	// promoted server that grants what the lost primary had granted or renewed past), whatever their holders wrote.
+	t.Run("leases", func(t *testing.T) {
+		life := func(granted, expires, deleted int) *LeaseLife {
+			l := &LeaseLife{Key: "k", Granted: at(granted), Expires: at(expires)}
+			if deleted >= 0 {
+				l.Deleted = at(deleted)
+			}
+			return l
+		}
+		for _, tc := range []struct {
+			name  string
+			lives map[int64]*LeaseLife
+			want  map[string]int
+		}{
+			{"one after the other", map[int64]*LeaseLife{1: life(0, 2000, 250), 2: life(300, 2300, -1)}, map[string]int{}},
+			{"a takeover after the expiry", map[int64]*LeaseLife{1: life(0, 280, -1), 2: life(300, 2300, -1)}, map[string]int{}},
+			{"a grant while the other lived", map[int64]*LeaseLife{1: life(0, 2000, -1), 2: life(300, 2300, -1)}, map[string]int{VOverlap: 1}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				h := build(csSpec{"a", 0, "x", 1, true, -1, []int{10, 200}, nil}, csSpec{"b", 1, "x", 2, true, -1, []int{400, 450}, nil})
+				h.Leases, h.LeaseLength = tc.lives, 2*time.Second
+				got := kinds(Check(h))
+				if len(got) != len(tc.want) || got[VOverlap] != tc.want[VOverlap] {
+					t.Fatalf("got %v, want %v", got, tc.want)
+				}
+			})
+		}
+		// The logs of a lost primary and of the promoted one share what the standby had received: counted once; a
+		// renewal only the lost primary had extends the lease.
+		shared := []leaseEntry{{At: at(0), Expires: at(2000), Op: "I", Key: 7, Term: 1}}
+		lost := append(slices.Clone(shared), leaseEntry{At: at(900), Expires: at(2900), Op: "U", Key: 7, Term: 1})
+		promoted := append(slices.Clone(shared), leaseEntry{At: at(3000), Expires: at(5000), Op: "U", Key: 7, Term: 2})
+		lives := leaseLives(slices.Concat(lost, promoted))
+		if len(lives) != 2 || !lives[1].Granted.Equal(at(0)) || !lives[1].Expires.Equal(at(2900)) || !lives[2].Granted.Equal(at(3000)) {
+			t.Fatalf("merged lives: %+v %+v", lives[1], lives[2])
+		}
+	})
 
 	t.Run("phantom", func(t *testing.T) {
 		h := build(csSpec{"a", 0, "x", 1, true, -1, []int{0, 100, 200}, nil})

@@ -142,7 +142,35 @@ func (c *campaign) failover(ctx context.Context, rng *rand.Rand, f fault) {
 	f.Detail = fmt.Sprintf("the standby %d lagged %v, promoted %v after the primary %d stopped", s.Port,
 		lag.Round(time.Millisecond), f.Until.Sub(f.At).Round(time.Millisecond), p.Port)
 	c.record(f)
+	if c.opt.Leases {
+		start := time.Now()
+		c.keepLostLeaseLog(ctx, p)
+		c.logf("failover: read the lease log of %d in %v", p.Port, time.Since(start).Round(time.Millisecond))
+	}
 	c.rebuild(s, p)
+}
+
+// keepLostLeaseLog reads the lease log of p, the primary lost to a failover, before it is rebuilt: its holders
+// were told of grants and renewals that the promoted server never received, and the checker judges them by what
+// p had committed. p starts aside (see pgcluster.Cluster.Aside): no worker can reach it.
+func (c *campaign) keepLostLeaseLog(ctx context.Context, p *pgcluster.Cluster) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second) // needed even if the run just ended
+	defer cancel()
+	err := p.Aside(func(url string) error {
+		entries, err := readLeaseLog(ctx, url)
+		if err == nil {
+			c.srvMu.Lock()
+			c.lostLeaseLog = append(c.lostLeaseLog, entries...)
+			c.srvMu.Unlock()
+		}
+		return err
+	})
+	if err != nil {
+		c.logf("failover: reading the lost primary's lease log: %v", err)
+		c.srvMu.Lock()
+		c.lostLogsUnread++
+		c.srvMu.Unlock()
+	}
 }
 
 // rebuild makes old (its data thrown away) the standby of p, streaming through a new proxy.

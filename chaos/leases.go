@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"slices"
+	"sort"
 	"time"
 
 	"github.com/advlock/advlock"
@@ -27,9 +29,16 @@ func (l *LeaseLife) end() time.Time {
 	return l.Expires
 }
 
-// leaseLog reads the log of the lease table.
-func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, error) {
-	conn, err := pgx.Connect(ctx, c.primary().URL)
+// leaseEntry is one line of the lease table's log.
+type leaseEntry struct {
+	At, Expires time.Time
+	Op          string
+	Key, Term   int64
+}
+
+// readLeaseLog reads the log of the lease table on the server at url.
+func readLeaseLog(ctx context.Context, url string) ([]leaseEntry, error) {
+	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return nil, err
 	}
@@ -38,29 +47,60 @@ func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, error) {
 	if err != nil {
 		return nil, err
 	}
-	out := map[int64]*LeaseLife{}
+	var out []leaseEntry
 	for rows.Next() {
-		var at, expires time.Time
-		var op string
-		var key, term int64
-		if err := rows.Scan(&at, &op, &key, &term, &expires); err != nil {
+		var e leaseEntry
+		if err := rows.Scan(&e.At, &e.Op, &e.Key, &e.Term, &e.Expires); err != nil {
 			return nil, err
 		}
-		l := out[term]
-		if l == nil {
-			l = &LeaseLife{Key: canon(advlock.Int64Key(key)), Granted: at}
-			out[term] = l
+		e.At, e.Expires = e.At.UTC(), e.Expires.UTC() // comparable as values across servers
+		out = append(out, e)
+	}
+	return out, rows.Err()
+}
+
+// leaseLog reads the log of the lease table: the primary's now, and in a failover campaign what each primary lost
+// to a failover had committed (read aside before it was rebuilt, see failover): the promoted server never saw the
+// last grants and renewals of the old one, which its holders were told of. The logs share the part the standby
+// had received: an entry in both counts once.
+func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, error) {
+	entries, err := readLeaseLog(ctx, c.primary().URL)
+	if err != nil {
+		return nil, err
+	}
+	c.srvMu.Lock()
+	entries = slices.Concat(c.lostLeaseLog, entries)
+	c.srvMu.Unlock()
+	return leaseLives(entries), nil
+}
+
+// leaseLives reads entries as the lives of the leases, by term.
+func leaseLives(entries []leaseEntry) map[int64]*LeaseLife {
+	sort.SliceStable(entries, func(i, j int) bool { return entries[i].At.Before(entries[j].At) })
+	seen := map[leaseEntry]bool{}
+	out := map[int64]*LeaseLife{}
+	for _, e := range entries {
+		if seen[e] {
+			continue
 		}
-		switch op {
+		seen[e] = true
+		l := out[e.Term]
+		if l == nil {
+			l = &LeaseLife{Key: canon(advlock.Int64Key(e.Key)), Granted: e.At}
+			out[e.Term] = l
+		}
+		switch e.Op {
 		case "D":
-			l.Deleted = at
+			if l.Deleted.IsZero() {
+				l.Deleted = e.At
+			}
 		default: // a grant (insert, or the update of a takeover) or a renewal
-			if expires.After(l.Expires) {
-				l.Expires = expires
+			if e.Expires.After(l.Expires) {
+				l.Expires = e.Expires
 			}
 		}
 	}
-	return out, rows.Err()
+	return out
 }
 
 // Slacks of the lease rules. A holder checks its lease before each write and the ledger stamps the write as it
@@ -83,6 +123,34 @@ const (
 func (h *History) checkLeases() []Violation {
 	var out []Violation
 	add := func(kind, f string, a ...any) { out = append(out, Violation{kind, fmt.Sprintf(f, a...)}) }
+	// Two leases of one key at once: the server granted a term while another term of that key, which a holder was
+	// told of, still lived by the logs (a lost primary's included: a promoted server that grants what the old one
+	// had granted or renewed past, before its holder stops trusting it).
+	holders := map[int64]*CS{}
+	for _, id := range sortedKeys(h.CS) {
+		if c := h.CS[id]; c.Token > 0 && !c.begin().IsZero() && holders[c.Token] == nil {
+			holders[c.Token] = c
+		}
+	}
+	terms := map[string][]int64{}
+	for t := range holders {
+		if l := h.Leases[t]; l != nil {
+			terms[l.Key] = append(terms[l.Key], t)
+		}
+	}
+	for _, k := range sortedKeys(terms) {
+		list := terms[k]
+		sort.Slice(list, func(i, j int) bool { return h.Leases[list[i]].Granted.Before(h.Leases[list[j]].Granted) })
+		for i, a := range list {
+			for _, b := range list[i+1:] {
+				la, lb := h.Leases[a], h.Leases[b]
+				if lb.Granted.Before(la.end()) {
+					add(VOverlap, "key %s: term %d (%s %s) was granted at %s while term %d (%s %s, granted %s) lived until %s",
+						k, b, holders[b].Op, holders[b].ID, ts(lb.Granted), a, holders[a].Op, holders[a].ID, ts(la.Granted), ts(la.end()))
+				}
+			}
+		}
+	}
 	for _, id := range sortedKeys(h.CS) {
 		c := h.CS[id]
 		if c.Token <= 0 || c.begin().IsZero() {

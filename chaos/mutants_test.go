@@ -42,6 +42,9 @@ func TestMutants(t *testing.T) {
 	// Leases: holders and takeovers with leases broken under them; the plain workload (tokens).
 	leasesPlain := Options{NoFaults: true, Leases: true}
 	leasesBroken := Options{Leases: true, Faults: []string{"break_lease"}, Ops: []string{"hold", "hold_try", "trylock"}}
+	// Leases across a failover: grants and renewals the lagging standby never received, then takers on the promoted
+	// server.
+	leasesFailover := Options{Leases: true, Failover: true, Faults: []string{"failover"}, Ops: []string{"hold", "hold_try", "trylock", "do"}}
 	cases := []struct {
 		mutant string
 		opt    Options
@@ -70,6 +73,8 @@ func TestMutants(t *testing.T) {
 		{mutant.LeaseTermReused, leasesPlain, []string{VStaleToken, VTokenOrder}},
 		{"", leasesBroken, nil},
 		{mutant.LeaseRenewUnkeyed, leasesBroken, []string{VOverlap, VNeverTold, VLateNotice}},
+		{"", leasesFailover, nil},
+		{mutant.LeaseNoQuiet, leasesFailover, []string{VOverlap}},
 	}
 	// Mutants whose moment a short campaign meets too seldom to be sure of it: each is caught by the test written
 	// for that moment, run in the build with the mutants (and passing without one).

@@ -204,6 +204,9 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	if c.opt.Failover && !c.opt.NoFaults && r.Failovers == 0 && (len(c.opt.Faults) == 0 || slices.Contains(c.opt.Faults, "failover")) {
 		r.NotExercised = append(r.NotExercised, "no failover took place")
 	}
+	if c.lostLogsUnread > 0 {
+		r.NotExercised = append(r.NotExercised, fmt.Sprintf("the lease logs of %d primaries lost to a failover could not be read: their holders were not judged", c.lostLogsUnread))
+	}
 	for _, cs := range css {
 		r.Grants++
 		if cs.Ended && cs.Unlock == "ok" {

@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -324,6 +325,23 @@ func (l *Lease) Release(ctx context.Context, after error) error {
 // Ensure makes sure the lease tables exist, creating them where missing, on a connection of pool. A role that may
 // neither find nor create them gets ErrLeaseTable, saying what to run.
 func Ensure(ctx context.Context, pool session.Pool, bound time.Duration) error {
+	err := ensure(ctx, pool, bound)
+	if err == nil && mutant.On(mutant.LeaseNoQuiet) {
+		_, err = run(ctx, pool, bound, noQuietSQL())
+	}
+	return err
+}
+
+// noQuietSQL replaces the grant function with one without the quiet period (mutant.LeaseNoQuiet).
+func noQuietSQL() string {
+	f := strings.Replace(grantDDL, "  IF tl > 1 THEN\n", "  IF false THEN\n", 1)
+	if f == grantDDL {
+		panic("lease: mutant " + mutant.LeaseNoQuiet + " found no quiet period to skip")
+	}
+	return "SELECT pg_advisory_xact_lock(" + ddlKey + ");\n" + f + "SELECT 1"
+}
+
+func ensure(ctx context.Context, pool session.Pool, bound time.Duration) error {
 	for attempt := 0; ; attempt++ {
 		r, err := run(ctx, pool, bound, ExistsSQL)
 		if err != nil {

@@ -48,12 +48,17 @@ const (
 	// LeaseTrustFromReply: a lease's holder counts its trust window from the answer to a grant or renewal instead
 	// of from its send, so a slow answer lets it trust past the expiry the server gave.
 	LeaseTrustFromReply = "lease_trust_from_reply"
+	// LeaseNoQuiet: the lease table's grant skips the quiet period of a new timeline, so a promoted standby that
+	// never received the lost primary's last grants and renewals grants those keys again while their holders still
+	// trust them.
+	LeaseNoQuiet = "lease_no_quiet"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
-	TokenNoTimeline, IntentIgnored, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply}
+	TokenNoTimeline, IntentIgnored, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply,
+	LeaseNoQuiet}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

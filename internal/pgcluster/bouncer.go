@@ -9,6 +9,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -66,6 +67,7 @@ type Bouncer struct {
 	Dir    string // its ini, log and pid files
 	cmd    *exec.Cmd
 	exited chan struct{}
+	state  *os.ProcessState // how it exited; set before exited closes
 }
 
 // StartBouncer starts PgBouncer with pool_mode mode ("session" or "transaction") in front of the server at
@@ -137,11 +139,18 @@ pidfile = %s
 	}
 	b.cmd = exec.Command(bin, append(args, filepath.Join(dir, "pgbouncer.ini"))...)
 	b.cmd.Dir = dir
+	stderr, err := os.Create(filepath.Join(dir, "stderr"))
+	if err != nil {
+		return fail(err)
+	}
+	defer stderr.Close()
+	b.cmd.Stdout, b.cmd.Stderr = stderr, stderr
 	if err := b.cmd.Start(); err != nil {
 		return fail(fmt.Errorf("start pgbouncer: %w", err))
 	}
 	go func() {
 		_ = b.cmd.Wait()
+		b.state = b.cmd.ProcessState
 		close(b.exited)
 	}()
 	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(listen))
@@ -164,6 +173,21 @@ pidfile = %s
 	u.Host = addr
 	b.URL = u.String()
 	return b, nil
+}
+
+// Died says, when PgBouncer exited before Stop was called, how (its exit status, what it printed, the end of its
+// log); "" while it runs.
+func (b *Bouncer) Died() string {
+	select {
+	case <-b.exited:
+	default:
+		return ""
+	}
+	out, _ := os.ReadFile(filepath.Join(b.Dir, "stderr"))
+	log, _ := os.ReadFile(filepath.Join(b.Dir, "log"))
+	lines := strings.Split(strings.TrimRight(string(log), "\n"), "\n")
+	lines = lines[max(0, len(lines)-30):]
+	return fmt.Sprintf("pgbouncer exited (%v); it printed %q; the last lines of its log:\n%s", b.state, out, strings.Join(lines, "\n"))
 }
 
 // Stop stops PgBouncer (SIGINT, then SIGKILL after 10 s). It keeps Dir; remove it when done with the log.

@@ -17,6 +17,9 @@ func Bouncer(tb testing.TB, serverURL, mode string) string {
 		tb.Fatalf("pgtest: %v", err)
 	}
 	tb.Cleanup(func() {
+		if died := b.Died(); died != "" {
+			tb.Errorf("pgtest: %s", died) // the tests that failed after it failed for this
+		}
 		b.Stop()
 		if os.Getenv("ADVLOCK_KEEP_BOUNCER_LOG") == "" {
 			os.RemoveAll(b.Dir)
