@@ -53,7 +53,9 @@ type Options struct {
 	// Failover runs the locks on a primary and a streaming standby (the ledger on a server of its own), the
 	// workers with a DSN that names both (target_session_attrs=read-write), and adds the fault kind "failover":
 	// the standby made to lag, the primary stopped (immediate), the standby promoted, the old primary rebuilt as
-	// the new standby; the campaign goes on with the roles swapped (see failover.go).
+	// the new standby; the campaign goes on with the roles swapped (see failover.go). With Leases, PgBouncer
+	// stays on its workers' path, repointed at each promoted server, and each lost primary's lease log is read
+	// before it is rebuilt.
 	Failover bool
 	// Leases runs every worker's locks as leases (advlock.WithLeases, LeaseLength long), PgBouncer in transaction
 	// mode on its path, the operations leases offer, and the fault kind "break_lease" (a lease's row deleted, as
@@ -342,11 +344,12 @@ var leaseLogDDL = "CREATE SEQUENCE IF NOT EXISTS public.advlock_fence; " + advlo
 	CREATE TRIGGER chaos_lease_audit AFTER INSERT OR UPDATE OR DELETE ON public.advlock_lease
 		FOR EACH ROW EXECUTE FUNCTION chaos_lease_audit()`
 
-// via says how worker i reaches the server; a failover campaign has no PgBouncer (it would point at one server),
-// its workers go through a proxy instead.
+// via says how worker i reaches the server; a failover campaign of session locks has no PgBouncer, its workers go
+// through a proxy instead. A lease campaign keeps its PgBouncer (in transaction mode), repointed at the promoted
+// server at each failover, as an operator does.
 func (c *campaign) via(i int) (shared bool, path string) {
 	shared, path = via(i)
-	if c.opt.Failover && path == "pgbouncer" {
+	if c.opt.Failover && !c.opt.Leases && path == "pgbouncer" {
 		path = "proxy"
 	}
 	return shared, path
@@ -546,10 +549,10 @@ func (c *campaign) read(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 // readLeases samples the live leases and the live waits for them, each under the worker it names (its holder
 // text ends with the worker's name), as readLocks samples pg_locks (no pid: a lease has no session).
 func readLeases(ctx context.Context, conn *pgx.Conn) (Sample, error) {
-	rows, err := conn.Query(ctx, `SELECT statement_timestamp(), clock_timestamp(), x.key, x.granted, x.holder
+	rows, err := conn.Query(ctx, `SELECT statement_timestamp(), clock_timestamp(), x.key, x.granted, x.holder, x.term
 		FROM (SELECT 1) one LEFT JOIN (
-			SELECT key, true AS granted, holder FROM public.advlock_lease WHERE expires > clock_timestamp()
-			UNION ALL SELECT key, false, holder FROM public.advlock_lease_wait WHERE seen > clock_timestamp() - interval '3 seconds'
+			SELECT key, true AS granted, holder, term FROM public.advlock_lease WHERE expires > clock_timestamp()
+			UNION ALL SELECT key, false, holder, 0 FROM public.advlock_lease_wait WHERE seen > clock_timestamp() - interval '3 seconds'
 		) x ON true`)
 	if err != nil {
 		return Sample{}, err
@@ -560,7 +563,8 @@ func readLeases(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 		var key *int64
 		var granted *bool
 		var holder *string
-		if err := rows.Scan(&at, &read, &key, &granted, &holder); err != nil {
+		var term *int64
+		if err := rows.Scan(&at, &read, &key, &granted, &holder, &term); err != nil {
 			return Sample{}, err
 		}
 		if s.At.IsZero() {
@@ -574,7 +578,7 @@ func readLeases(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 			app = app[i+1:]
 		}
 		k := canon(advlock.Int64Key(*key))
-		s.Held[k] = append(s.Held[k], Holder{App: app, Granted: *granted})
+		s.Held[k] = append(s.Held[k], Holder{App: app, Granted: *granted, Term: *term})
 	}
 	if err := rows.Err(); err != nil {
 		return Sample{}, err
@@ -866,6 +870,9 @@ func (c *campaign) inject(ctx context.Context) {
 		case "failover":
 			f.Worker, f.Held = -1, heldIn(now, "")
 			c.failover(ctx, rng, f)
+			// The new primary serves a while before anything else happens to it (a base backup and a crash
+			// recovery aside cost the machine a burst of work, which back-to-back failovers would repeat).
+			sleepCtx(ctx, 3*time.Second)
 		}
 	}
 }

@@ -364,6 +364,19 @@ func TestChecker(t *testing.T) {
 				}
 			})
 		}
+		// A sample of the promoted server (or of the standby, before it is promoted) may lack a lease granted or
+		// renewed on the lost primary, for up to one lease length: no phantom then, one outside that window.
+		for _, failover := range []bool{false, true} {
+			h := build(csSpec{"a", 0, "x", 1, true, -1, []int{10, 200, 1500}, nil})
+			h.Leases, h.LeaseLength = map[int64]*LeaseLife{1: life(0, 3000, 1600)}, 2*time.Second
+			h.Samples = []Sample{{At: at(900), Held: map[string][]Holder{}}}
+			if failover {
+				h.Evidence = []Evidence{{Kind: "failover", At: at(500), Until: at(800), Worker: -1}}
+			}
+			if got, want := kinds(Check(h))[VPhantom], map[bool]int{false: 1, true: 0}[failover]; got != want {
+				t.Errorf("a lease missing from a sample, failover %v: %d phantoms, want %d", failover, got, want)
+			}
+		}
 		// The logs of a lost primary and of the promoted one share what the standby had received: counted once; a
 		// renewal only the lost primary had extends the lease.
 		shared := []leaseEntry{{At: at(0), Expires: at(2000), Op: "I", Key: 7, Term: 1}}
@@ -440,7 +453,7 @@ func TestChecker(t *testing.T) {
 				csSpec{"c", 0, "x", 1, false, 1510, []int{60, 400, 800, 1200, 1450}, nil}), map[string]int{"c": 50}),
 				Evidence{Kind: kind, At: at(0), Worker: 0},
 				Evidence{Kind: "terminate_holder", At: at(1500), Worker: 0, PID: 9, Keys: []string{"k"}})
-			h.Samples = []Sample{heldAt(500, Holder{"w0", 9, true}), heldAt(1000, Holder{"w0", 9, true})}
+			h.Samples = []Sample{heldAt(500, Holder{App: "w0", PID: 9, Granted: true}), heldAt(1000, Holder{App: "w0", PID: 9, Granted: true})}
 			if got := kinds(Check(h)); len(got) != 0 {
 				t.Errorf("%s 50 ms before the grant: got %v, want nothing", kind, got)
 			}
@@ -464,7 +477,7 @@ func TestChecker(t *testing.T) {
 			csSpec{"b", 1, "x", 2, true, -1, []int{150, 250}, nil}),
 			Evidence{Kind: "terminate_holder", At: at(120), Worker: 0, PID: 5, Keys: []string{"k"}})
 		h.CS["r2"].Told, h.CS["r2"].ToldBy, h.CS["r2"].PID = at(210), "unlock", 6
-		h.Samples = []Sample{heldAt(50, Holder{"w0", 5, true}, Holder{"w0", 6, true})}
+		h.Samples = []Sample{heldAt(50, Holder{App: "w0", PID: 5, Granted: true}, Holder{App: "w0", PID: 6, Granted: true})}
 		if got := kinds(Check(h)); got[VOverlap] != 1 {
 			t.Errorf("a sibling's backend terminated: got %v, want an overlap", got)
 		}
@@ -474,7 +487,7 @@ func TestChecker(t *testing.T) {
 			csSpec{"new", 1, "x", 2, true, -1, []int{1505, 1800}, nil}), map[string]int{"new": 1501}),
 			Evidence{Kind: "session_end", At: at(1525), Worker: 0, PID: 9})
 		h.Pauses = []Pause{{Worker: 0, From: at(10), To: at(2000)}}
-		h.Samples = []Sample{heldAt(5, Holder{"w0", 9, true})}
+		h.Samples = []Sample{heldAt(5, Holder{App: "w0", PID: 9, Granted: true})}
 		if got := kinds(Check(h)); len(got) != 0 {
 			t.Errorf("its backend's end logged 24 ms after the next grant: got %v, want nothing", got)
 		}
@@ -558,9 +571,9 @@ func TestChecker(t *testing.T) {
 			h.CS[sp.id].Begin, h.CS[sp.id].PID = at(sp.writes[0]-1), 8
 		}
 		for ms := 0; ms <= 5000; ms += 100 {
-			rows := []Holder{{"w0", 7, true}}
+			rows := []Holder{{App: "w0", PID: 7, Granted: true}}
 			if ms%800 <= 100 {
-				rows = append(rows, Holder{"w0", 8, true})
+				rows = append(rows, Holder{App: "w0", PID: 8, Granted: true})
 			}
 			h.Samples = append(h.Samples, heldAt(ms, rows...))
 		}

@@ -76,6 +76,7 @@ type Holder struct {
 	App     string
 	PID     int32
 	Granted bool
+	Term    int64 `json:",omitempty"` // a lease's (lease campaigns)
 }
 
 // Sample is pg_locks at one moment (server clock), advisory rows only.
@@ -548,6 +549,9 @@ func Check(h *History) []Violation {
 					h.Confirmed++
 					continue
 				}
+				if h.Leases != nil && h.failedOverBefore(c, s.At) {
+					continue
+				}
 				if c.Clean || lastW.Sub(s.readBy()) > h.Bound && !h.paused(c.Worker, s.At, lastW) {
 					add(VPhantom, "key %s: %s %s believed it held at %s (wrote until %s) but pg_locks showed no such holder",
 						c.Key, c.Op, c.ID, ts(s.At), ts(lastW))
@@ -667,8 +671,9 @@ func (h *History) leaksDuringRun() []Violation {
 		return nil
 	}
 	type holding struct {
-		key string
-		pid int32
+		key  string
+		pid  int32
+		term int64 // a lease is one holding per term
 	}
 	byWorkerKey := map[string][]*CS{}
 	for _, c := range h.CS {
@@ -703,7 +708,7 @@ func (h *History) leaksDuringRun() []Violation {
 				if !ok || !r.Granted {
 					continue
 				}
-				hk := holding{key, r.PID}
+				hk := holding{key, r.PID, r.Term}
 				if believed(w, key, r.PID, s.At) {
 					continue
 				}
@@ -725,8 +730,12 @@ func (h *History) leaksDuringRun() []Violation {
 				}
 				if s.At.Sub(first) > bound && !reported[hk] {
 					reported[hk] = true
-					out = append(out, Violation{VLeak, fmt.Sprintf("key %s held by %q (pid %d) from %s to at least %s with no holder of that worker believing it held it",
-						key, r.App, r.PID, ts(first), ts(s.At))})
+					what := fmt.Sprintf("pid %d", r.PID)
+					if r.Term != 0 {
+						what = fmt.Sprintf("term %d", r.Term)
+					}
+					out = append(out, Violation{VLeak, fmt.Sprintf("key %s held by %q (%s) from %s to at least %s with no holder of that worker believing it held it",
+						key, r.App, what, ts(first), ts(s.At))})
 				}
 			}
 		}
@@ -737,6 +746,18 @@ func (h *History) leaksDuringRun() []Violation {
 		}
 	}
 	return out
+}
+
+// failedOverBefore reports whether c, a lease granted before a failover, may be missing from a sample at at: the
+// sample read the standby or the promoted server, which may lack its grant or its last renewals, and its holder
+// trusts it (until its trust window closes, within one lease length of the stop) or renews it there first.
+func (h *History) failedOverBefore(c *CS, at time.Time) bool {
+	for _, e := range h.Evidence {
+		if e.Kind == "failover" && c.begin().Before(e.At) && !at.Before(e.At) && !at.After(e.Until.Add(h.LeaseLength)) {
+			return true
+		}
+	}
+	return false
 }
 
 // faultNear reports whether a fault touched the worker (or every worker) between from and to.

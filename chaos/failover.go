@@ -139,6 +139,11 @@ func (c *campaign) failover(ctx context.Context, rng *rand.Rand, f fault) {
 	c.cluster = s
 	c.failovers++
 	c.srvMu.Unlock()
+	if c.bouncer != nil {
+		if err := c.bouncer.Repoint(s.URL); err != nil {
+			c.logf("failover: repointing PgBouncer at %d: %v", s.Port, err)
+		}
+	}
 	f.Detail = fmt.Sprintf("the standby %d lagged %v, promoted %v after the primary %d stopped", s.Port,
 		lag.Round(time.Millisecond), f.Until.Sub(f.At).Round(time.Millisecond), p.Port)
 	c.record(f)

@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"sort"
 	"time"
@@ -72,6 +75,18 @@ func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, error) {
 	entries = slices.Concat(c.lostLeaseLog, entries)
 	c.srvMu.Unlock()
 	return leaseLives(entries), nil
+}
+
+// keepLeaseLives writes the lives of the leases, by term, beside the workers' histories (kept when the campaign
+// found something): the evidence behind its verdicts.
+func (c *campaign) keepLeaseLives(lives map[int64]*LeaseLife) {
+	b, err := json.Marshal(lives)
+	if err == nil {
+		err = os.WriteFile(filepath.Join(c.dir, "leases.json"), b, 0o644)
+	}
+	if err != nil {
+		c.logf("keeping the lease log: %v", err)
+	}
 }
 
 // leaseLives reads entries as the lives of the leases, by term.

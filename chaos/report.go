@@ -95,6 +95,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		if leases, err = c.leaseLog(ctx); err != nil {
 			return nil, fmt.Errorf("read the lease log: %w", err)
 		}
+		c.keepLeaseLives(leases)
 	}
 	c.mu.Lock()
 	faults := append([]fault(nil), c.faults...)

@@ -116,7 +116,7 @@ func StartBouncer(serverURL, mode string, settings ...string) (*Bouncer, error) 
 	}
 	ini := fmt.Sprintf(`[databases]
 * = host=%s port=%s
-
+%s
 [pgbouncer]
 listen_addr = 127.0.0.1
 listen_port = %d
@@ -128,7 +128,7 @@ max_client_conn = 500
 default_pool_size = 60
 logfile = %s
 pidfile = %s
-`, host, port, listen, filepath.Join(dir, "users.txt"), mode, filepath.Join(dir, "log"), filepath.Join(dir, "pid"))
+`, host, port, endDatabases, listen, filepath.Join(dir, "users.txt"), mode, filepath.Join(dir, "log"), filepath.Join(dir, "pid"))
 	for _, l := range settings {
 		ini += l + "\n"
 	}
@@ -173,6 +173,37 @@ pidfile = %s
 	u.Host = addr
 	b.URL = u.String()
 	return b, nil
+}
+
+// endDatabases ends the [databases] section of the ini (see Repoint).
+const endDatabases = "; end of databases"
+
+// Repoint sends PgBouncer's new server connections to the server at serverURL (its host and port), as an operator
+// does after a failover: the ini's database line rewritten, then a reload (SIGHUP). Server connections to the old
+// server close as they are released (those to a server that is gone have failed already).
+func (b *Bouncer) Repoint(serverURL string) error {
+	u, err := url.Parse(serverURL)
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(b.Dir, "pgbouncer.ini")
+	ini, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	_, rest, ok := strings.Cut(string(ini), endDatabases)
+	if !ok {
+		return fmt.Errorf("pgbouncer.ini has no %q", endDatabases)
+	}
+	port := u.Port()
+	if port == "" {
+		port = "5432"
+	}
+	ini = fmt.Appendf(nil, "[databases]\n* = host=%s port=%s\n%s%s", u.Hostname(), port, endDatabases, rest)
+	if err := os.WriteFile(path, ini, 0o644); err != nil {
+		return err
+	}
+	return b.cmd.Process.Signal(syscall.SIGHUP)
 }
 
 // Died says, when PgBouncer exited before Stop was called, how (its exit status, what it printed, the end of its
