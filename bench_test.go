@@ -78,7 +78,9 @@ func BenchmarkCycleRawPgx(b *testing.B) {
 }
 
 // BenchmarkCycleTryLock: Locker.TryLock + Lock.Unlock (pin a pooled session, lock, unlock, return the session).
-func BenchmarkCycleTryLock(b *testing.B) { benchCycle(b, (*Locker).TryLock) }
+func BenchmarkCycleTryLock(b *testing.B) {
+	benchCycle(b, func(l *Locker, ctx context.Context, k Key) (*Lock, error) { return l.TryLock(ctx, k) })
+}
 
 // BenchmarkCycleLock: Locker.Lock (the blocking statement) + Unlock, uncontended.
 func BenchmarkCycleLock(b *testing.B) {

@@ -28,9 +28,10 @@ func TestPrivateCluster(t *testing.T) {
 		ctx := ctxT(t, 10*time.Second)
 		k := key(t)
 		for name, lock := range map[string]func(context.Context, Key) (*Lock, error){
-			"TryLock": l.TryLock, "TryRLock": l.TryRLock,
-			"Lock":  func(ctx context.Context, k Key) (*Lock, error) { return l.Lock(ctx, k) },
-			"RLock": func(ctx context.Context, k Key) (*Lock, error) { return l.RLock(ctx, k) },
+			"TryLock":  func(ctx context.Context, k Key) (*Lock, error) { return l.TryLock(ctx, k) },
+			"TryRLock": func(ctx context.Context, k Key) (*Lock, error) { return l.TryRLock(ctx, k) },
+			"Lock":     func(ctx context.Context, k Key) (*Lock, error) { return l.Lock(ctx, k) },
+			"RLock":    func(ctx context.Context, k Key) (*Lock, error) { return l.RLock(ctx, k) },
 		} {
 			if _, err := lock(ctx, k); !errors.Is(err, ErrStandby) {
 				t.Errorf("%s on a standby: %v, want ErrStandby", name, err)

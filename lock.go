@@ -17,6 +17,8 @@ type Lock struct {
 	forgotten bool         // guarded by l.mu: released or lost, and dropped by the Locker
 	observed  atomic.Bool  // its grant was reported to the Locker's observers and its end not yet
 	grantedAt time.Time    // set before observed
+	holdUntil time.Time    // HoldAtLeast: Unlock before then lingers (set before the Lock is returned)
+	linger    *time.Timer  // the lingering lock's release, once Unlock was called early (guarded by l.mu)
 }
 
 // handle is where a lock is held: a *session.Session of its own, or a *session.Held on a shared session.
@@ -34,6 +36,7 @@ const (
 	lockHeld int32 = iota
 	unlockedByCaller
 	releasedByClose
+	lingering // unlocked by the caller before its HoldAtLeast: released when that has passed (or by Close)
 )
 
 // Token is the grant's fencing token: strictly greater than every token handed out before it (see [WithFencing]);
@@ -66,6 +69,10 @@ func (lk *Lock) Err() error { return lk.h.Err() }
 func (lk *Lock) Unlock(ctx context.Context) error {
 	if lk == nil {
 		return ErrNotHeld
+	}
+	if d := time.Until(lk.holdUntil); d > 0 && lk.h.Err() == nil && lk.ended.CompareAndSwap(lockHeld, lingering) {
+		lk.l.lingerFor(lk, d)
+		return nil
 	}
 	if !lk.ended.CompareAndSwap(lockHeld, unlockedByCaller) {
 		if lk.ended.Load() == releasedByClose {

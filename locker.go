@@ -139,9 +139,9 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 // TryLock takes key exclusively if no other session holds it, or fails at once with ErrNotAcquired. It never waits
 // for a connection: with shared sessions it needs none once one is open, and with a session per lock it fails with
 // ErrPoolExhausted when the pool has no free connection (with [Open], when its sessions of their own are all in
-// use).
-func (l *Locker) TryLock(ctx context.Context, key Key) (*Lock, error) {
-	return l.lock(ctx, key, false, false, nil)
+// use). Of the call options, [HoldAtLeast] applies ([Wait] does not: a try never waits).
+func (l *Locker) TryLock(ctx context.Context, key Key, opts ...CallOption) (*Lock, error) {
+	return l.lock(ctx, key, false, false, opts)
 }
 
 // Lock takes key exclusively, waiting inside PostgreSQL (no polling) until it is granted or ctx ends. When ctx
@@ -156,8 +156,8 @@ func (l *Locker) Lock(ctx context.Context, key Key, opts ...CallOption) (*Lock, 
 }
 
 // TryRLock is TryLock in shared mode: any number of shared holders, no exclusive one.
-func (l *Locker) TryRLock(ctx context.Context, key Key) (*Lock, error) {
-	return l.lock(ctx, key, true, false, nil)
+func (l *Locker) TryRLock(ctx context.Context, key Key, opts ...CallOption) (*Lock, error) {
+	return l.lock(ctx, key, true, false, opts)
 }
 
 // RLock is Lock in shared mode.
@@ -195,6 +195,9 @@ func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool, opts []Ca
 			verb = "try lock"
 		}
 		return nil, &keyError{op: verb, key: key, err: err}
+	}
+	if co.hold > 0 {
+		lk.holdUntil = time.Now().Add(co.hold) // the grant came before now: held at least co.hold past it
 	}
 	return lk, nil
 }
@@ -486,6 +489,9 @@ func (l *Locker) forget(lk *Lock) (wasHeld bool) {
 		return false
 	}
 	lk.forgotten = true
+	if lk.linger != nil && lk.linger.Stop() {
+		l.inflight.Done() // ended (lost) during its hold: nothing left to release later
+	}
 	_, wasHeld = l.held[lk]
 	delete(l.held, lk)
 	l.leaveLocked(session.Target{ID: lk.key.id, Shared: lk.shared})
@@ -508,7 +514,9 @@ func (l *Locker) ended(lk *Lock) session.OnEnd {
 
 // Close releases every lock still held (each unlock bounded by WithReleaseTimeout), makes pending and later calls
 // fail with ErrClosed, and waits for its goroutines. It closes the pool only if [Open] made it. Locks released
-// this way report ErrClosed from Err and Unlock. Close is idempotent.
+// this way report ErrClosed from Err and Unlock. Locks whose caller unlocked them before their [HoldAtLeast] had
+// passed are released at once too (Close does not wait for a hold); their Err stays ErrNotHeld. Close is
+// idempotent.
 func (l *Locker) Close() {
 	if l == nil {
 		return
@@ -519,6 +527,9 @@ func (l *Locker) Close() {
 	held := make([]*Lock, 0, len(l.held))
 	for lk := range l.held {
 		held = append(held, lk)
+		if lk.linger != nil && lk.linger.Stop() {
+			l.inflight.Done() // its release will not run: the loop below releases it
+		}
 	}
 	l.mu.Unlock()
 	l.closeCancel(ErrClosed)
@@ -531,13 +542,19 @@ func (l *Locker) Close() {
 	l.mu.Unlock()
 	var wg sync.WaitGroup
 	for _, lk := range held {
-		if lk.ended.CompareAndSwap(lockHeld, releasedByClose) {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				_ = l.release(lk, ErrClosed)
-			}()
+		after := ErrClosed
+		switch {
+		case lk.ended.CompareAndSwap(lockHeld, releasedByClose):
+		case lk.ended.CompareAndSwap(lingering, unlockedByCaller): // its caller has unlocked it already
+			after = ErrNotHeld
+		default:
+			continue
 		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = l.release(lk, after)
+		}()
 	}
 	wg.Wait()
 	l.heldWG.Wait() // also those a concurrent Unlock is releasing, or being lost, and their observers told
@@ -609,8 +626,25 @@ func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 
 // TryDo is Do that does not wait: it takes key if no other session holds it (else ErrNotAcquired), runs fn with a
 // context cancelled when the lock is lost, and unlocks. It is Do(ctx, key, fn, Wait(0)).
-func (l *Locker) TryDo(ctx context.Context, key Key, fn func(ctx context.Context) error) error {
-	return l.Do(ctx, key, fn, Wait(0))
+func (l *Locker) TryDo(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...CallOption) error {
+	return l.Do(ctx, key, fn, append(opts, Wait(0))...)
+}
+
+// lingerFor releases lk, which its caller unlocked before its HoldAtLeast had passed, d from now (or when Close
+// comes first). A Locker closed already has released it, or is about to.
+func (l *Locker) lingerFor(lk *Lock, d time.Duration) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return // Close releases every lingering lock it finds
+	}
+	l.inflight.Add(1)
+	lk.linger = time.AfterFunc(d, func() {
+		defer l.inflight.Done()
+		if lk.ended.CompareAndSwap(lingering, unlockedByCaller) {
+			_ = l.release(lk, ErrNotHeld)
+		}
+	})
 }
 
 // keyError names the operation and key in an error while keeping the cause matchable.

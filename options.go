@@ -147,6 +147,7 @@ type CallOption func(*callOpts)
 type callOpts struct {
 	wait    time.Duration
 	waitSet bool
+	hold    time.Duration
 }
 
 func callOptions(opts []CallOption) callOpts {
@@ -155,6 +156,17 @@ func callOptions(opts []CallOption) callOpts {
 		o(&c)
 	}
 	return c
+}
+
+// HoldAtLeast keeps the key held until at least d after its grant, even when the caller unlocks sooner (or Do's fn
+// returns sooner): Unlock then returns nil at once, and the lock is released in the background when d has passed
+// since the grant. Meanwhile it stays a normal lock: Done and Err tell a loss, observers hear of its end when it
+// really ends, [Locker.Stats] counts it, Inspect and advlock ls show its holder, and this Locker's other callers
+// of the key wait or fail as for any held lock. [Locker.Close] releases it at once. It is what makes a scheduled
+// job run once per tick on several replicas whose clocks or start times differ: see docs/locks.md, "Scheduled
+// jobs". d <= 0 holds nothing past the unlock. The last HoldAtLeast given counts.
+func HoldAtLeast(d time.Duration) CallOption {
+	return func(c *callOpts) { c.hold = d }
 }
 
 // Wait bounds how long a call waits for the key, apart from its ctx: when d elapses without a grant the call

@@ -15,33 +15,35 @@ import (
 // Code that README.md and docs/*.md show. These functions are compiled with the package's tests and never run;
 // TestDocsGoBlocks (docs_test.go) fails when a ```go block of the docs is not an excerpt of a Go file that builds,
 // such as this one.
-var _ = []any{apiOnOneScreen, leaderElection, semaphoreSlots, transactionScope, holdingLocks, openOptions, leases}
+var _ = []any{apiOnOneScreen, leaderElection, semaphoreSlots, transactionScope, holdingLocks, openOptions, leases,
+	scheduledJob}
 
 // The README's "API in one screen".
 func apiOnOneScreen(ctx context.Context, pool *pgxpool.Pool, dsn string, opts []advlock.Option, key advlock.Key,
-	fn func(ctx context.Context) error, txfn func(ctx context.Context, tx pgx.Tx) error, tx pgx.Tx) {
-	l := advlock.New(pool)                                     // over a *pgxpool.Pool you own
-	l, err := advlock.Open(ctx, dsn, opts...)                  // or a pool of its own, tuned for locking
-	lk, err := l.TryLock(ctx, advlock.NameKey("billing-sync")) // ErrNotAcquired when held elsewhere
-	lk, err = l.Lock(ctx, advlock.Int64Key(42))                // waits in PostgreSQL until granted or ctx ends
-	lk, err = l.Lock(ctx, key, advlock.Wait(2*time.Second))    // ErrNotAcquired after 2 s; ctx still governs
-	lk, err = l.RLock(ctx, key)                                // shared mode; also TryRLock
-	<-lk.Done()                                                // closed once released or lost; lk.Err() says which
-	err = lk.Unlock(ctx)                                       // nil, ErrNotHeld, ErrLockLost, ErrUnlockFailed or ErrClosed
-	err = l.Do(ctx, key, fn)                                   // Lock, run fn (its ctx ends on loss), Unlock
-	err = l.TryDo(ctx, key, fn)                                // Do without waiting: ErrNotAcquired when busy
-	err = l.Lead(ctx, key, fn)                                 // leader election: fn runs while this process leads
-	lk, err = l.Semaphore("partner-api", 3).Acquire(ctx)       // at most 3 holders at once, across processes
-	err = l.DoTx(ctx, key, txfn)                               // a transaction that holds key: COMMIT or ROLLBACK ends it
-	err = advlock.XactLock(ctx, tx, key)                       // the same inside your own pgx.Tx
-	l, err = advlock.Open(ctx, dsn, advlock.WithFencing())     // lk.Token(), advlock.FenceToken(ctx) inside Do
-	l, err = advlock.Open(ctx, dsn, advlock.WithLeases())      // locks as rows of a table: through any pooler, any driver
-	err = l.Ping(ctx)                                          // one round trip: Open does not connect; fail fast at start
-	st := l.Stats()                                            // held, waiting, sessions, the pool's figures
-	rows, err := l.Inspect(ctx)                                // every advisory lock, through the Locker's own pool
-	use, err := l.LockTable(ctx)                               // the server's lock-table use against its size
-	who, ok, err := l.Leader(ctx, key)                         // who leads key, from any process
-	l.Close()                                                  // releases everything, waits for its goroutines
+	fn, job func(ctx context.Context) error, txfn func(ctx context.Context, tx pgx.Tx) error, tx pgx.Tx) {
+	l := advlock.New(pool)                                            // over a *pgxpool.Pool you own
+	l, err := advlock.Open(ctx, dsn, opts...)                         // or a pool of its own, tuned for locking
+	lk, err := l.TryLock(ctx, advlock.NameKey("billing-sync"))        // ErrNotAcquired when held elsewhere
+	lk, err = l.Lock(ctx, advlock.Int64Key(42))                       // waits in PostgreSQL until granted or ctx ends
+	lk, err = l.Lock(ctx, key, advlock.Wait(2*time.Second))           // ErrNotAcquired after 2 s; ctx still governs
+	lk, err = l.RLock(ctx, key)                                       // shared mode; also TryRLock
+	<-lk.Done()                                                       // closed once released or lost; lk.Err() says which
+	err = lk.Unlock(ctx)                                              // nil, ErrNotHeld, ErrLockLost, ErrUnlockFailed or ErrClosed
+	err = l.Do(ctx, key, fn)                                          // Lock, run fn (its ctx ends on loss), Unlock
+	err = l.TryDo(ctx, key, fn)                                       // Do without waiting: ErrNotAcquired when busy
+	err = l.TryDo(ctx, key, job, advlock.HoldAtLeast(30*time.Second)) // a scheduled job: held 30 s even if job is quick
+	err = l.Lead(ctx, key, fn)                                        // leader election: fn runs while this process leads
+	lk, err = l.Semaphore("partner-api", 3).Acquire(ctx)              // at most 3 holders at once, across processes
+	err = l.DoTx(ctx, key, txfn)                                      // a transaction that holds key: COMMIT or ROLLBACK ends it
+	err = advlock.XactLock(ctx, tx, key)                              // the same inside your own pgx.Tx
+	l, err = advlock.Open(ctx, dsn, advlock.WithFencing())            // lk.Token(), advlock.FenceToken(ctx) inside Do
+	l, err = advlock.Open(ctx, dsn, advlock.WithLeases())             // locks as rows of a table: through any pooler, any driver
+	err = l.Ping(ctx)                                                 // one round trip: Open does not connect; fail fast at start
+	st := l.Stats()                                                   // held, waiting, sessions, the pool's figures
+	rows, err := l.Inspect(ctx)                                       // every advisory lock, through the Locker's own pool
+	use, err := l.LockTable(ctx)                                      // the server's lock-table use against its size
+	who, ok, err := l.Leader(ctx, key)                                // who leads key, from any process
+	l.Close()                                                         // releases everything (held past Unlock too), waits
 	_, _, _, _, _, _ = st, rows, use, who, ok, err
 }
 
@@ -114,4 +116,12 @@ func leases(ctx context.Context, dsn string, run func(context.Context) error) {
 		return run(ctx) // ctx ends if the lease is lost; advlock.FenceToken(ctx) is the lease's term
 	})
 	_ = err
+}
+
+// docs/locks.md, "Scheduled jobs".
+func scheduledJob(ctx context.Context, locks *advlock.Locker, runReports func(context.Context) error) error {
+	tick := time.Now().Round(time.Minute) // this run's tick, on this replica's clock
+	key := advlock.NameKey("reports@" + tick.UTC().Format(time.RFC3339))
+	err := locks.TryDo(ctx, key, runReports, advlock.HoldAtLeast(30*time.Second))
+	return err
 }

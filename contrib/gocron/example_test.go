@@ -66,3 +66,12 @@ func ExampleNewLocker() {
 	s.Start()
 	defer func() { _ = s.Shutdown() }()
 }
+
+var _ = scheduledJobs
+
+// docs/locks.md, "Scheduled jobs": one run per tick on schedulers whose clocks differ.
+func scheduledJobs(locks *advlock.Locker) (gocron.Scheduler, error) {
+	x := advlockgocron.NewLocker(locks, advlockgocron.WithTickKeys(time.Second), advlockgocron.WithMinimumHold(800*time.Millisecond))
+	s, err := gocron.NewScheduler(gocron.WithDistributedLocker(x))
+	return s, err
+}

@@ -11,7 +11,8 @@
 //	defer elector.Close()
 //	s, err := gocron.NewScheduler(gocron.WithDistributedElector(elector))
 //
-// or, job by job: gocron.WithDistributedLocker(advlockgocron.NewLocker(locks)).
+// or, job by job: gocron.WithDistributedLocker(advlockgocron.NewLocker(locks)), whose minimum hold makes a job
+// run once per tick on schedulers whose clocks differ (see Locker).
 package advlockgocron
 
 import (
@@ -19,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+	"time"
 
 	"github.com/advlock/advlock"
 	"github.com/go-co-op/gocron/v2"
@@ -87,23 +89,68 @@ func (e *Elector) Close() error {
 	return e.err
 }
 
-// Locker is a gocron.Locker: each run of a job takes the key NameKey("gocron/job/"+name) without waiting, so that
-// when several schedulers start the same job at once only one runs it (the others skip that run); the lock is held
-// for the run. gocron notes that schedulers whose clocks differ may still run a job one after another; the
-// Elector avoids that.
+// Locker is a gocron.Locker: each run of a job takes the job's key without waiting, so that when several
+// schedulers start the same job only one runs it (the others skip that run), and keeps it held for at least a
+// minimum hold after the grant (advlock.HoldAtLeast), also when the run is quicker: a scheduler whose clock or
+// start is later by less than the hold finds the key held and skips the run the first one made.
+//
+// What it guarantees, for schedulers whose clocks and start times differ by at most S:
+//
+//   - with the default key (NameKey("gocron/job/"+name)) and a minimum hold h: one run per tick when S < h and
+//     h < the interval - S (the hold must end before the next tick's first scheduler fires). The default h is
+//     1 s: for cron jobs (a minute apart or more) and interval jobs of 2 s or more, with clocks within a second.
+//     A job more frequent than that needs WithMinimumHold below half its interval, or WithTickKeys;
+//   - with WithTickKeys(period): the key names the run's tick too (the scheduler's clock rounded to the nearest
+//     multiple of period), so ticks never share a key and only S < h is needed (h at most a few periods: each
+//     held key costs a lock until its hold ends). Schedulers whose clocks differ by half a period or more may
+//     name one run by two ticks, and run it twice.
+//
+// Beyond S the job may run twice for one tick, one run after the other (never at once). gocron does not tell a
+// Locker the run's scheduled time, so the tick is read from the clock when the run starts. The hold ends early
+// when the lock is lost (its session ended): another scheduler may then run the tick again. The Elector avoids
+// all of this by letting one scheduler run every job.
 type Locker struct {
-	l *advlock.Locker
+	l      *advlock.Locker
+	hold   time.Duration
+	period time.Duration
+	now    func() time.Time
 }
 
 var _ gocron.Locker = (*Locker)(nil)
 
-// NewLocker returns a gocron.Locker over l.
-func NewLocker(l *advlock.Locker) *Locker { return &Locker{l: l} }
+// LockerOption configures a Locker.
+type LockerOption func(*Locker)
 
-// Lock takes the job's key if no other scheduler holds it (else an error matching advlock.ErrNotAcquired, and
-// gocron skips this run).
+// WithMinimumHold sets how long after its grant a run's key stays held at least (default 1 s; 0 holds it for
+// the run only).
+func WithMinimumHold(d time.Duration) LockerOption { return func(x *Locker) { x.hold = d } }
+
+// WithTickKeys makes each run's key name its tick as well as its job: the clock rounded to the nearest multiple of
+// period (the job's interval, or a second for a crontab with seconds, a minute for one without).
+func WithTickKeys(period time.Duration) LockerOption { return func(x *Locker) { x.period = period } }
+
+// WithClock sets the clock the tick is read from (default time.Now): give it the clock the scheduler was given
+// (gocron.WithClock), as a test of skewed schedulers does.
+func WithClock(now func() time.Time) LockerOption { return func(x *Locker) { x.now = now } }
+
+// NewLocker returns a gocron.Locker over l.
+func NewLocker(l *advlock.Locker, opts ...LockerOption) *Locker {
+	x := &Locker{l: l, hold: time.Second, now: time.Now}
+	for _, o := range opts {
+		o(x)
+	}
+	return x
+}
+
+// Lock takes the run's key if no other scheduler holds it (else an error matching advlock.ErrNotAcquired, and
+// gocron skips this run). The lock's Unlock, which gocron calls when the run ends, returns at once; the key is
+// released when the minimum hold has passed.
 func (x *Locker) Lock(ctx context.Context, key string) (gocron.Lock, error) {
-	lk, err := x.l.TryLock(ctx, advlock.NameKey("gocron/job/"+key))
+	name := "gocron/job/" + key
+	if x.period > 0 {
+		name += "@" + x.now().Round(x.period).UTC().Format(time.RFC3339Nano)
+	}
+	lk, err := x.l.TryLock(ctx, advlock.NameKey(name), advlock.HoldAtLeast(x.hold))
 	if err != nil {
 		return nil, err
 	}

@@ -104,14 +104,15 @@ func TestElector(t *testing.T) {
 	t.Logf("pod %d led, then pod(s) %v after its session was terminated", leader, by)
 }
 
-// With the Locker, no two runs of one job overlap, whichever of 3 schedulers starts them.
+// With the Locker, no two runs of one job overlap, whichever of 3 schedulers starts them (a job every 10 ms: no
+// minimum hold).
 func TestLocker(t *testing.T) {
 	var inside, overlaps, ran atomic.Int32
 	var pods []*pod
 	job := t.Name() + time.Now().Format("150405.000000") // the same job on every scheduler
 	for range 3 {
 		p := newPod(t, func(l *advlock.Locker) gocron.SchedulerOption {
-			return gocron.WithDistributedLocker(NewLocker(l))
+			return gocron.WithDistributedLocker(NewLocker(l, WithMinimumHold(0))) // held for the run only
 		})
 		pods = append(pods, p)
 		if _, err := p.s.NewJob(gocron.DurationJob(10*time.Millisecond), gocron.NewTask(func() {
