@@ -95,7 +95,7 @@ func leaseLives(entries []leaseEntry) map[int64]*LeaseLife {
 	seen := map[leaseEntry]bool{}
 	out := map[int64]*LeaseLife{}
 	for _, e := range entries {
-		if seen[e] {
+		if seen[e] || e.Term == 0 { // a grant's insert writes term 0, then draws its term in an update
 			continue
 		}
 		seen[e] = true

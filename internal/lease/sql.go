@@ -41,7 +41,7 @@ const stale = "interval '3 seconds'" // WaitStale
 // name would leave an older body in place, since first use runs DDL only where something is missing), and the
 // processes of the earlier version go on calling theirs while a deploy rolls.
 const (
-	grantFunc   = "public.advlock_lease_grant_v1"
+	grantFunc   = "public.advlock_lease_grant_v2"
 	renewFunc   = "public.advlock_lease_renew_v1"
 	releaseFunc = "public.advlock_lease_release_v1"
 )
@@ -78,6 +78,11 @@ const DDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key 
 // (each trusts its lease for less than one length from sending the statement that granted or renewed it). A row
 // whose since is not visible yet (another grant is recording it at this instant) counts as now.
 //
+// The term is drawn once the row is this grant's (its insert, or the update of an expired row, holds the row's
+// lock until commit): a term drawn before, in the inserted values, could come out of a grant that waited for
+// another grant's insert of the key, which then committed, ran and released, and so be lower than that grant's
+// term. So an insert writes 0 and then draws the term in an update of its own row.
+//
 // A key held by a live lease is seen first and not tried at all, so that a try neither locks the holder's row nor
 // draws a token nor writes anything, and a waiter's poll writes only its wait's row, at most once a second (the
 // upsert's own condition decides the race of two grants that both saw none).
@@ -105,10 +110,13 @@ const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, o
 	"AND NOT EXISTS (SELECT 1 FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter <> wt " +
 	"AND w.seen > clock_timestamp() - " + stale + " AND (mine IS NULL OR w.since < mine OR w.since = mine AND w.waiter < wt)) THEN\n" +
 	"    durable := " + durable + ";\n" +
-	"    INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) VALUES (sp, k, own, " + session.TokenSQL +
+	"    INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) VALUES (sp, k, own, 0" +
 	", clock_timestamp() + len_ms * interval '1 millisecond', hold) " +
-	"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = EXCLUDED.term, expires = EXCLUDED.expires, " +
+	"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = " + session.TokenSQL + ", expires = EXCLUDED.expires, " +
 	"granted = clock_timestamp(), holder = EXCLUDED.holder WHERE l.expires < clock_timestamp() RETURNING l.term INTO t;\n" +
+	"    IF t = 0 THEN\n" +
+	"      UPDATE " + Table + " AS l SET term = " + session.TokenSQL + " WHERE l.space = sp AND l.key = k RETURNING l.term INTO t;\n" +
+	"    END IF;\n" +
 	"    IF t IS NOT NULL THEN\n" +
 	"      IF wt <> '' THEN DELETE FROM " + Waits + " AS w WHERE w.waiter = wt; END IF;\n" +
 	"      RETURN t;\n" +

@@ -145,3 +145,62 @@ func TestWaitQueue(t *testing.T) {
 		t.Errorf("a try with no wait queued: %d", r)
 	}
 }
+
+// A grant's term is drawn once the row is the grant's, after any wait: a grant that waited for another grant's
+// insert of the key (which then released it, in the same transaction here, as a quick holder does before the
+// waiter runs again) draws a term greater than any drawn while it waited. Drawn in the inserted values, before
+// the wait, it came out lower than a term another grant drew meanwhile: terms out of the grants' order.
+func TestGrantTermAfterAWaitedInsert(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	a, b, c := pgtest.Conn(t, url), pgtest.Conn(t, url), pgtest.Conn(t, url)
+	ctx := context.Background()
+	if _, err := a.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
+		t.Fatal(err)
+	}
+	id := session.ID{V: 4242}
+	tx, err := a.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	var first int64
+	if err := tx.QueryRow(ctx, GrantSQL(id, "owner-a", "a", time.Minute, "")).Scan(&first); err != nil || first <= 0 {
+		t.Fatalf("the first grant: %d %v", first, err)
+	}
+	second := make(chan int64, 1)
+	go func() {
+		var r int64
+		if err := b.QueryRow(ctx, GrantSQL(id, "owner-b", "b", time.Minute, "")).Scan(&r); err != nil {
+			t.Error(err)
+		}
+		second <- r
+	}()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var waiting bool
+		if err := c.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE '%owner-b%')`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the second grant never waited for the first")
+		}
+	}
+	meanwhile := one(t, c, "SELECT nextval('"+session.FenceSeq+"')") // another grant's draw, while the second waits
+	var released int64
+	if err := tx.QueryRow(ctx, ReleaseSQL(id, "owner-a", first)).Scan(&released); err != nil || released != 1 {
+		t.Fatalf("the first holder's release: %d %v", released, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got := <-second
+	if got <= 0 {
+		t.Fatalf("the second grant, after the first's release: %d, want a term", got)
+	}
+	if seq := got & (1<<48 - 1); seq <= meanwhile {
+		t.Errorf("the second grant drew sequence value %d (term %d), not after %d, drawn while it waited", seq, got, meanwhile)
+	}
+}
