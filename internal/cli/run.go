@@ -17,7 +17,7 @@ import (
 	"github.com/advlock/advlock/internal/session"
 )
 
-const runSynopsis = "[--wait DURATION | --no-wait] [--shared | --leases] [--fence] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
+const runSynopsis = "[--wait DURATION | --no-wait] [--shared | --leases] [--fence] [--hold-at-least DURATION] [--quiet] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
 
 const runExits = `
 Holds KEY while COMMAND runs and releases it when COMMAND exits. COMMAND finds KEY in $ADVLOCK_KEY (as advlock
@@ -47,6 +47,15 @@ always in $ADVLOCK_TOKEN. A lease lasts 15s, renewed every 5s; if advlock freeze
 the lease expires (--keepalive does not apply), and when advlock resumes it finds the lease lost and ends COMMAND
 (exit 70). advlock break KEY deletes a lease; its holder learns at its next renewal (within 5s) and ends COMMAND.
 --leases takes no --shared lock and detects no deadlock: a nested run's wait for a lease needs --wait.
+
+A scheduled job on several hosts (the same crontab everywhere, a Kubernetes CronJob in several clusters) runs
+once per tick with --hold-at-least: KEY stays held until DURATION after it was acquired, even when COMMAND ends
+sooner, so that a host whose clock or start is later by less than DURATION finds KEY held and skips the run (with
+--no-wait: exit 75; --quiet prints nothing then, for cron, which mails every line it sees). advlock exits with
+COMMAND's status once the hold has passed; SIGINT, SIGTERM or SIGHUP during the hold end it at once (COMMAND's
+status still), and a lock lost during the hold is reported on stderr (another host may then run the tick again).
+DURATION must end before the next tick's first host starts: for a job every minute and clocks within a few
+seconds, --hold-at-least 30s.
 
 An advlock run inside COMMAND knows what this one holds ($ADVLOCK_HOLDING): if its wait closes a cycle of waits
 (two nested runs taking two keys in opposite orders), one of the waits gives up (exit 71) instead of both waiting
@@ -114,6 +123,9 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		"so if advlock freezes (SIGSTOP, a stuck VM) a waiter gets KEY within about 3x this")
 	leases := fs.Bool("leases", envBool("ADVLOCK_LEASES"), "hold KEY as a lease, a row of a table, instead of a session lock: works through any pooler\n"+
 		"(default $ADVLOCK_LEASES)")
+	holdAtLeast := durationFlag(fs, "hold-at-least", 0, "keep KEY held until `DURATION` after it was acquired, even when COMMAND ends sooner;\n"+
+		"exit with COMMAND's status once it has passed (a scheduled job on several hosts)")
+	quiet := fs.Bool("quiet", false, "print nothing when KEY is held elsewhere (exit 75): for cron, which mails every line")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	keyArg, command, err := runArgs(fs, args)
 	if ae := argError(""); errors.As(err, &ae) {
@@ -149,6 +161,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		return badValue(fs, std, "grace", "must not be negative")
 	case *keepalive <= 0:
 		return badValue(fs, std, "keepalive", "must be positive")
+	case *holdAtLeast < 0:
+		return badValue(fs, std, "hold-at-least", "must not be negative")
 	}
 	if waitSet && *wait == 0 {
 		*noWait = true // as flock -w 0: do not wait
@@ -203,7 +217,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	if *leases {
 		opts = append(opts, advlock.WithLeases(), advlock.WithLeaseHolder("advlock run "+keyArg))
 	}
-	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *wait, opts)
+	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *quiet, *wait, opts)
+	holdUntil := time.Now().Add(*holdAtLeast) // the grant came before now
 	close(stopSigWatch)
 	<-sigWatchDone
 	if l != nil {
@@ -219,13 +234,13 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	if lk == nil {
 		return code
 	}
-	return supervise(ctx, std, lk, key, command, sigs, *grace)
+	return supervise(ctx, std, lk, key, command, sigs, *grace, holdUntil)
 }
 
 // acquire connects and takes key. Connecting has its own budget (the DSN's connect_timeout, default 10s); the
 // lock is tried first, and only then waited for, within wait if it is not zero. It returns the lock, or the exit
 // status when there is none.
-func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait bool, wait time.Duration, opts []advlock.Option) (*advlock.Lock, *advlock.Locker, int) {
+func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait, quiet bool, wait time.Duration, opts []advlock.Option) (*advlock.Lock, *advlock.Locker, int) {
 	l, err := open(ctx, conn, "advlock run "+key.String(), opts...)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -252,7 +267,9 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 			return nil, l, exitDeadlock
 		}
 		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
-			fmt.Fprintf(std.Err, "advlock: %s not acquired within %v\n", key, wait)
+			if !quiet {
+				fmt.Fprintf(std.Err, "advlock: %s not acquired within %v\n", key, wait)
+			}
 			return nil, l, exitNotAcquired
 		}
 	}
@@ -262,7 +279,9 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 	case ctx.Err() != nil: // a signal; reported by the caller
 		return nil, l, 0
 	case errors.Is(err, advlock.ErrNotAcquired):
-		fmt.Fprintf(std.Err, "advlock: %s is held by another holder\n", key)
+		if !quiet {
+			fmt.Fprintf(std.Err, "advlock: %s is held by another holder\n", key)
+		}
 		return nil, l, exitNotAcquired
 	}
 	fmt.Fprintf(std.Err, "advlock: run: %s\n", describe(err))
@@ -270,7 +289,7 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 }
 
 // supervise runs command under lk until it exits, forwarding signals, and ends its group if the lock is lost.
-func supervise(ctx context.Context, std Stdio, lk *advlock.Lock, key advlock.Key, command []string, sigs <-chan os.Signal, grace time.Duration) int {
+func supervise(ctx context.Context, std Stdio, lk *advlock.Lock, key advlock.Key, command []string, sigs <-chan os.Signal, grace time.Duration, holdUntil time.Time) int {
 	env := []string{"ADVLOCK_KEY=" + key.String(), "ADVLOCK_HOLDING=" + holding(lk)}
 	if lk.Token() != 0 {
 		env = append(env, "ADVLOCK_TOKEN="+strconv.FormatInt(lk.Token(), 10))
@@ -318,9 +337,13 @@ loop:
 		}
 	}
 	j.finish()
+	lostInHold := false
+	if d := time.Until(holdUntil); d > 0 && !lost {
+		lostInHold = holdOn(std, lk, key, sigs, d)
+	}
 	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer ucancel()
-	if err := lk.Unlock(uctx); err != nil && !lost {
+	if err := lk.Unlock(uctx); err != nil && !lost && !lostInHold {
 		if errors.Is(err, advlock.ErrLockLost) {
 			fmt.Fprintf(std.Err, "advlock: lock %s was lost before the command's end was recorded: %s\n", key, describe(err))
 			return exitLost
@@ -336,6 +359,28 @@ loop:
 		return ws.ExitStatus() // the guard exits with COMMAND's status, 128+N for a signal, 126/127 if not run
 	}
 	return exitCannotExec
+}
+
+// holdOn keeps lk held for d after COMMAND has ended (--hold-at-least), until a signal cuts it short or the lock
+// is lost (reported: another host may run the tick again), which it reports.
+func holdOn(std Stdio, lk *advlock.Lock, key advlock.Key, sigs <-chan os.Signal, d time.Duration) (lost bool) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+			return false
+		case s := <-sigs:
+			if s == syscall.SIGTSTP {
+				continue
+			}
+			return false
+		case <-lk.Done():
+			fmt.Fprintf(std.Err, "advlock: lock %s lost during --hold-at-least (another host may run the job again): %s\n",
+				key, describe(lk.Err()))
+			return true
+		}
+	}
 }
 
 var errSignal = errors.New("signal received")

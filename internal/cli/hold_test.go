@@ -1,0 +1,111 @@
+package cli
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+)
+
+// run --hold-at-least: a quick COMMAND's KEY stays held until the hold has passed, and run then exits with
+// COMMAND's status; a second host's run --no-wait --quiet meanwhile exits 75 printing nothing; a signal during the
+// hold ends it at once; a loss during the hold is reported, COMMAND's status kept.
+func TestRunHoldAtLeast(t *testing.T) {
+	ctx := context.Background()
+	obs := pgtest.Conn(t, pgtest.URL(t))
+	held := func(k string) bool {
+		rows, err := advlock.Inspect(ctx, obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		key, _ := advlock.ParseKey(k)
+		for _, r := range rows {
+			if r.Key == key && r.Granted {
+				return true
+			}
+		}
+		return false
+	}
+
+	k := strconv.FormatInt(time.Now().UnixNano(), 10) // an int8 KEY: Inspect shows it as it is
+	const hold = 2 * time.Second
+	started := time.Now()
+	p := start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "2s", k, "--", "sh", "-c", "echo job; exit 3")
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(p.out.String(), "job"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("COMMAND did not run: stderr %q", p.err.String())
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // COMMAND has ended; run holds on
+	if !held(k) {
+		t.Fatalf("KEY not held after COMMAND ended, during the hold")
+	}
+	q := start(t, dbEnv(t), "run", "--no-wait", "--quiet", k, "--", "echo", "twice")
+	if code := q.wait(t, 20*time.Second); code != exitNotAcquired || q.out.Len() != 0 || q.err.Len() != 0 {
+		t.Errorf("a second run --no-wait --quiet during the hold: exit %d stdout %q stderr %q, want 75 and nothing printed",
+			code, q.out.String(), q.err.String())
+	}
+	if code := p.wait(t, 20*time.Second); code != 3 {
+		t.Errorf("run --hold-at-least: exit %d, want COMMAND's 3 (stderr %q)", code, p.err.String())
+	}
+	if d := time.Since(started); d < hold {
+		t.Errorf("run exited %v after it started, before its hold of %v", d, hold)
+	}
+	if held(k) {
+		t.Errorf("KEY still held after run exited")
+	}
+
+	// Without --quiet, the same refusal says why.
+	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "true")
+	for deadline := time.Now().Add(10 * time.Second); !held(k); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("KEY never held")
+		}
+	}
+	r := start(t, dbEnv(t), "run", "--no-wait", k, "--", "true")
+	if code := r.wait(t, 20*time.Second); code != exitNotAcquired || !strings.Contains(r.err.String(), "held by another holder") {
+		t.Errorf("run --no-wait during a hold: exit %d stderr %q", code, r.err.String())
+	}
+	// A signal during the hold ends it at once, with COMMAND's status.
+	if err := q.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := q.wait(t, 20*time.Second); code != 0 {
+		t.Errorf("SIGTERM during the hold: exit %d, want COMMAND's 0 (stderr %q)", code, q.err.String())
+	}
+	if held(k) {
+		t.Errorf("KEY still held after a SIGTERM ended the hold")
+	}
+
+	// A loss during the hold: reported, COMMAND's status kept.
+	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "true")
+	var pid int32
+	for deadline := time.Now().Add(10 * time.Second); pid == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("KEY never held")
+		}
+		rows, _ := advlock.Inspect(ctx, obs)
+		key, _ := advlock.ParseKey(k)
+		for _, row := range rows {
+			if row.Key == key && row.Granted {
+				pid = row.PID
+			}
+		}
+	}
+	time.Sleep(200 * time.Millisecond)
+	if _, err := obs.Exec(ctx, "SELECT pg_terminate_backend($1::int4)", int64(pid)); err != nil {
+		t.Fatal(err)
+	}
+	if code := q.wait(t, 20*time.Second); code != 0 || !strings.Contains(q.err.String(), "lost during --hold-at-least") {
+		t.Errorf("a loss during the hold: exit %d stderr %q, want COMMAND's 0 and the loss reported", code, q.err.String())
+	}
+
+	if code, _, errOut := run(t, "", "run", "--hold-at-least", "-1s", k, "--", "true"); code != exitUsage || !strings.Contains(errOut, "hold-at-least") {
+		t.Errorf("a negative --hold-at-least: exit %d stderr %q, want 2", code, errOut)
+	}
+}
