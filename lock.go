@@ -71,10 +71,12 @@ func (lk *Lock) Unlock(ctx context.Context) error {
 		return ErrNotHeld
 	}
 	if d := time.Until(lk.holdUntil); d > 0 && lk.h.Err() == nil && lk.ended.CompareAndSwap(lockHeld, lingering) {
-		lk.l.lingerFor(lk, d)
-		return nil
-	}
-	if !lk.ended.CompareAndSwap(lockHeld, unlockedByCaller) {
+		if lk.l.lingerFor(lk, d) {
+			return nil
+		}
+		// Lost as it was unlocked (the Locker forgot it before its Err said so): reported as any loss.
+		lk.ended.Store(unlockedByCaller)
+	} else if !lk.ended.CompareAndSwap(lockHeld, unlockedByCaller) {
 		if lk.ended.Load() == releasedByClose {
 			return &keyError{op: "unlock", key: lk.key, err: ErrClosed}
 		}

@@ -631,12 +631,16 @@ func (l *Locker) TryDo(ctx context.Context, key Key, fn func(ctx context.Context
 }
 
 // lingerFor releases lk, which its caller unlocked before its HoldAtLeast had passed, d from now (or when Close
-// comes first). A Locker closed already has released it, or is about to.
-func (l *Locker) lingerFor(lk *Lock, d time.Duration) {
+// comes first). A Locker closed already has released it, or is about to. It reports false, arming nothing, when
+// lk has ended already (lost: the Locker forgot it before its Err said so), which Unlock then reports.
+func (l *Locker) lingerFor(lk *Lock, d time.Duration) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if lk.forgotten {
+		return false
+	}
 	if l.closed {
-		return // Close releases every lingering lock it finds
+		return true // Close releases every lingering lock it finds
 	}
 	l.inflight.Add(1)
 	lk.linger = time.AfterFunc(d, func() {
@@ -645,6 +649,7 @@ func (l *Locker) lingerFor(lk *Lock, d time.Duration) {
 			_ = l.release(lk, ErrNotHeld)
 		}
 	})
+	return true
 }
 
 // keyError names the operation and key in an error while keeping the cause matchable.
