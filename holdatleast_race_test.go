@@ -475,6 +475,7 @@ func TestHoldAtLeastUnlockAfterHold(t *testing.T) {
 			if st := l.Stats(); st.Held != 0 {
 				t.Errorf("Stats().Held = %d", st.Held)
 			}
+			l.Close() // the observers are told once Done has closed: Close waits for them
 			ends.once(t, k, CauseReleased)
 		})
 	}
@@ -804,13 +805,14 @@ func TestHoldAtLeastLostAsTimerFires(t *testing.T) {
 		if st := l.Stats(); st.Held != 0 {
 			t.Errorf("round %d: Stats().Held = %d once Done closed", i, st.Held)
 		}
+		var cause string
 		switch {
 		case errors.Is(lk.Err(), ErrNotHeld):
 			outcomes["released"]++
-			ends.once(t, k, CauseReleased)
+			cause = CauseReleased
 		case errors.Is(lk.Err(), ErrLockLost):
 			outcomes["lost"]++
-			ends.once(t, k, CauseLost)
+			cause = CauseLost
 		default:
 			t.Errorf("round %d: Err %v", i, lk.Err())
 		}
@@ -819,8 +821,9 @@ func TestHoldAtLeastLostAsTimerFires(t *testing.T) {
 		}
 		haClose(t, l, haRescue(l, lk))
 		pool.Close()
-		if n := len(ends.of(k)); n != 1 {
-			t.Errorf("round %d: %d LockEnd after Close", i, n)
+		// The observers are told once Done has closed, not by then: judged once Close has waited for them.
+		if cause != "" {
+			ends.once(t, k, cause)
 		}
 	}
 }
