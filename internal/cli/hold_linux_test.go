@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"os"
 	"strconv"
 	"strings"
 	"syscall"
@@ -61,19 +62,24 @@ func TestRunHoldAtLeast(t *testing.T) {
 	}
 
 	// Without --quiet, the same refusal says why.
-	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "true")
-	for deadline := time.Now().Add(10 * time.Second); !held(k); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("KEY never held")
-		}
-	}
+	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "sh", "-c", commandThenGone)
+	inHold(t, q)
 	r := start(t, dbEnv(t), "run", "--no-wait", k, "--", "true")
 	if code := r.wait(t, 20*time.Second); code != exitNotAcquired || !strings.Contains(r.err.String(), "held by another holder") {
 		t.Errorf("run --no-wait during a hold: exit %d stderr %q", code, r.err.String())
 	}
-	// A signal during the hold ends it at once, with COMMAND's status.
-	if err := q.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
+	// A signal during the hold ends it at once, with COMMAND's status. (Sent again until run exits: the first may
+	// come before run has begun to hold on, and is then COMMAND's, which ignores it.)
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(300 * time.Millisecond) {
+		_ = q.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-q.done:
+		default:
+			if time.Now().Before(deadline) {
+				continue
+			}
+		}
+		break
 	}
 	if code := q.wait(t, 20*time.Second); code != 0 {
 		t.Errorf("SIGTERM during the hold: exit %d, want COMMAND's 0 (stderr %q)", code, q.err.String())
@@ -83,7 +89,8 @@ func TestRunHoldAtLeast(t *testing.T) {
 	}
 
 	// A loss during the hold: reported, COMMAND's status kept.
-	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "true")
+	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "sh", "-c", commandThenGone)
+	inHold(t, q)
 	var pid int32
 	for deadline := time.Now().Add(10 * time.Second); pid == 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -97,7 +104,6 @@ func TestRunHoldAtLeast(t *testing.T) {
 			}
 		}
 	}
-	time.Sleep(200 * time.Millisecond)
 	if _, err := obs.Exec(ctx, "SELECT pg_terminate_backend($1::int4)", int64(pid)); err != nil {
 		t.Fatal(err)
 	}
@@ -108,4 +114,24 @@ func TestRunHoldAtLeast(t *testing.T) {
 	if code, _, errOut := run(t, "", "run", "--hold-at-least", "-1s", k, "--", "true"); code != exitUsage || !strings.Contains(errOut, "hold-at-least") {
 		t.Errorf("a negative --hold-at-least: exit %d stderr %q, want 2", code, errOut)
 	}
+}
+
+// commandThenGone is a COMMAND that prints its pid, ignores the signals run forwards, and exits 0.
+const commandThenGone = `trap "" TERM INT HUP; echo $$`
+
+// inHold waits until p's COMMAND (commandThenGone) has exited and been reaped, and a moment more: run holds on.
+func inHold(t *testing.T, p *proc) {
+	t.Helper()
+	var pid string
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if pid = strings.TrimSpace(p.out.String()); pid != "" {
+			if _, err := os.Stat("/proc/" + pid); os.IsNotExist(err) {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("COMMAND (pid %q) still there after 20 s; stderr %q", pid, p.err.String())
+		}
+	}
+	time.Sleep(300 * time.Millisecond)
 }
