@@ -139,7 +139,12 @@ func (d *demo) poolReuse(ctx context.Context) error {
 		d.say("   => TWO HOLDERS AT ONCE: PostgreSQL re-grants a lock to the session that holds it, and both")
 		d.say("      requests used the same pooled session.")
 	}
-	// Clean up the naive pool's leftovers: its session holds the lock twice.
+	// Clean up the naive pool's leftovers: its session holds the lock twice. Unlocked on that session first (the
+	// pool has one), so that the key is free when advlock tries it: a closed connection's locks go only once the
+	// server has noticed the close.
+	if _, err := pool.Exec(ctx, "SELECT pg_advisory_unlock_all()"); err != nil {
+		return err
+	}
 	pool.Reset()
 
 	l := advlock.New(pool)
