@@ -627,7 +627,7 @@ func (l *Locker) Do(ctx context.Context, key Key, fn func(ctx context.Context) e
 // TryDo is Do that does not wait: it takes key if no other session holds it (else ErrNotAcquired), runs fn with a
 // context cancelled when the lock is lost, and unlocks. It is Do(ctx, key, fn, Wait(0)).
 func (l *Locker) TryDo(ctx context.Context, key Key, fn func(ctx context.Context) error, opts ...CallOption) error {
-	return l.Do(ctx, key, fn, append(opts, Wait(0))...)
+	return l.Do(ctx, key, fn, append(opts[:len(opts):len(opts)], Wait(0))...) // never into the caller's array
 }
 
 // lingerFor releases lk, which its caller unlocked before its HoldAtLeast had passed, d from now (or when Close
