@@ -30,6 +30,7 @@ var layers = map[string][]string{
 	"internal/cli":                 {"", "internal/session", "internal/pgcluster"},
 	"cmd/advlock":                  {"internal/cli"},
 	"chaos":                        {"", "internal/testkit/faults", "internal/mutant", "internal/pgcluster", "internal/session", "internal/config"},
+	"advlocktest":                  {"", "internal/lease", "internal/pgcluster", "internal/testkit/faults"},
 	"examples/basic":               {""},
 	"examples/http":                {""},
 	"examples/slog":                {""},
@@ -39,14 +40,15 @@ var layers = map[string][]string{
 // What internal/session may use of pgx: the wire protocol, not a pool or a driver.
 var sessionPgx = []string{"github.com/jackc/pgx/v5/pgconn", "github.com/jackc/pgx/v5/pgproto3"}
 
-// The test kit: what only tests and the chaos campaign use. Every other package is the product (the library, its
-// adapters, the command and what it links in, the examples), and no package of the product imports the test kit or
-// package testing, whatever layers allows: a package that needs testing belongs under internal/testkit.
+// The test kit: what only tests and the chaos campaign use, and advlocktest, the public kit for users' tests. Every
+// other package is the product (the library, its adapters, the command and what it links in, the examples), and no
+// package of the product imports the test kit or package testing, whatever layers allows: a package that needs
+// testing belongs under internal/testkit.
 const testkit = "internal/testkit"
 
 // product reports whether a package of the module (its path inside the module) is part of the product.
 func product(rel string) bool {
-	return rel != "chaos" && rel != testkit && !strings.HasPrefix(rel, testkit+"/")
+	return rel != "chaos" && rel != "advlocktest" && rel != testkit && !strings.HasPrefix(rel, testkit+"/")
 }
 
 // importProblem says what is wrong with package rel's non-test files importing imp, or "" when nothing is: allowed

@@ -1,0 +1,547 @@
+package advlocktest_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/advlocktest"
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(helperEnv) != "" { // a child of TestThrowawayRemoved
+		dsn := advlocktest.DSN(&recorder{}, advlocktest.Env(helperEnv+"_UNSET"))
+		cfg, err := pgx.ParseConfig(dsn)
+		if err != nil {
+			fmt.Println("no server:", err)
+			os.Exit(1)
+		}
+		fmt.Println(cfg.Port)
+		os.Exit(0)
+	}
+	code := m.Run()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+const helperEnv = "ADVLOCKTEST_HELPER"
+
+// recorder is a TB that records what a helper reports, so that a test can see a check fail; its cleanups run when
+// the test says.
+type recorder struct {
+	mu       sync.Mutex
+	errs     []string
+	cleanups []func()
+	skipped  string
+}
+
+func (r *recorder) Helper()      {}
+func (r *recorder) Name() string { return "recorder" }
+func (r *recorder) Cleanup(f func()) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.cleanups = append(r.cleanups, f)
+}
+func (r *recorder) Logf(string, ...any) {}
+func (r *recorder) Errorf(format string, args ...any) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.errs = append(r.errs, fmt.Sprintf(format, args...))
+}
+func (r *recorder) Fatalf(format string, args ...any) {
+	r.Errorf(format, args...)
+	panic("recorder: Fatalf: " + fmt.Sprintf(format, args...))
+}
+func (r *recorder) Skipf(format string, args ...any) {
+	r.skipped = fmt.Sprintf(format, args...)
+	panic("recorder: Skipf: " + r.skipped)
+}
+
+// end runs the cleanups, last first, as testing does, and returns what was reported.
+func (r *recorder) end() []string {
+	for i := len(r.cleanups) - 1; i >= 0; i-- {
+		r.cleanups[i]()
+	}
+	r.cleanups = nil
+	return r.errs
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func open(t *testing.T, dsn string, opts ...advlock.Option) *advlock.Locker {
+	t.Helper()
+	l, err := advlock.Open(ctxT(t), dsn, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(l.Close)
+	return l
+}
+
+var keySeq = time.Now().UnixNano()
+
+func newKey() advlock.Key {
+	keySeq++
+	return advlock.Int64Key(keySeq)
+}
+
+// holders reads, through a connection of the test's own, the server sessions granted key.
+func holders(t *testing.T, dsn string, key advlock.Key) []uint32 {
+	t.Helper()
+	conn, err := pgx.Connect(ctxT(t), dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	v, _ := key.Int64()
+	var pids []uint32
+	err = conn.QueryRow(ctxT(t), `SELECT coalesce(array_agg(pid), '{}') FROM pg_locks WHERE locktype = 'advisory'
+		AND granted AND objsubid = 1 AND classid = ($1::int8 >> 32)::oid AND objid = ($1::int8 & 4294967295)::oid`, v).Scan(&pids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pids
+}
+
+// A held key makes the code under test meet ErrNotAcquired; released, the key is free; the holder's session is the
+// server's holder.
+func TestHold(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	l := open(t, dsn)
+	key := newKey()
+	h := advlocktest.Hold(t, dsn, key)
+	if got := holders(t, dsn, key); len(got) != 1 || got[0] != h.PID() {
+		t.Fatalf("holders %v, want the holder's session %d", got, h.PID())
+	}
+	if _, err := l.TryLock(ctxT(t), key); !errors.Is(err, advlock.ErrNotAcquired) {
+		t.Fatalf("TryLock while held elsewhere: %v, want ErrNotAcquired", err)
+	}
+	if _, err := l.TryRLock(ctxT(t), key); !errors.Is(err, advlock.ErrNotAcquired) {
+		t.Fatalf("TryRLock while held elsewhere: %v, want ErrNotAcquired", err)
+	}
+	got := make(chan error, 1)
+	go func() {
+		lk, err := l.Lock(ctxT(t), key)
+		if err == nil {
+			err = lk.Unlock(context.Background())
+		}
+		got <- err
+	}()
+	select {
+	case err := <-got:
+		t.Fatalf("Lock returned while held elsewhere: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	h.Release()
+	if err := <-got; err != nil {
+		t.Fatalf("Lock after Release: %v", err)
+	}
+
+	s := advlocktest.HoldShared(t, dsn, key)
+	rl, err := l.TryRLock(ctxT(t), key)
+	if err != nil {
+		t.Fatalf("TryRLock beside a shared holder: %v", err)
+	}
+	if _, err := l.TryLock(ctxT(t), key); !errors.Is(err, advlock.ErrNotAcquired) {
+		t.Fatalf("TryLock beside a shared holder: %v, want ErrNotAcquired", err)
+	}
+	if err := rl.Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	s.Release()
+	if got := holders(t, dsn, key); len(got) != 0 {
+		t.Fatalf("holders after Release: %v", got)
+	}
+}
+
+// What Lose does to a lock is what pg_terminate_backend does: for each kind of session, the lock lost through Lose
+// and the lock lost through a terminate of its session by hand report the same (Done, Err, Unlock, Do's ctx).
+func TestLoseIsTerminate(t *testing.T) {
+	for _, kind := range []struct {
+		name string
+		opts []advlock.Option
+	}{
+		{"shared session", nil},
+		{"session per lock", []advlock.Option{advlock.WithSharedSessions(0)}},
+	} {
+		t.Run(kind.name, func(t *testing.T) {
+			dsn := advlocktest.DSN(t)
+			l := open(t, dsn, kind.opts...)
+			outcome := func(lose func(lk *advlock.Lock)) string {
+				key := newKey()
+				lk, err := l.TryLock(ctxT(t), key)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := holders(t, dsn, key); len(got) != 1 || got[0] != lk.PID() {
+					t.Fatalf("holders %v, want %d", got, lk.PID())
+				}
+				lose(lk)
+				select {
+				case <-lk.Done():
+				case <-time.After(10 * time.Second):
+					t.Fatal("Done not closed")
+				}
+				if got := holders(t, dsn, key); len(got) != 0 {
+					t.Fatalf("holders after the loss: %v", got)
+				}
+				unlockErr := lk.Unlock(ctxT(t))
+				doErr := l.Do(ctxT(t), key, func(context.Context) error { return nil }) // the key is free again
+				return fmt.Sprintf("Err is ErrLockLost: %v; Unlock is ErrLockLost: %v; Do after: %v",
+					errors.Is(lk.Err(), advlock.ErrLockLost), errors.Is(unlockErr, advlock.ErrLockLost), doErr)
+			}
+			byKit := outcome(func(lk *advlock.Lock) { advlocktest.Lose(t, lk) })
+			byHand := outcome(func(lk *advlock.Lock) {
+				conn, err := pgx.Connect(ctxT(t), dsn)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer conn.Close(context.Background())
+				if _, err := conn.Exec(ctxT(t), "SELECT pg_terminate_backend($1)", int64(lk.PID())); err != nil {
+					t.Fatal(err)
+				}
+			})
+			want := "Err is ErrLockLost: true; Unlock is ErrLockLost: true; Do after: <nil>"
+			if byKit != want || byHand != want {
+				t.Fatalf("Lose: %s\nterminate by hand: %s\nwant both: %s", byKit, byHand, want)
+			}
+		})
+	}
+}
+
+// Do's fn sees its ctx end with ErrLockLost when Lose ends its lock; for a lease too.
+func TestLoseDuringDo(t *testing.T) {
+	for _, kind := range []struct {
+		name string
+		opts []advlock.Option
+	}{
+		{"shared session", nil},
+		{"session per lock", []advlock.Option{advlock.WithSharedSessions(0)}},
+		{"lease", []advlock.Option{advlock.WithLeases(), advlock.WithLeaseLength(3 * time.Second)}},
+	} {
+		t.Run(kind.name, func(t *testing.T) {
+			dsn := advlocktest.DSN(t)
+			l := open(t, dsn, kind.opts...)
+			key := newKey()
+			lk, err := l.TryLock(ctxT(t), key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			inFn := make(chan struct{})
+			done := make(chan error, 1)
+			other := newKey()
+			go func() {
+				done <- l.Do(ctxT(t), other, func(ctx context.Context) error {
+					close(inFn)
+					<-ctx.Done()
+					return context.Cause(ctx)
+				})
+			}()
+			<-inFn
+			advlocktest.Lose(t, lk)
+			if !errors.Is(lk.Err(), advlock.ErrLockLost) {
+				t.Fatalf("Err after Lose: %v", lk.Err())
+			}
+			if kind.name == "shared session" { // Do's lock is on the same shared session: lost with it
+				if err := <-done; !errors.Is(err, advlock.ErrLockLost) {
+					t.Fatalf("Do on the same shared session: %v, want ErrLockLost", err)
+				}
+				return
+			}
+			select {
+			case err := <-done:
+				t.Fatalf("Do of another key ended with the loss of a lock on another session: %v", err)
+			case <-time.After(200 * time.Millisecond):
+			}
+			// Lose the Do's own lock through its key, as for a leader's.
+			advlocktest.LoseKey(t, dsn, other)
+			select {
+			case err := <-done:
+				if !errors.Is(err, advlock.ErrLockLost) {
+					t.Fatalf("Do after LoseKey: %v, want ErrLockLost", err)
+				}
+			case <-time.After(20 * time.Second):
+				t.Fatal("Do's fn not told of LoseKey")
+			}
+		})
+	}
+}
+
+// LoseKey ends a leader's term: Lead's fn sees its ctx end, and Lead campaigns and leads again.
+func TestLoseKeyLeader(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	l := open(t, dsn)
+	key := newKey()
+	terms := make(chan context.Context, 4)
+	ctx, cancel := context.WithCancel(ctxT(t))
+	led := make(chan error, 1)
+	go func() {
+		led <- l.Lead(ctx, key, func(ctx context.Context) error {
+			terms <- ctx
+			<-ctx.Done()
+			return nil
+		})
+	}()
+	first := <-terms
+	advlocktest.LoseKey(t, dsn, key)
+	select {
+	case <-first.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the leader's term did not end")
+	}
+	if !errors.Is(context.Cause(first), advlock.ErrLockLost) {
+		t.Fatalf("the term ended with %v, want ErrLockLost", context.Cause(first))
+	}
+	select {
+	case <-terms:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no second term")
+	}
+	cancel()
+	if err := <-led; err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatal(err)
+	}
+}
+
+// A blackhole is noticed within the keepalive bound (about twice WithKeepalive); a cut at once.
+func TestLink(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	link := advlocktest.NewLink(t, dsn)
+	const keepalive = time.Second
+	l := open(t, link.DSN(), advlock.WithKeepalive(keepalive))
+
+	lk, err := l.TryLock(ctxT(t), newKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	link.Cut()
+	select {
+	case <-lk.Done():
+	case <-time.After(keepalive): // a cut is told at once, not at the keepalive
+		t.Fatal("a cut link not told within a keepalive interval")
+	}
+
+	key := newKey()
+	lk, err = l.TryLock(ctxT(t), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // watched by now
+	start := time.Now()
+	link.Blackhole()
+	select {
+	case <-lk.Done():
+		if took := time.Since(start); took < keepalive/2 {
+			t.Fatalf("a blackhole told after %v: that is no silent network", took)
+		}
+	case <-time.After(2*keepalive + 2*time.Second):
+		t.Fatalf("a blackhole not told within the bound (about %v)", 2*keepalive)
+	}
+	if !errors.Is(lk.Err(), advlock.ErrLockLost) {
+		t.Fatalf("Err: %v", lk.Err())
+	}
+	// Until the link is restored or closed, the server keeps the silent session and its lock: a frozen holder.
+	if got := holders(t, dsn, key); len(got) != 1 {
+		t.Fatalf("holders during the blackhole: %v, want the silent session", got)
+	}
+	link.Restore() // the Locker closed its side: restored, the link passes that on, and the server lets go
+	for deadline := time.Now().Add(5 * time.Second); len(holders(t, dsn, key)) != 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the silent session still holds %s 5 s after the link was restored", key)
+		}
+	}
+
+	link.Latency(100 * time.Millisecond)
+	start = time.Now()
+	lk, err = l.TryLock(ctxT(t), newKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took < 100*time.Millisecond {
+		t.Fatalf("TryLock over 100 ms of latency took %v", took)
+	}
+	link.Restore()
+	if err := lk.Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The check for locks left held fails a test that ends holding one (server truth), names the key, and ends the
+// session; a test that unlocks passes it.
+func TestLeftHeldCheck(t *testing.T) {
+	for _, leave := range []bool{true, false} {
+		t.Run(fmt.Sprint("left held ", leave), func(t *testing.T) {
+			r := &recorder{}
+			dsn := advlocktest.DSN(r)
+			l, err := advlock.Open(ctxT(t), dsn)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key := newKey()
+			lk, err := l.TryLock(ctxT(t), key)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !leave {
+				if err := lk.Unlock(ctxT(t)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			errs := r.end()
+			switch {
+			case leave && (len(errs) != 1 || !strings.Contains(errs[0], key.String())):
+				t.Fatalf("a lock left held: reported %q, want one error naming %s", errs, key)
+			case !leave && len(errs) != 0:
+				t.Fatalf("nothing left held: reported %q", errs)
+			}
+			if leave {
+				if got := holders(t, dsn, key); len(got) != 0 {
+					t.Fatalf("the session left holding %s was not ended: %v", key, got)
+				}
+				<-lk.Done()
+			}
+			l.Close()
+		})
+	}
+}
+
+// VerifyNoGoroutines fails a test that leaves a Locker open, and passes one that closes it.
+func TestVerifyNoGoroutines(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	for _, closeIt := range []bool{false, true} {
+		r := &recorder{}
+		advlocktest.VerifyNoGoroutines(r)
+		l, err := advlock.Open(ctxT(t), dsn, advlock.WithSharedSessions(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		lk, err := l.TryLock(ctxT(t), newKey())
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond) // its watcher runs
+		if closeIt {
+			l.Close()
+		}
+		errs := r.end()
+		switch {
+		case !closeIt && (len(errs) != 1 || !strings.Contains(errs[0], "github.com/advlock/advlock")):
+			t.Fatalf("a Locker left open: reported %q, want its goroutines", errs)
+		case closeIt && len(errs) != 0:
+			t.Fatalf("a Locker closed: reported %q", errs)
+		}
+		if !closeIt {
+			_ = lk.Unlock(ctxT(t))
+			l.Close()
+		}
+	}
+}
+
+// A Server of the test's own restarts: its sessions end, and their locks are told lost; it takes locks again after.
+func TestServerRestart(t *testing.T) {
+	s := advlocktest.StartServer(t, nil)
+	dsn := s.DSN(t)
+	l := open(t, dsn)
+	lk, err := l.TryLock(ctxT(t), newKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Restart(t)
+	select {
+	case <-lk.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("a restart not told")
+	}
+	if !errors.Is(lk.Err(), advlock.ErrLockLost) {
+		t.Fatalf("Err: %v", lk.Err())
+	}
+	lk, err = l.TryLock(ctxT(t), newKey())
+	if err != nil {
+		t.Fatalf("TryLock after the restart: %v", err)
+	}
+	advlocktest.Lose(t, lk) // Lose finds a lock on a Server of the test's own
+	s.Crash(t)
+	if _, err := l.TryLock(ctxT(t), newKey()); err != nil {
+		t.Fatalf("TryLock after a crash: %v", err)
+	}
+}
+
+// The throwaway server of a test binary is removed once the binary has exited, with no TestMain to do it.
+func TestThrowawayRemoved(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), helperEnv+"=1")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("helper: %v: %s", err, out)
+	}
+	port := strings.TrimSpace(string(out))
+	dsn := "postgres://postgres@127.0.0.1:" + port + "/postgres?sslmode=disable&connect_timeout=2"
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		conn, err := pgx.Connect(context.Background(), dsn)
+		if err != nil {
+			return // gone
+		}
+		conn.Close(context.Background())
+		if time.Now().After(deadline) {
+			t.Fatalf("the throwaway server on port %s still answers 30 s after its test binary exited", port)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// FreshDatabase gives a database that has never seen advlock, dropped when the test ends.
+func TestFreshDatabase(t *testing.T) {
+	r := &recorder{}
+	dsn := advlocktest.DSN(r, advlocktest.FreshDatabase())
+	conn, err := pgx.Connect(ctxT(t), dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var name string
+	var seen bool
+	if err := conn.QueryRow(ctxT(t), `SELECT current_database(), to_regclass('public.advlock_lease') IS NOT NULL
+		OR EXISTS (SELECT FROM pg_class WHERE relname LIKE 'advlock%')`).Scan(&name, &seen); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close(context.Background())
+	if !strings.HasPrefix(name, "advlocktest_") || seen {
+		t.Fatalf("database %q, advlock objects there: %v", name, seen)
+	}
+	l, err := advlock.Open(ctxT(t), dsn, advlock.WithFencing())
+	if err != nil {
+		t.Fatal(err)
+	}
+	lk, err := l.TryLock(ctxT(t), newKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lk.Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	l.Close()
+	if errs := r.end(); len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	if _, err := pgx.Connect(ctxT(t), dsn); err == nil || !strings.Contains(err.Error(), "does not exist") {
+		t.Fatalf("connect to the dropped database: %v", err)
+	}
+}

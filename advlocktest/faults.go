@@ -1,0 +1,399 @@
+package advlocktest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	neturl "net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/lease"
+	"github.com/advlock/advlock/internal/pgcluster"
+	"github.com/advlock/advlock/internal/testkit/faults"
+	"github.com/jackc/pgx/v5"
+)
+
+// known returns the admin DSNs of every server the kit has handed out (the binary's, each live [Server]), and
+// ADVLOCK_TEST_DATABASE_URL when set.
+func known() []string {
+	serversMu.Lock()
+	defer serversMu.Unlock()
+	var out []string
+	add := func(dsn string) {
+		for _, d := range out {
+			if d == dsn {
+				return
+			}
+		}
+		out = append(out, dsn)
+	}
+	for _, d := range servers {
+		add(d)
+	}
+	for s := range private {
+		add(s.c.URL)
+	}
+	return out
+}
+
+// keyArgs is key as pg_locks shows it: classid, objid and objsubid (see keyWhere).
+func keyArgs(key advlock.Key) (classid, objid int64, objsubid int16) {
+	if v, ok := key.Int64(); ok {
+		return int64(uint64(v) >> 32), int64(uint32(v)), 1
+	}
+	a, b, _ := key.Pair()
+	return int64(uint32(a)), int64(uint32(b)), 2
+}
+
+// keyWhere is the condition on pg_locks (l) of a granted key whose keyArgs are a query's $2, $3 and $4.
+const keyWhere = `l.locktype = 'advisory' AND l.granted AND l.classid = $2::int8::oid AND l.objid = $3::int8::oid
+	AND l.objsubid = $4`
+
+// Lose makes lk lost as production loses a lock: its server session is ended with pg_terminate_backend (or, for a
+// lease, its row is deleted, as advlock break does). It returns once the server has ended the session and lk's
+// Done has closed, and fails the test when either takes longer than 30 s (a Locker behind a [Link] that is cut off
+// is told within its keepalive bound).
+//
+// As in production, every lock on that server session is lost with it: a Locker's shared session carries many of
+// its locks. The code under test sees exactly what a loss looks like: Done closes, Err matches
+// [advlock.ErrLockLost], Do's ctx ends, Unlock returns the loss.
+func Lose(t TB, lk *advlock.Lock) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	found := false
+	for _, admin := range known() {
+		ok, err := loseOn(ctx, admin, lk)
+		if err != nil {
+			t.Fatalf("advlocktest: Lose: %v", err)
+		}
+		if ok {
+			found = true
+			break
+		}
+	}
+	if !found {
+		select {
+		case <-lk.Done():
+			t.Fatalf("advlocktest: Lose: the lock of %s had already ended: %v", lk.Key(), lk.Err())
+		default:
+		}
+		t.Fatalf("advlocktest: Lose: no server the kit knows holds %s for this lock (open its Locker on advlocktest.DSN, "+
+			"a Link to it, or a Server's DSN)", lk.Key())
+	}
+	select {
+	case <-lk.Done():
+	case <-ctx.Done():
+		t.Fatalf("advlocktest: Lose: the server ended the lock of %s, and its Locker was not told within %v", lk.Key(), bound)
+	}
+}
+
+// loseOn ends lk on the server at admin, if that server holds it: true when it did.
+func loseOn(ctx context.Context, admin string, lk *advlock.Lock) (bool, error) {
+	conn, err := connect(ctx, admin, "advlocktest")
+	if err != nil {
+		return false, err
+	}
+	defer conn.Close(context.Background())
+	if lk.PID() == 0 { // a lease
+		var exists bool
+		if err := conn.QueryRow(ctx, "SELECT to_regclass('"+lease.Table+"') IS NOT NULL").Scan(&exists); err != nil || !exists {
+			return false, err
+		}
+		return advlock.BreakLease(ctx, conn, lk.Key(), lk.Token())
+	}
+	c, o, s := keyArgs(lk.Key())
+	var ended bool
+	err = conn.QueryRow(ctx, `SELECT coalesce(bool_or(pg_terminate_backend(l.pid)), false) FROM pg_locks l
+		WHERE l.pid = $1 AND `+keyWhere, int64(lk.PID()), c, o, s).Scan(&ended)
+	if err != nil || !ended {
+		return false, err
+	}
+	return true, sessionsGone(ctx, conn, []uint32{lk.PID()})
+}
+
+// sessionsGone waits until none of pids is a server session any more.
+func sessionsGone(ctx context.Context, conn *pgx.Conn, pids []uint32) error {
+	for {
+		var left int
+		if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)", pids).Scan(&left); err != nil {
+			return err
+		}
+		if left == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("server sessions %v still there after pg_terminate_backend", pids)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+// connect opens a connection of the kit's own to dsn, named name in application_name (never a test's tag, so that
+// the check for locks left held does not count it).
+func connect(ctx context.Context, dsn, name string) (*pgx.Conn, error) {
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		return nil, errors.New("the connection string does not parse") // never the string: it may hold a password
+	}
+	cfg.RuntimeParams["application_name"] = name
+	return pgx.ConnectConfig(ctx, cfg)
+}
+
+// LoseKey ends whatever holds key on the server at dsn, as an operator's advlock break does: every server session
+// that holds it is ended with pg_terminate_backend and its lease, if any, is deleted. It returns once no session
+// holds key. Use it where the code under test holds a lock it does not hand out, as a leader does.
+func LoseKey(t TB, dsn string, key advlock.Key) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	conn, err := connect(ctx, dsn, "advlocktest")
+	if err != nil {
+		t.Fatalf("advlocktest: LoseKey: %v", err)
+	}
+	defer conn.Close(context.Background())
+	c, o, s := keyArgs(key)
+	var pids []uint32
+	err = conn.QueryRow(ctx, `SELECT coalesce(array_agg(DISTINCT l.pid), '{}') FROM pg_locks l
+		WHERE l.pid <> $1 AND `+keyWhere, int64(conn.PgConn().PID()), c, o, s).Scan(&pids)
+	if err == nil && len(pids) > 0 {
+		if _, err = conn.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM unnest($1::int4[]) AS pid", pids); err == nil {
+			err = sessionsGone(ctx, conn, pids)
+		}
+	}
+	if err == nil {
+		var exists bool
+		if err = conn.QueryRow(ctx, "SELECT to_regclass('"+lease.Table+"') IS NOT NULL").Scan(&exists); err == nil && exists {
+			space, v := int16(1), int64(0)
+			if n, ok := key.Int64(); ok {
+				v = n
+			} else {
+				a, b, _ := key.Pair()
+				space, v = 2, int64(a)<<32|int64(uint32(b))
+			}
+			_, err = conn.Exec(ctx, "DELETE FROM "+lease.Table+" WHERE space = $1 AND key = $2", space, v)
+		}
+	}
+	if err != nil {
+		t.Fatalf("advlocktest: LoseKey %s: %v", key, err)
+	}
+}
+
+// A Holder holds a key from a server session of its own, as another process would, until Release or the end of the
+// test.
+type Holder struct {
+	t    TB
+	key  advlock.Key
+	conn *pgx.Conn
+	pid  uint32
+}
+
+// Hold takes key exclusively on a new server session to dsn (waiting for it if another holds it, for at most 30 s)
+// and holds it until [Holder.Release] or the end of the test: the code under test meets a key held elsewhere
+// (ErrNotAcquired from a try, a Lock that waits).
+func Hold(t TB, dsn string, key advlock.Key) *Holder {
+	t.Helper()
+	return hold(t, dsn, key, false)
+}
+
+// HoldShared is [Hold] in shared mode: readers pass, writers wait.
+func HoldShared(t TB, dsn string, key advlock.Key) *Holder {
+	t.Helper()
+	return hold(t, dsn, key, true)
+}
+
+func hold(t TB, dsn string, key advlock.Key, shared bool) *Holder {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	conn, err := connect(ctx, dsn, "advlocktest holder")
+	if err != nil {
+		t.Fatalf("advlocktest: Hold: %v", err)
+	}
+	fn := "pg_advisory_lock"
+	if shared {
+		fn = "pg_advisory_lock_shared"
+	}
+	if _, err := conn.Exec(ctx, "SELECT "+fn+"("+keySQL(key)+")"); err != nil {
+		conn.Close(context.Background())
+		t.Fatalf("advlocktest: Hold %s: %v", key, err)
+	}
+	h := &Holder{t: t, key: key, conn: conn, pid: conn.PgConn().PID()}
+	t.Cleanup(h.Release)
+	return h
+}
+
+// keySQL is key's arguments to the advisory lock functions, as literals.
+func keySQL(key advlock.Key) string {
+	if v, ok := key.Int64(); ok {
+		return strconv.FormatInt(v, 10) + "::int8"
+	}
+	a, b, _ := key.Pair()
+	return strconv.Itoa(int(a)) + "::int4, " + strconv.Itoa(int(b)) + "::int4"
+}
+
+// PID is the holder's server session.
+func (h *Holder) PID() uint32 { return h.pid }
+
+// Release ends the holder's server session, and with it the hold, and returns once the server has let the key go.
+// Calling it again does nothing.
+func (h *Holder) Release() {
+	if h.conn == nil {
+		return
+	}
+	conn := h.conn
+	h.conn = nil
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
+	_ = conn.Close(ctx)
+	obs, err := connect(ctx, conn.Config().ConnString(), "advlocktest")
+	if err == nil {
+		defer obs.Close(context.Background())
+		err = sessionsGone(ctx, obs, []uint32{h.pid})
+	}
+	if err != nil {
+		h.t.Errorf("advlocktest: release the hold of %s: %v", h.key, err)
+	}
+}
+
+// A Link is a TCP proxy between a Locker and its server that injects network faults: open the Locker on
+// [Link.DSN].
+type Link struct {
+	p   *faults.Proxy
+	dsn string
+}
+
+// NewLink starts a proxy to the server dsn names (over TCP: not a Unix socket) and returns it; it closes when the
+// test ends. Its DSN keeps everything else of dsn, the test's application_name included.
+func NewLink(t TB, dsn string) *Link {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		t.Fatalf("advlocktest: NewLink: the connection string does not parse")
+	}
+	if strings.HasPrefix(cfg.Host, "/") {
+		t.Fatalf("advlocktest: NewLink: %s is a Unix socket; a Link needs a TCP address", cfg.Host)
+	}
+	target := net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port)))
+	p, err := faults.New(target)
+	if err != nil {
+		t.Fatalf("advlocktest: NewLink: %v", err)
+	}
+	t.Cleanup(p.Close)
+	l := &Link{p: p}
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		u, err := neturl.Parse(dsn)
+		if err != nil {
+			t.Fatalf("advlocktest: NewLink: the connection string does not parse as a URL")
+		}
+		u.Host = p.Addr()
+		l.dsn = u.String()
+	} else {
+		l.dsn = dsn + " host=127.0.0.1 port=" + strconv.Itoa(p.Port())
+	}
+	return l
+}
+
+// DSN is the connection string through the link.
+func (l *Link) DSN() string { return l.dsn }
+
+// Cut closes every connection through the link at once, on both sides, as a network reset does: the server ends
+// their sessions (and their locks), and their Lockers are told at once. New connections pass.
+func (l *Link) Cut() { l.p.Cut() }
+
+// Blackhole makes every byte through the link vanish, in both directions, with every socket left open: a network
+// that goes silent, or a frozen holder as the server and other processes see it (its sessions hold their locks and
+// answer nothing). A Locker behind it learns of the loss within its keepalive bound; the server keeps its sessions,
+// and their locks, until the link is closed or restored. New connections hang.
+func (l *Link) Blackhole() { l.p.Blackhole(true) }
+
+// Latency delays every chunk of bytes through the link by d (0: none).
+func (l *Link) Latency(d time.Duration) { l.p.Latency(d) }
+
+// Restore ends a blackhole and any latency.
+func (l *Link) Restore() {
+	l.p.Blackhole(false)
+	l.p.Latency(0)
+}
+
+// A Server is a PostgreSQL of a test's own, to restart or stop: see [StartServer].
+type Server struct {
+	c *pgcluster.Cluster
+}
+
+var private = map[*Server]bool{} // under serversMu
+
+// StartServer starts a throwaway PostgreSQL for the test from the installed server binaries (initdb), with extra
+// postgresql.conf lines (name = value), and removes it when the test ends. It takes a few seconds. Without the
+// binaries the test is skipped ([Require] fails it instead).
+func StartServer(t TB, settings []string, opts ...Option) *Server {
+	t.Helper()
+	o := collect(opts)
+	c, err := pgcluster.Start(append([]string{"max_connections = 200"}, settings...)...)
+	if err != nil {
+		noneFor(t, o, fmt.Errorf("no throwaway PostgreSQL could be started from the installed server binaries (initdb): %v", err))
+		return nil
+	}
+	s := &Server{c: c}
+	serversMu.Lock()
+	private[s] = true
+	serversMu.Unlock()
+	t.Cleanup(func() {
+		serversMu.Lock()
+		delete(private, s)
+		serversMu.Unlock()
+		c.Remove()
+	})
+	return s
+}
+
+// DSN returns a connection string for the test's locks on this server, checked as [DSN]'s are: a lock still held
+// by one of its sessions when the test ends fails it.
+func (s *Server) DSN(t TB) string {
+	t.Helper()
+	tag := newTag()
+	dsn, err := withParam(s.c.URL, "application_name", tag)
+	if err != nil {
+		t.Fatalf("advlocktest: %v", err)
+	}
+	t.Cleanup(func() { checkLeftHeld(t, s.c.URL, tag) })
+	return dsn
+}
+
+// Restart stops the server as an operator does (a fast shutdown: every session ends, and every lock with it) and
+// starts it again on the same port.
+func (s *Server) Restart(t TB) {
+	t.Helper()
+	if err := s.c.Restart("fast"); err != nil {
+		t.Fatalf("advlocktest: restart: %v", err)
+	}
+}
+
+// Crash stops the server as a crash does (an immediate shutdown) and starts it again: it recovers from its WAL.
+func (s *Server) Crash(t TB) {
+	t.Helper()
+	if err := s.c.Restart("immediate"); err != nil {
+		t.Fatalf("advlocktest: crash and restart: %v", err)
+	}
+}
+
+// Stop stops the server (fast) until [Server.Start]: connections are refused meanwhile.
+func (s *Server) Stop(t TB) {
+	t.Helper()
+	if err := s.c.Stop("fast"); err != nil {
+		t.Fatalf("advlocktest: stop: %v", err)
+	}
+}
+
+// Start starts a stopped server again on its port.
+func (s *Server) Start(t TB) {
+	t.Helper()
+	if err := s.c.Start(); err != nil {
+		t.Fatalf("advlocktest: start: %v", err)
+	}
+}
