@@ -3,10 +3,13 @@ package session
 import (
 	"database/sql/driver"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"strings"
 	"syscall"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // The sentinels of package advlock live here so that the state machine and every backend adapter can return them;
@@ -117,4 +120,26 @@ func Ended(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
 		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNABORTED) || errors.Is(err, net.ErrClosed) ||
 		errors.Is(err, driver.ErrBadConn)
+}
+
+// noConnWithin is a try's failure to get a connection within VerifyBound. It is no context error (the caller set no
+// deadline, and a dial cut by the bound matches context.DeadlineExceeded), so it does not wrap its cause; errors.As
+// finds the cause's *pgconn.ConnectError, when it has one, as it does in every other failure to connect.
+type noConnWithin struct{ cause error }
+
+func (e *noConnWithin) Error() string {
+	return fmt.Sprintf("acquire connection: none within %v (%v)", VerifyBound, e.cause)
+}
+
+func (e *noConnWithin) As(target any) bool {
+	t, ok := target.(**pgconn.ConnectError)
+	if !ok {
+		return false
+	}
+	var ce *pgconn.ConnectError
+	if !errors.As(e.cause, &ce) {
+		return false
+	}
+	*t = ce
+	return true
 }

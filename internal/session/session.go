@@ -207,7 +207,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 			return nil, err
 		}
 		if acquireBound {
-			return nil, fmt.Errorf("acquire connection: none within %v (%v)", VerifyBound, err)
+			return nil, &noConnWithin{err}
 		}
 		return nil, WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
 	}
