@@ -34,8 +34,10 @@ const (
 
 // Three schedulers in three processes, their clocks 250 ms apart (-250, 0, +250 ms), each running a 5 ms job at
 // every second of its own clock for 20 s, with a Locker that keys each run by its tick and holds it at least
-// 800 ms: exactly 20 runs in all, one per tick. The same schedulers also run the job with the Locker held for the
-// run only (no minimum hold, no tick key): that one runs it more than once for some ticks, the hazard this is for.
+// 800 ms: exactly 20 runs in all, one per tick. The same schedulers run a 5 ms job every 2 s with the default
+// Locker (the job's key, a 1 s hold): exactly 10 runs, one per tick. And they run the every-second job with the
+// Locker held for the run only (no minimum hold, no tick key): that one runs it more than once for some ticks, the
+// hazard this is for.
 func TestSkewedSchedulers(t *testing.T) {
 	if spec := os.Getenv(envPod); spec != "" {
 		runPod(t, spec)
@@ -92,11 +94,16 @@ func TestSkewedSchedulers(t *testing.T) {
 	if runs != skewTicks || len(twice) > 0 {
 		t.Errorf("with tick keys and a minimum hold: %d runs for %d ticks (ticks run twice: %v), want exactly one each", runs, skewTicks, twice)
 	}
+	def, defTwice := count("default")
+	if def != skewTicks/2 || len(defTwice) > 0 {
+		t.Errorf("a job every 2 s with the default Locker: %d runs for %d ticks (ticks run twice: %v), want exactly one each", def, skewTicks/2, defTwice)
+	}
 	plain, plainTwice := count("plain")
 	if len(plainTwice) == 0 {
 		t.Errorf("held for the run only, the job ran %d times in %d ticks and never twice in one: the test shows nothing", plain, skewTicks)
 	}
-	t.Logf("ticked: %d runs in %d ticks; held for the run only: %d runs, %d ticks run more than once", runs, skewTicks, plain, len(plainTwice))
+	t.Logf("ticked: %d runs in %d ticks; default Locker, every 2 s: %d runs in %d ticks; held for the run only: %d runs, %d ticks run more than once",
+		runs, skewTicks, def, skewTicks/2, plain, len(plainTwice))
 }
 
 // runPod is one scheduler process of TestSkewedSchedulers.
@@ -124,11 +131,16 @@ func runPod(t *testing.T, spec string) {
 		t.Fatal(err)
 	}
 	jobs := map[string]*Locker{
-		"ticked": NewLocker(l, WithTickKeys(time.Second), WithMinimumHold(800*time.Millisecond), WithClock(clock.Now)),
-		"plain":  NewLocker(l, WithMinimumHold(0)),
+		"ticked":  NewLocker(l, WithTickKeys(time.Second), WithMinimumHold(800*time.Millisecond), WithClock(clock.Now)),
+		"default": NewLocker(l),
+		"plain":   NewLocker(l, WithMinimumHold(0)),
 	}
 	for job, x := range jobs {
-		if _, err := s.NewJob(gocron.CronJob("* * * * * *", true), gocron.NewTask(func() {
+		every := "* * * * * *"
+		if job == "default" {
+			every = "*/2 * * * * *"
+		}
+		if _, err := s.NewJob(gocron.CronJob(every, true), gocron.NewTask(func() {
 			recs <- [2]any{job, clock.Now().Round(time.Second).Unix()}
 			time.Sleep(5 * time.Millisecond)
 		}), gocron.WithName(table+"/"+job), gocron.WithDistributedJobLocker(x)); err != nil {
