@@ -423,10 +423,12 @@ func TestLeftHeldCheck(t *testing.T) {
 	}
 }
 
-// VerifyNoGoroutines fails a test that leaves a Locker open, and passes one that closes it.
+// VerifyNoGoroutines fails a test that leaves a Locker open (holding a lock, or holding nothing: its pool runs),
+// and passes one that closes it.
 func TestVerifyNoGoroutines(t *testing.T) {
 	dsn := advlocktest.DSN(t)
-	for _, closeIt := range []bool{false, true} {
+	for _, c := range []struct{ closeIt, unlock bool }{{false, false}, {false, true}, {true, false}} {
+		closeIt := c.closeIt
 		r := &recorder{}
 		advlocktest.VerifyNoGoroutines(r)
 		l, err := advlock.Open(ctxT(t), dsn, advlock.WithSharedSessions(0))
@@ -438,18 +440,25 @@ func TestVerifyNoGoroutines(t *testing.T) {
 			t.Fatal(err)
 		}
 		time.Sleep(20 * time.Millisecond) // its watcher runs
+		if c.unlock {
+			if err := lk.Unlock(ctxT(t)); err != nil {
+				t.Fatal(err)
+			}
+		}
 		if closeIt {
 			l.Close()
 		}
 		errs := r.end()
 		switch {
-		case !closeIt && (len(errs) != 1 || !strings.Contains(errs[0], "github.com/advlock/advlock")):
-			t.Fatalf("a Locker left open: reported %q, want its goroutines", errs)
+		case !closeIt && (len(errs) != 1 || !strings.Contains(errs[0], "github.com/")):
+			t.Fatalf("a Locker left open (unlocked: %v): reported %q, want its goroutines", c.unlock, errs)
 		case closeIt && len(errs) != 0:
 			t.Fatalf("a Locker closed: reported %q", errs)
 		}
 		if !closeIt {
-			_ = lk.Unlock(ctxT(t))
+			if !c.unlock {
+				_ = lk.Unlock(ctxT(t))
+			}
 			l.Close()
 		}
 	}
@@ -543,5 +552,128 @@ func TestFreshDatabase(t *testing.T) {
 	}
 	if _, err := pgx.Connect(ctxT(t), dsn); err == nil || !strings.Contains(err.Error(), "does not exist") {
 		t.Fatalf("connect to the dropped database: %v", err)
+	}
+}
+
+// fatal runs f with r and reports the message of the Fatalf that ended it, or "".
+func fatal(f func()) (msg string) {
+	defer func() {
+		if v := recover(); v != nil {
+			msg = fmt.Sprint(v)
+		}
+	}()
+	f()
+	return ""
+}
+
+// Lose of a lock that has ended refuses, and ends nothing: its session's pid and key may now be another lock's.
+func TestLoseStaleLock(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	l := open(t, dsn)
+	key := newKey()
+	old, err := l.TryLock(ctxT(t), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	now, err := l.TryLock(ctxT(t), key) // on the same shared session
+	if err != nil {
+		t.Fatal(err)
+	}
+	if now.PID() != old.PID() {
+		t.Logf("the second lock went to another session (%d, %d): the test shows less", old.PID(), now.PID())
+	}
+	if msg := fatal(func() { advlocktest.Lose(&recorder{}, old) }); !strings.Contains(msg, "already ended") {
+		t.Fatalf("Lose of an unlocked lock: %q, want a refusal", msg)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if now.Err() != nil {
+		t.Fatalf("the live lock of the same key was ended: %v", now.Err())
+	}
+	if err := now.Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// LoseKey ends the key in its DSN's database only; Lose finds a lease in a fresh database; Lose passes over a
+// server of the kit that is stopped; a test that ends with its Server stopped is not failed by the left-held check.
+func TestLoseWhereItIs(t *testing.T) {
+	r := &recorder{}
+	one, two := advlocktest.DSN(r, advlocktest.FreshDatabase()), advlocktest.DSN(r, advlocktest.FreshDatabase())
+	key := newKey()
+	var locks []*advlock.Lock
+	for _, dsn := range []string{one, two} {
+		l := open(t, dsn)
+		lk, err := l.TryLock(ctxT(t), key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		locks = append(locks, lk)
+	}
+	advlocktest.LoseKey(t, one, key)
+	<-locks[0].Done()
+	time.Sleep(100 * time.Millisecond)
+	if err := locks[1].Err(); err != nil {
+		t.Fatalf("LoseKey on one database ended the key in another: %v", err)
+	}
+	if err := locks[1].Unlock(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+
+	srv := advlocktest.StartServer(r, nil)
+	_ = srv.DSN(r)
+	srv.Stop(r)
+	leases := open(t, two, advlock.WithLeases(), advlock.WithLeaseLength(3*time.Second))
+	lk, err := leases.TryLock(ctxT(t), newKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	advlocktest.Lose(t, lk)
+	if !errors.Is(lk.Err(), advlock.ErrLockLost) {
+		t.Fatalf("Err: %v", lk.Err())
+	}
+	leases.Close()
+	if errs := r.end(); len(errs) != 0 {
+		t.Fatalf("reported: %q", errs)
+	}
+}
+
+// Release from another goroutine as the test ends runs once (no race).
+func TestHolderReleaseRace(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	for range 5 {
+		r := &recorder{}
+		h := advlocktest.Hold(r, dsn, newKey())
+		done := make(chan struct{})
+		time.AfterFunc(time.Millisecond, func() { h.Release(); close(done) })
+		r.end()
+		<-done
+		if len(r.errs) != 0 {
+			t.Fatal(r.errs)
+		}
+	}
+}
+
+// A Link whose URL named the host and port as parameters still carries the Locker's traffic.
+func TestLinkHostInQuery(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	cfg, err := pgx.ParseConfig(dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := fmt.Sprintf("postgres://%s@/%s?host=%s&port=%d&sslmode=disable", cfg.User, cfg.Database, cfg.Host, cfg.Port)
+	link := advlocktest.NewLink(t, q)
+	l := open(t, link.DSN())
+	lk, err := l.TryLock(ctxT(t), newKey())
+	if err != nil {
+		t.Fatal(err)
+	}
+	link.Cut()
+	select {
+	case <-lk.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatalf("a cut link did not end the lock: the Locker bypassed it (%s)", link.DSN())
 	}
 }

@@ -7,12 +7,13 @@ import (
 	"time"
 )
 
-// VerifyNoGoroutines fails the test if, when it ends, goroutines of advlock run that did not run when
-// VerifyNoGoroutines was called: a Locker not closed (its shared sessions' readers, its locks' watchers, a lease's
-// renewer, a Lead), or a lock held past the test. Call it first in the test, so that its check comes after every
-// cleanup registered later (a Locker closed with t.Cleanup) and every deferred Close. It waits up to 5 s for
-// goroutines that are ending. Goroutines of other tests running in parallel that start meanwhile count too: use it
-// in tests that do not run in parallel with others that use advlock.
+// VerifyNoGoroutines fails the test if, when it ends, goroutines of advlock or of a pgx pool run that did not run
+// when VerifyNoGoroutines was called: a Locker not closed (its pool's, its shared sessions' readers, its locks'
+// watchers, a lease's renewer, a Lead), a lock held past the test, a pgxpool not closed. Call it first in the test,
+// so that its check comes after every cleanup registered later (a Locker closed with t.Cleanup) and every deferred
+// Close. It waits up to 5 s for goroutines that are ending. What starts meanwhile counts, whoever starts it: a
+// Locker opened before the call that opens a session during the test, and other tests running in parallel; use it
+// in tests that do not run in parallel with others that use advlock, with Lockers the test opens.
 func VerifyNoGoroutines(t TB) {
 	t.Helper()
 	before := map[string]bool{}
@@ -79,11 +80,19 @@ func advlockGoroutines() []goroutine {
 	return out
 }
 
-// ours reports whether a goroutine's stack has a frame of advlock's packages (the kit and the faults proxy aside),
-// or was created by one.
+// Goroutines of these packages count too: the pools a Locker opens (Open), or that a test opens for New.
+var poolPaths = []string{"github.com/jackc/pgx/v5/pgxpool.", "github.com/jackc/puddle/"}
+
+// ours reports whether a goroutine's stack has a frame of advlock's packages (the kit and the faults proxy aside)
+// or of a pgx pool, or was created by one.
 func ours(stack string) bool {
 	for _, line := range strings.Split(stack, "\n") {
 		line = strings.TrimPrefix(strings.TrimSpace(line), "created by ")
+		for _, p := range poolPaths {
+			if strings.HasPrefix(line, p) {
+				return true
+			}
+		}
 		if !strings.HasPrefix(line, modulePath) || strings.HasPrefix(line, kitPath) ||
 			strings.HasPrefix(line, modulePath+"/internal/testkit/") {
 			continue

@@ -22,9 +22,9 @@
 // connections behind a proxy that can cut them, go silent (a blackhole: a frozen holder, as the server and other
 // processes see it) or slow down, and [StartServer] gives a test a server of its own to restart.
 //
-// Checks: the DSN of a test names the test in application_name, and when the test ends, a lock still held by a
-// session of that DSN fails it (server truth, from pg_locks). [VerifyNoGoroutines] fails a test that leaves
-// advlock's goroutines running (a Locker not closed).
+// Checks: the DSN of a test gives its sessions an application_name of their own, and when the test ends, a lock
+// still held by a session of that DSN fails it (server truth, from pg_locks). [VerifyNoGoroutines] fails a test that
+// leaves advlock's goroutines, or a pgx pool's, running (a Locker not closed).
 //
 // The package is for tests: it imports package testing, starts nothing when imported, and depends only on the
 // standard library, pgx and advlock. Functions take a [TB], which *testing.T, *testing.B and *testing.F satisfy.

@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"net"
 	neturl "net/url"
+	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/advlock/advlock"
@@ -34,10 +36,27 @@ func known() []string {
 	for _, d := range servers {
 		add(d)
 	}
+	for d := range fresh {
+		add(d)
+	}
 	for s := range private {
-		add(s.c.URL)
+		if !s.stopped {
+			add(s.c.URL)
+		}
 	}
 	return out
+}
+
+// stopped reports whether admin is a Server's that is stopped now.
+func stopped(admin string) bool {
+	serversMu.Lock()
+	defer serversMu.Unlock()
+	for s := range private {
+		if s.c.URL == admin {
+			return s.stopped
+		}
+	}
+	return false
 }
 
 // keyArgs is key as pg_locks shows it: classid, objid and objsubid (see keyWhere).
@@ -51,7 +70,7 @@ func keyArgs(key advlock.Key) (classid, objid int64, objsubid int16) {
 
 // keyWhere is the condition on pg_locks (l) of a granted key whose keyArgs are a query's $2, $3 and $4.
 const keyWhere = `l.locktype = 'advisory' AND l.granted AND l.classid = $2::int8::oid AND l.objid = $3::int8::oid
-	AND l.objsubid = $4`
+	AND l.objsubid = $4 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())`
 
 // Lose makes lk lost as production loses a lock: its server session is ended with pg_terminate_backend (or, for a
 // lease, its row is deleted, as advlock break does). It returns once the server has ended the session and lk's
@@ -63,13 +82,20 @@ const keyWhere = `l.locktype = 'advisory' AND l.granted AND l.classid = $2::int8
 // [advlock.ErrLockLost], Do's ctx ends, Unlock returns the loss.
 func Lose(t TB, lk *advlock.Lock) {
 	t.Helper()
+	select {
+	case <-lk.Done(): // never end a session by a pid and key that this lock no longer holds: others may
+		t.Fatalf("advlocktest: Lose: the lock of %s had already ended: %v", lk.Key(), lk.Err())
+	default:
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
 	found := false
+	var errs []string
 	for _, admin := range known() {
 		ok, err := loseOn(ctx, admin, lk)
-		if err != nil {
-			t.Fatalf("advlocktest: Lose: %v", err)
+		if err != nil { // a server that does not answer (stopped by another test) holds nothing of this lock
+			errs = append(errs, err.Error())
+			continue
 		}
 		if ok {
 			found = true
@@ -77,13 +103,8 @@ func Lose(t TB, lk *advlock.Lock) {
 		}
 	}
 	if !found {
-		select {
-		case <-lk.Done():
-			t.Fatalf("advlocktest: Lose: the lock of %s had already ended: %v", lk.Key(), lk.Err())
-		default:
-		}
 		t.Fatalf("advlocktest: Lose: no server the kit knows holds %s for this lock (open its Locker on advlocktest.DSN, "+
-			"a Link to it, or a Server's DSN)", lk.Key())
+			"a Link to it, or a Server's DSN)%s", lk.Key(), strings.Join(append([]string{""}, errs...), "; "))
 	}
 	select {
 	case <-lk.Done():
@@ -145,9 +166,10 @@ func connect(ctx context.Context, dsn, name string) (*pgx.Conn, error) {
 	return pgx.ConnectConfig(ctx, cfg)
 }
 
-// LoseKey ends whatever holds key on the server at dsn, as an operator's advlock break does: every server session
-// that holds it is ended with pg_terminate_backend and its lease, if any, is deleted. It returns once no session
-// holds key. Use it where the code under test holds a lock it does not hand out, as a leader does.
+// LoseKey ends whatever holds key in the database at dsn, as an operator's advlock break does: every server session
+// that holds it is ended with pg_terminate_backend and its lease, if any, is deleted. It returns once those sessions
+// have ended (a Lock that waited for the key may be granted it at once). Use it where the code under test holds a
+// lock it does not hand out, as a leader does.
 func LoseKey(t TB, dsn string, key advlock.Key) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
@@ -191,6 +213,7 @@ type Holder struct {
 	key  advlock.Key
 	conn *pgx.Conn
 	pid  uint32
+	once sync.Once
 }
 
 // Hold takes key exclusively on a new server session to dsn (waiting for it if another holds it, for at most 30 s)
@@ -221,11 +244,31 @@ func hold(t TB, dsn string, key advlock.Key, shared bool) *Holder {
 	}
 	if _, err := conn.Exec(ctx, "SELECT "+fn+"("+keySQL(key)+")"); err != nil {
 		conn.Close(context.Background())
-		t.Fatalf("advlocktest: Hold %s: %v", key, err)
+		t.Fatalf("advlocktest: Hold %s: %v%s", key, err, holdersOf(dsn, key))
 	}
 	h := &Holder{t: t, key: key, conn: conn, pid: conn.PgConn().PID()}
 	t.Cleanup(h.Release)
 	return h
+}
+
+// holdersOf says which server sessions hold key in the database at dsn, for a message.
+func holdersOf(dsn string, key advlock.Key) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, err := connect(ctx, dsn, "advlocktest")
+	if err != nil {
+		return ""
+	}
+	defer conn.Close(context.Background())
+	c, o, s := keyArgs(key)
+	var who []string
+	err = conn.QueryRow(ctx, `SELECT coalesce(array_agg(l.pid || ' (' || coalesce(a.application_name, '') || ')'), '{}')
+		FROM pg_locks l LEFT JOIN pg_stat_activity a USING (pid) WHERE l.pid <> $1 AND `+keyWhere,
+		int64(conn.PgConn().PID()), c, o, s).Scan(&who)
+	if err != nil || len(who) == 0 {
+		return ""
+	}
+	return " (held by server sessions " + strings.Join(who, ", ") + ")"
 }
 
 // keySQL is key's arguments to the advisory lock functions, as literals.
@@ -242,12 +285,10 @@ func (h *Holder) PID() uint32 { return h.pid }
 
 // Release ends the holder's server session, and with it the hold, and returns once the server has let the key go.
 // Calling it again does nothing.
-func (h *Holder) Release() {
-	if h.conn == nil {
-		return
-	}
+func (h *Holder) Release() { h.once.Do(h.release) }
+
+func (h *Holder) release() {
 	conn := h.conn
-	h.conn = nil
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
 	_ = conn.Close(ctx)
@@ -292,9 +333,14 @@ func NewLink(t TB, dsn string) *Link {
 			t.Fatalf("advlocktest: NewLink: the connection string does not parse as a URL")
 		}
 		u.Host = p.Addr()
+		q := u.Query() // host and port given as parameters would win over the URL's: the link would be bypassed
+		for _, k := range []string{"host", "hostaddr", "port"} {
+			q.Del(k)
+		}
+		u.RawQuery = q.Encode()
 		l.dsn = u.String()
 	} else {
-		l.dsn = dsn + " host=127.0.0.1 port=" + strconv.Itoa(p.Port())
+		l.dsn = dsn + " host=127.0.0.1 hostaddr=127.0.0.1 port=" + strconv.Itoa(p.Port())
 	}
 	return l
 }
@@ -323,18 +369,20 @@ func (l *Link) Restore() {
 
 // A Server is a PostgreSQL of a test's own, to restart or stop: see [StartServer].
 type Server struct {
-	c *pgcluster.Cluster
+	c       *pgcluster.Cluster
+	stopped bool // under serversMu
 }
 
 var private = map[*Server]bool{} // under serversMu
 
 // StartServer starts a throwaway PostgreSQL for the test from the installed server binaries (initdb), with extra
-// postgresql.conf lines (name = value), and removes it when the test ends. It takes a few seconds. Without the
+// postgresql.conf lines (name = value), and removes it when the test ends (or, if the test binary is killed, once
+// it has exited). It takes a few seconds. Without the
 // binaries the test is skipped ([Require] fails it instead).
 func StartServer(t TB, settings []string, opts ...Option) *Server {
 	t.Helper()
 	o := collect(opts)
-	c, err := pgcluster.Start(append([]string{"max_connections = 200"}, settings...)...)
+	c, err := pgcluster.StartRemovedWhenGone(os.Getpid(), append([]string{"max_connections = 200"}, settings...)...)
 	if err != nil {
 		noneFor(t, o, fmt.Errorf("no throwaway PostgreSQL could be started from the installed server binaries (initdb): %v", err))
 		return nil
@@ -388,6 +436,9 @@ func (s *Server) Stop(t TB) {
 	if err := s.c.Stop("fast"); err != nil {
 		t.Fatalf("advlocktest: stop: %v", err)
 	}
+	serversMu.Lock()
+	s.stopped = true
+	serversMu.Unlock()
 }
 
 // Start starts a stopped server again on its port.
@@ -396,4 +447,7 @@ func (s *Server) Start(t TB) {
 	if err := s.c.Start(); err != nil {
 		t.Fatalf("advlocktest: start: %v", err)
 	}
+	serversMu.Lock()
+	s.stopped = false
+	serversMu.Unlock()
 }

@@ -49,6 +49,7 @@ func collect(opts []Option) options {
 var (
 	serversMu sync.Mutex
 	servers   = map[string]string{} // variable -> admin DSN
+	fresh     = map[string]bool{}   // the admin DSNs of the fresh databases of running tests
 	throwaway *pgcluster.Cluster
 	noServer  error // why no throwaway cluster could be started (tried once)
 	seq       atomic.Int64
@@ -69,15 +70,7 @@ func server(o options) (string, error) {
 		return dsn, nil
 	}
 	if throwaway == nil && noServer == nil {
-		c, err := pgcluster.Start("max_connections = 200")
-		if err != nil {
-			noServer = err
-		} else if err := c.RemoveWhenGone(os.Getpid()); err != nil {
-			c.Remove()
-			noServer = err
-		} else {
-			throwaway = c
-		}
+		throwaway, noServer = pgcluster.StartRemovedWhenGone(os.Getpid(), "max_connections = 200")
 	}
 	if noServer != nil {
 		return "", fmt.Errorf("$%s is not set and no throwaway PostgreSQL could be started from the installed server "+
@@ -97,14 +90,15 @@ func noneFor(t TB, o options, err error) {
 }
 
 // DSN returns a connection string for the test's locks: ADVLOCK_TEST_DATABASE_URL (or the variable named with
-// [Env]), else a throwaway PostgreSQL started from the installed server binaries for the test binary (once, for
-// every test of the binary, and removed once the binary has exited). With neither, the test is skipped with the
-// reason ([Require] fails it instead). With [FreshDatabase], a database of the test's own, dropped when it ends.
+// [Env]; read once per test binary), else a throwaway PostgreSQL started from the installed server binaries for
+// the test binary (once, for every test of the binary, and removed once the binary has exited, however it exits).
+// With neither, the test is skipped with the reason ([Require] fails it instead). With [FreshDatabase], a database
+// of the test's own, dropped when it ends.
 //
-// The DSN names the test in application_name (advlocktest-PID-N, replacing one the variable gave). When the test
-// ends (after its other cleanups, so after the Lockers it closed in them), an advisory lock still held by a session
-// with that name fails the test, naming the key and the session, and the session is ended. Open every Locker of
-// the test on this DSN, or on a [Link] to it, for that check to see them.
+// The DSN gives the test's sessions an application_name of their own (advlocktest-PID-N, replacing one the
+// variable gave). When the test ends (after its other cleanups, so after the Lockers it closed in them), an
+// advisory lock still held by a session with that name fails the test, naming the key and the session, and the
+// session is ended. Open every Locker of the test on this DSN, or on a [Link] to it, for that check to see them.
 func DSN(t TB, opts ...Option) string {
 	t.Helper()
 	o := collect(opts)
@@ -133,8 +127,12 @@ func newTag() string { return fmt.Sprintf("advlocktest-%d-%d", os.Getpid(), seq.
 func withParam(dsn, name, value string) (string, error) {
 	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
 		u, err := neturl.Parse(dsn)
-		if err != nil {
-			return "", fmt.Errorf("the server's connection string does not parse as a URL")
+		if err != nil { // pgx reads more URLs than net/url does (a socket directory as the host, percent-encoded)
+			sep := "?"
+			if strings.Contains(dsn, "?") {
+				sep = "&"
+			}
+			return dsn + sep + name + "=" + neturl.QueryEscape(value), nil
 		}
 		q := u.Query()
 		q.Set(name, value)
@@ -158,7 +156,22 @@ func freshDatabase(t TB, admin string) string {
 	if _, err := conn.Exec(ctx, "CREATE DATABASE "+name); err != nil {
 		t.Fatalf("advlocktest: create database %s: %v", name, err)
 	}
+	dsn := admin + " dbname=" + name
+	if strings.HasPrefix(admin, "postgres://") || strings.HasPrefix(admin, "postgresql://") {
+		u, err := neturl.Parse(admin)
+		if err != nil {
+			t.Fatalf("advlocktest: the server's connection string does not parse as a URL")
+		}
+		u.Path = "/" + name
+		dsn = u.String()
+	}
+	serversMu.Lock()
+	fresh[dsn] = true
+	serversMu.Unlock()
 	t.Cleanup(func() {
+		serversMu.Lock()
+		delete(fresh, dsn)
+		serversMu.Unlock()
 		ctx, cancel := context.WithTimeout(context.Background(), bound)
 		defer cancel()
 		conn, err := pgx.Connect(ctx, admin)
@@ -170,15 +183,7 @@ func freshDatabase(t TB, admin string) string {
 			t.Errorf("advlocktest: drop database %s: %v", name, err)
 		}
 	})
-	if strings.HasPrefix(admin, "postgres://") || strings.HasPrefix(admin, "postgresql://") {
-		u, err := neturl.Parse(admin)
-		if err != nil {
-			t.Fatalf("advlocktest: the server's connection string does not parse as a URL")
-		}
-		u.Path = "/" + name
-		return u.String()
-	}
-	return admin + " dbname=" + name
+	return dsn
 }
 
 // leftHeldGrace is how long the check waits for locks to go before it calls them left held: a Locker's Close may
@@ -189,6 +194,9 @@ const leftHeldGrace = 3 * time.Second
 // sessions.
 func checkLeftHeld(t TB, admin, tag string) {
 	t.Helper()
+	if stopped(admin) {
+		return // a stopped server holds nothing
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
 	conn, err := pgx.Connect(ctx, admin)

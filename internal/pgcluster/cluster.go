@@ -36,7 +36,12 @@ type Cluster struct {
 
 // Start initialises and starts a private cluster with extra postgresql.conf lines (name = value). Remove stops it
 // and deletes its files.
-func Start(settings ...string) (*Cluster, error) { return startCluster(settings) }
+func Start(settings ...string) (*Cluster, error) { return startCluster(settings, 0) }
+
+// StartRemovedWhenGone is Start for a cluster that a process of its own removes once the process pid has exited,
+// however it exits (see RemoveWhenGone), from before initdb: a process killed while the cluster starts leaves
+// nothing behind either.
+func StartRemovedWhenGone(pid int, settings ...string) (*Cluster, error) { return startCluster(settings, pid) }
 
 // binDir finds initdb: on PATH, else the newest /usr/lib/postgresql/*/bin.
 func binDir() (string, error) {
@@ -71,7 +76,7 @@ func FreePort() (int, error) {
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
-func startCluster(settings []string) (*Cluster, error) {
+func startCluster(settings []string, watch int) (*Cluster, error) {
 	bin, err := binDir()
 	if err != nil {
 		return nil, err
@@ -84,6 +89,12 @@ func startCluster(settings []string) (*Cluster, error) {
 	if err := c.chownTmp(); err != nil {
 		os.RemoveAll(tmp)
 		return nil, err
+	}
+	if watch != 0 {
+		if err := c.RemoveWhenGone(watch); err != nil {
+			os.RemoveAll(tmp)
+			return nil, err
+		}
 	}
 	if out, err := c.run("initdb", "-D", c.Dir, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8"); err != nil {
 		os.RemoveAll(tmp)
