@@ -41,7 +41,9 @@ func Start(settings ...string) (*Cluster, error) { return startCluster(settings,
 // StartRemovedWhenGone is Start for a cluster that a process of its own removes once the process pid has exited,
 // however it exits (see RemoveWhenGone), from before initdb: a process killed while the cluster starts leaves
 // nothing behind either.
-func StartRemovedWhenGone(pid int, settings ...string) (*Cluster, error) { return startCluster(settings, pid) }
+func StartRemovedWhenGone(pid int, settings ...string) (*Cluster, error) {
+	return startCluster(settings, pid)
+}
 
 // binDir finds initdb: on PATH, else the newest /usr/lib/postgresql/*/bin.
 func binDir() (string, error) {
