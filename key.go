@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/advlock/advlock/internal/session"
 )
@@ -58,6 +59,19 @@ func NameKey(name string) Key {
 	}
 	sum := sha256.Sum256([]byte(name))
 	return Key{id: session.ID{V: int64(binary.BigEndian.Uint64(sum[:8]))}, kind: kindName, name: name}
+}
+
+// TickKey is the key of one run of a scheduled job: NameKey(name + "@" + tick), tick being t rounded to the nearest
+// multiple of period (time.Time.Round), in UTC and RFC 3339 with nanoseconds, as in
+// "reports@2026-12-03T12:00:00Z". Replicas whose clocks differ by less than half a period name a run by the same
+// tick, so with [HoldAtLeast] longer than that difference only one of them runs each tick, and ticks never share a
+// key (see docs/locks.md, Scheduled jobs). A period <= 0 gives NameKey(name); an empty name is no key, as
+// NameKey("") is.
+func TickKey(name string, t time.Time, period time.Duration) Key {
+	if name == "" || period <= 0 {
+		return NameKey(name)
+	}
+	return NameKey(name + "@" + t.Round(period).UTC().Format(time.RFC3339Nano))
 }
 
 // Int64 returns the int8 key and true, or 0 and false for a PairKey.

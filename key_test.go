@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 )
 
 // The documented NameKey hash, checked against vectors and against the same hash computed by PostgreSQL.
@@ -189,5 +190,30 @@ func TestKeyFromPgLocksEqualsNameKey(t *testing.T) {
 	}
 	if k == n {
 		t.Errorf("== is true; the doc comment says to use Equal because == is false")
+	}
+}
+
+// TickKey names a run by its nearest tick: replicas whose clocks differ by less than half a period agree, ticks
+// differ, and gocron's tick keys are the same keys.
+func TestTickKey(t *testing.T) {
+	at := time.Date(2026, 12, 3, 12, 0, 0, 0, time.UTC)
+	want := NameKey("reports@2026-12-03T12:00:00Z")
+	for _, off := range []time.Duration{-29 * time.Second, -time.Millisecond, 0, 250 * time.Millisecond, 29 * time.Second} {
+		if got := TickKey("reports", at.Add(off), time.Minute); !got.Equal(want) {
+			t.Errorf("clock off by %v: %v, want %v", off, got, want)
+		}
+	}
+	if TickKey("reports", at.Add(31*time.Second), time.Minute).Equal(want) {
+		t.Error("the next tick has the same key")
+	}
+	paris := time.FixedZone("CET", 3600)
+	if got := TickKey("reports", at.In(paris), time.Minute); !got.Equal(want) {
+		t.Errorf("a clock in another zone: %v, want %v", got, want)
+	}
+	if got := TickKey("reports", at, 0); !got.Equal(NameKey("reports")) {
+		t.Errorf("period 0: %v, want the name's key", got)
+	}
+	if err := TickKey("", at, time.Minute).valid(); err == nil {
+		t.Error("an empty name makes a key")
 	}
 }

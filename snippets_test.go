@@ -32,6 +32,7 @@ func apiOnOneScreen(ctx context.Context, pool *pgxpool.Pool, dsn string, opts []
 	err = l.Do(ctx, key, fn)                                          // Lock, run fn (its ctx ends on loss), Unlock
 	err = l.TryDo(ctx, key, fn)                                       // Do without waiting: ErrNotAcquired when busy
 	err = l.TryDo(ctx, key, job, advlock.HoldAtLeast(30*time.Second)) // a scheduled job: held 30 s even if job is quick
+	key = advlock.TickKey("reports", time.Now(), time.Minute)         // ... keyed by its tick: once per tick, not per replica
 	err = l.Lead(ctx, key, fn)                                        // leader election: fn runs while this process leads
 	lk, err = l.Semaphore("partner-api", 3).Acquire(ctx)              // at most 3 holders at once, across processes
 	err = l.DoTx(ctx, key, txfn)                                      // a transaction that holds key: COMMIT or ROLLBACK ends it
@@ -120,8 +121,7 @@ func leases(ctx context.Context, dsn string, run func(context.Context) error) {
 
 // docs/locks.md, "Scheduled jobs".
 func scheduledJob(ctx context.Context, locks *advlock.Locker, runReports func(context.Context) error) error {
-	tick := time.Now().Round(time.Minute) // this run's tick, on this replica's clock
-	key := advlock.NameKey("reports@" + tick.UTC().Format(time.RFC3339))
+	key := advlock.TickKey("reports", time.Now(), time.Minute) // this run's tick, on this replica's clock
 	err := locks.TryDo(ctx, key, runReports, advlock.HoldAtLeast(30*time.Second))
 	return err
 }

@@ -100,8 +100,8 @@ func (e *Elector) Close() error {
 //     h < the interval - S (the hold must end before the next tick's first scheduler fires). The default h is
 //     1 s: for cron jobs (a minute apart or more) and interval jobs of 2 s or more, with clocks within a second.
 //     A job more frequent than that needs WithMinimumHold below half its interval, or WithTickKeys;
-//   - with WithTickKeys(period): the key names the run's tick too (the scheduler's clock rounded to the nearest
-//     multiple of period), so ticks never share a key and only S < h is needed (h at most a few periods: each
+//   - with WithTickKeys(period): the key names the run's tick too (advlock.TickKey("gocron/job/"+name, the
+//     scheduler's clock, period): the clock rounded to the nearest multiple of period), so ticks never share a key and only S < h is needed (h at most a few periods: each
 //     held key costs a lock until its hold ends). Schedulers whose clocks differ by half a period or more may
 //     name one run by two ticks, and run it twice.
 //
@@ -146,11 +146,8 @@ func NewLocker(l *advlock.Locker, opts ...LockerOption) *Locker {
 // gocron skips this run). The lock's Unlock, which gocron calls when the run ends, returns at once; the key is
 // released when the minimum hold has passed.
 func (x *Locker) Lock(ctx context.Context, key string) (gocron.Lock, error) {
-	name := "gocron/job/" + key
-	if x.period > 0 {
-		name += "@" + x.now().Round(x.period).UTC().Format(time.RFC3339Nano)
-	}
-	lk, err := x.l.TryLock(ctx, advlock.NameKey(name), advlock.HoldAtLeast(x.hold))
+	k := advlock.TickKey("gocron/job/"+key, x.now(), x.period) // NameKey of the name alone without tick keys
+	lk, err := x.l.TryLock(ctx, k, advlock.HoldAtLeast(x.hold))
 	if err != nil {
 		return nil, err
 	}

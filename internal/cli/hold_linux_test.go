@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -134,4 +135,40 @@ func inHold(t *testing.T, p *proc) {
 		}
 	}
 	time.Sleep(300 * time.Millisecond)
+}
+
+// run --tick PERIOD: KEY becomes the name KEY@TICK for this host's clock rounded to PERIOD (COMMAND sees it in
+// $ADVLOCK_KEY, and the server holds that key while COMMAND runs); a second run of the same tick during the first's
+// hold is refused, and a run of a key that is no name is a usage error, as is a negative PERIOD.
+func TestRunTick(t *testing.T) {
+	name := fmt.Sprintf("tick-test-%d", time.Now().UnixNano())
+	const period = time.Hour
+	// Clear of a tick's edge (half a period away), so that both runs name the same tick.
+	if d := time.Until(time.Now().Round(period).Add(period / 2)); d < 30*time.Second {
+		time.Sleep(d + time.Second)
+	}
+	want := advlock.TickKey(name, time.Now(), period)
+	p := start(t, dbEnv(t), "run", "--no-wait", "--tick", "1h", "--hold-at-least", "3s", name, "--", "sh", "-c", "echo $ADVLOCK_KEY")
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(p.out.String(), "@"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("COMMAND did not run: stderr %q", p.err.String())
+		}
+	}
+	got, err := advlock.ParseKey(strings.TrimSpace(p.out.String()))
+	if err != nil || !got.Equal(want) {
+		t.Fatalf("$ADVLOCK_KEY %q (%v): want the tick's key %v", p.out.String(), err, want)
+	}
+	q := start(t, dbEnv(t), "run", "--no-wait", "--quiet", "--tick", "1h", name, "--", "echo", "twice")
+	if code := q.wait(t, 20*time.Second); code != exitNotAcquired || q.out.Len() != 0 {
+		t.Errorf("a second run of the tick during the hold: exit %d stdout %q, want 75", code, q.out.String())
+	}
+	if code := p.wait(t, 20*time.Second); code != 0 {
+		t.Errorf("run --tick: exit %d (stderr %q)", code, p.err.String())
+	}
+	if code, _, errOut := run(t, "", "run", "--tick", "1m", "42", "--", "true"); code != exitUsage || !strings.Contains(errOut, "--tick needs KEY to be a name") {
+		t.Errorf("--tick with an integer KEY: exit %d stderr %q, want 2", code, errOut)
+	}
+	if code, _, errOut := run(t, "", "run", "--tick", "-1m", name, "--", "true"); code != exitUsage || !strings.Contains(errOut, "tick") {
+		t.Errorf("a negative --tick: exit %d stderr %q, want 2", code, errOut)
+	}
 }

@@ -17,7 +17,7 @@ import (
 	"github.com/advlock/advlock/internal/session"
 )
 
-const runSynopsis = "[--wait DURATION | --no-wait] [--shared | --leases] [--fence] [--hold-at-least DURATION] [--quiet] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
+const runSynopsis = "[--wait DURATION | --no-wait] [--shared | --leases] [--fence] [--hold-at-least DURATION] [--tick PERIOD] [--quiet] [--grace DURATION] [--keepalive DURATION] [--dsn DSN] KEY [--] COMMAND [ARGS...]"
 
 const runExits = `
 Holds KEY while COMMAND runs and releases it when COMMAND exits. COMMAND finds KEY in $ADVLOCK_KEY (as advlock
@@ -55,7 +55,10 @@ sooner, so that a host whose clock or start is later by less than DURATION finds
 COMMAND's status once the hold has passed; SIGINT, SIGTERM or SIGHUP during the hold end it at once (COMMAND's
 status still), and a lock lost during the hold is reported on stderr (another host may then run the tick again).
 DURATION must end before the next tick's first host starts: for a job every minute and clocks within a few
-seconds, --hold-at-least 30s.
+seconds, --hold-at-least 30s. Or name the run's tick in the key with --tick PERIOD (the schedule's period): KEY
+becomes the name KEY@TICK, TICK being this host's clock rounded to the nearest multiple of PERIOD (UTC, as in
+minutely-sync@2026-12-03T12:00:00Z); ticks never share a key, so DURATION need only exceed how far the hosts'
+clocks and starts differ, which must stay under half of PERIOD.
 
 An advlock run inside COMMAND knows what this one holds ($ADVLOCK_HOLDING): if its wait closes a cycle of waits
 (two nested runs taking two keys in opposite orders), one of the waits gives up (exit 71) instead of both waiting
@@ -125,6 +128,8 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		"(default $ADVLOCK_LEASES)")
 	holdAtLeast := durationFlag(fs, "hold-at-least", 0, "keep KEY held until `DURATION` after it was acquired, even when COMMAND ends sooner;\n"+
 		"exit with COMMAND's status once it has passed (a scheduled job on several hosts)")
+	tick := durationFlag(fs, "tick", 0, "name the run's tick in the key: KEY@TICK, this host's clock rounded to the nearest multiple of\n"+
+		"`PERIOD` (a scheduled job on several hosts, with --hold-at-least)")
 	quiet := fs.Bool("quiet", false, "print nothing when KEY is held elsewhere (exit 75): for cron, which mails every line")
 	flagDSN := fs.String("dsn", "", "connection string (default $DATABASE_URL, then the PG* variables)")
 	keyArg, command, err := runArgs(fs, args)
@@ -163,6 +168,15 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 		return badValue(fs, std, "keepalive", "must be positive")
 	case *holdAtLeast < 0:
 		return badValue(fs, std, "hold-at-least", "must not be negative")
+	case *tick < 0:
+		return badValue(fs, std, "tick", "must not be negative")
+	}
+	if *tick > 0 {
+		name, ok := key.Name()
+		if !ok {
+			return usageError(std, "run: --tick needs KEY to be a name (the key becomes the name KEY@TICK), not %s", keyArg)
+		}
+		key = advlock.TickKey(name, time.Now(), *tick)
 	}
 	if waitSet && *wait == 0 {
 		*noWait = true // as flock -w 0: do not wait
