@@ -85,6 +85,53 @@ func TestHoldAtLeast(t *testing.T) {
 		}
 	})
 
+	// Another replica's tick that tries (no wait) across the end of the hold: every try before the end is refused,
+	// the first that passes comes after it, and then the key has one holder, the replica.
+	t.Run("tries across the end of the hold", func(t *testing.T) {
+		k := key(t)
+		v, _ := k.Int64()
+		lk, err := b.l.TryLock(ctx, k, HoldAtLeast(hold))
+		if err != nil {
+			t.Fatal(err)
+		}
+		until := time.Now().Add(hold)
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Until(until) - 100*time.Millisecond)
+		refused := 0
+		for {
+			tried := time.Now()
+			w, err := other.TryLock(ctx, k)
+			if errors.Is(err, ErrNotAcquired) {
+				refused++
+				if time.Since(until) > 10*time.Second {
+					t.Fatal("the key was never released")
+				}
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if early := until.Sub(tried); early > 0 {
+				t.Errorf("a try begun %v before the hold ended was granted", early)
+			}
+			if got, err := pgtest.Holders(ctx, b.obs, v); err != nil || len(got) != 1 || got[0] != w.PID() {
+				t.Errorf("holders %v (%v), want the replica's %d alone", got, err, w.PID())
+			}
+			if !errors.Is(lk.Err(), ErrNotHeld) {
+				t.Errorf("the first lock after the hold: Err %v, want ErrNotHeld", lk.Err())
+			}
+			if err := w.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
+			break
+		}
+		if refused == 0 {
+			t.Error("no try came during the hold: the race was not run")
+		}
+	})
+
 	t.Run("Do and TryDo", func(t *testing.T) {
 		k := key(t)
 		v, _ := k.Int64()

@@ -172,16 +172,21 @@ func TestHold(t *testing.T) {
 	}
 }
 
+// A kind of session, and the options that give it.
+type kind struct {
+	name string
+	opts []advlock.Option
+}
+
+var sessionKinds = []kind{
+	{"shared session", nil},
+	{"session per lock", []advlock.Option{advlock.WithSharedSessions(0)}},
+}
+
 // What Lose does to a lock is what pg_terminate_backend does: for each kind of session, the lock lost through Lose
 // and the lock lost through a terminate of its session by hand report the same (Done, Err, Unlock, Do's ctx).
 func TestLoseIsTerminate(t *testing.T) {
-	for _, kind := range []struct {
-		name string
-		opts []advlock.Option
-	}{
-		{"shared session", nil},
-		{"session per lock", []advlock.Option{advlock.WithSharedSessions(0)}},
-	} {
+	for _, kind := range sessionKinds {
 		t.Run(kind.name, func(t *testing.T) {
 			dsn := advlocktest.DSN(t)
 			l := open(t, dsn, kind.opts...)
@@ -229,14 +234,7 @@ func TestLoseIsTerminate(t *testing.T) {
 
 // Do's fn sees its ctx end with ErrLockLost when Lose ends its lock; for a lease too.
 func TestLoseDuringDo(t *testing.T) {
-	for _, kind := range []struct {
-		name string
-		opts []advlock.Option
-	}{
-		{"shared session", nil},
-		{"session per lock", []advlock.Option{advlock.WithSharedSessions(0)}},
-		{"lease", []advlock.Option{advlock.WithLeases(), advlock.WithLeaseLength(3 * time.Second)}},
-	} {
+	for _, kind := range append(sessionKinds, kind{"lease", []advlock.Option{advlock.WithLeases(), advlock.WithLeaseLength(3 * time.Second)}}) {
 		t.Run(kind.name, func(t *testing.T) {
 			dsn := advlocktest.DSN(t)
 			l := open(t, dsn, kind.opts...)
