@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/advlock/advlock/internal/mutant"
@@ -46,6 +47,7 @@ type Mux struct {
 	unlockKey func(ID) ID   // tests only
 	fenced    bool          // grants draw tokens from FenceSeq
 	bg        sync.WaitGroup
+	wb        atomic.Pointer[wireBuf] // the encoding buffers, between two round trips (see send)
 
 	mu        sync.Mutex
 	queue     []*req // not yet sent

@@ -117,16 +117,31 @@ func (m *Mux) takeLocked() []*req {
 	return batch
 }
 
-// send writes one round trip. Only the reader writes.
+// wireBuf is what encoding a round trip needs, kept by the Mux from one round trip to the next (see send).
+type wireBuf struct {
+	buf    []byte
+	params [2][]byte // a lone request's parameters
+}
+
+// send writes one round trip. It takes the Mux's wireBuf, which write puts back once the socket has the bytes (an
+// atomic hand-over: the next round trip, which can only follow the answer to this one, reuses it), so that a lone
+// caller's round trip allocates nothing to encode; a send that finds it not back yet makes another.
 func (m *Mux) send(batch []*req) error {
+	w := m.wb.Swap(nil)
+	if w == nil {
+		w = new(wireBuf)
+	}
 	if len(batch) == 1 {
 		r := batch[0]
-		params := [][]byte{strconv.AppendInt(nil, r.key, 10)}
+		w.params[0] = strconv.AppendInt(w.params[0][:0], r.key, 10)
+		params := w.params[:1]
 		if isSharedTry(r.op) {
-			params = append(params, strconv.AppendInt(nil, intentOf(r), 10))
+			w.params[1] = strconv.AppendInt(w.params[1][:0], intentOf(r), 10)
+			params = w.params[:2]
 		}
-		buf, err := (&pgproto3.Bind{PreparedStatement: singleStmt[b2i(m.fenced)][r.op-1], Parameters: params}).Encode(nil)
-		return m.write(buf, err)
+		bind := pgproto3.Bind{PreparedStatement: singleStmt[b2i(m.fenced)][r.op-1], Parameters: params}
+		buf, err := bind.Encode(w.buf[:0])
+		return m.write(w, buf, err)
 	}
 	ops, keys := make([]byte, 1, 4*len(batch)+2), make([]byte, 1, 21*len(batch)+2)
 	ops[0], keys[0] = '{', '{'
@@ -157,15 +172,16 @@ func (m *Mux) send(batch []*req) error {
 	} else {
 		intents = append(intents, '}')
 	}
-	buf, err := (&pgproto3.Bind{PreparedStatement: muxStmt[b2i(m.fenced)], Parameters: [][]byte{ops, keys, intents}}).Encode(nil)
-	return m.write(buf, err)
+	bind := pgproto3.Bind{PreparedStatement: muxStmt[b2i(m.fenced)], Parameters: [][]byte{ops, keys, intents}}
+	buf, err := bind.Encode(w.buf[:0])
+	return m.write(w, buf, err)
 }
 
 // intentOf is the intent of a shared try's key.
 func intentOf(r *req) int64 { return ID{Pair: r.op > opPair, V: r.key}.Intent().V }
 
-// write sends a Bind (already in buf) with its Execute and Sync.
-func (m *Mux) write(buf []byte, err error) error {
+// write sends a Bind (already in buf, w's buffer or a larger one) with its Execute and Sync, and gives w back.
+func (m *Mux) write(w *wireBuf, buf []byte, err error) error {
 	if err == nil {
 		buf, err = (&pgproto3.Execute{}).Encode(buf)
 	}
@@ -176,7 +192,12 @@ func (m *Mux) write(buf []byte, err error) error {
 		return err
 	}
 	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
-	if _, err := m.nc.Write(buf); err != nil {
+	_, err = m.nc.Write(buf)
+	if cap(buf) <= 4096 { // a large batch's buffer is let go
+		w.buf = buf[:0]
+	}
+	m.wb.Store(w)
+	if err != nil {
 		return fmt.Errorf("session ended: %w", err)
 	}
 	return nil
