@@ -30,7 +30,7 @@ var layers = map[string][]string{
 	"internal/cli":                 {"", "internal/session", "internal/pgcluster"},
 	"cmd/advlock":                  {"internal/cli"},
 	"chaos":                        {"", "internal/testkit/faults", "internal/mutant", "internal/pgcluster", "internal/session", "internal/config"},
-	"advlocktest":                  {"", "internal/lease", "internal/pgcluster", "internal/testkit/faults"},
+	"advlocktest":                  {"", "internal/pgcluster", "internal/testkit/faults"},
 	"examples/basic":               {""},
 	"examples/http":                {""},
 	"examples/slog":                {""},

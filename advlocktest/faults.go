@@ -7,13 +7,13 @@ import (
 	"net"
 	neturl "net/url"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/advlock/advlock"
-	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/pgcluster"
 	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/jackc/pgx/v5"
@@ -120,12 +120,17 @@ func loseOn(ctx context.Context, admin string, lk *advlock.Lock) (bool, error) {
 		return false, err
 	}
 	defer conn.Close(context.Background())
-	if lk.PID() == 0 { // a lease
-		var exists bool
-		if err := conn.QueryRow(ctx, "SELECT to_regclass('"+lease.Table+"') IS NOT NULL").Scan(&exists); err != nil || !exists {
+	if lk.PID() == 0 { // a lease: broken as advlock break does, if this database has it
+		rows, err := advlock.Inspect(ctx, conn)
+		if err != nil {
 			return false, err
 		}
-		return advlock.BreakLease(ctx, conn, lk.Key(), lk.Token())
+		for _, r := range rows {
+			if r.Granted && r.Lease != nil && r.Key.Equal(lk.Key()) && r.Lease.Token == lk.Token() {
+				return advlock.BreakLease(ctx, conn, lk.Key(), lk.Token())
+			}
+		}
+		return false, nil
 	}
 	c, o, s := keyArgs(lk.Key())
 	var ended bool
@@ -179,26 +184,21 @@ func LoseKey(t TB, dsn string, key advlock.Key) {
 		t.Fatalf("advlocktest: LoseKey: %v", err)
 	}
 	defer conn.Close(context.Background())
-	c, o, s := keyArgs(key)
+	rows, err := advlock.Inspect(ctx, conn) // sessions and leases, in this database
 	var pids []uint32
-	err = conn.QueryRow(ctx, `SELECT coalesce(array_agg(DISTINCT l.pid), '{}') FROM pg_locks l
-		WHERE l.pid <> $1 AND `+keyWhere, int64(conn.PgConn().PID()), c, o, s).Scan(&pids)
+	for _, r := range rows {
+		if err != nil || !r.Granted || !r.Key.Equal(key) {
+			continue
+		}
+		if r.Lease != nil {
+			_, err = advlock.BreakLease(ctx, conn, key, r.Lease.Token)
+		} else if !slices.Contains(pids, uint32(r.PID)) {
+			pids = append(pids, uint32(r.PID))
+		}
+	}
 	if err == nil && len(pids) > 0 {
 		if _, err = conn.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM unnest($1::int4[]) AS pid", pids); err == nil {
 			err = sessionsGone(ctx, conn, pids)
-		}
-	}
-	if err == nil {
-		var exists bool
-		if err = conn.QueryRow(ctx, "SELECT to_regclass('"+lease.Table+"') IS NOT NULL").Scan(&exists); err == nil && exists {
-			space, v := int16(1), int64(0)
-			if n, ok := key.Int64(); ok {
-				v = n
-			} else {
-				a, b, _ := key.Pair()
-				space, v = 2, int64(a)<<32|int64(uint32(b))
-			}
-			_, err = conn.Exec(ctx, "DELETE FROM "+lease.Table+" WHERE space = $1 AND key = $2", space, v)
 		}
 	}
 	if err != nil {
@@ -327,7 +327,7 @@ func NewLink(t TB, dsn string) *Link {
 	}
 	t.Cleanup(p.Close)
 	l := &Link{p: p}
-	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+	if isURL(dsn) {
 		u, err := neturl.Parse(dsn)
 		if err != nil {
 			t.Fatalf("advlocktest: NewLink: the connection string does not parse as a URL")

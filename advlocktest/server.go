@@ -120,12 +120,17 @@ func DSN(t TB, opts ...Option) string {
 	return dsn
 }
 
+// isURL reports whether dsn is a URL rather than key=value settings.
+func isURL(dsn string) bool {
+	return strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://")
+}
+
 // newTag is a test's application_name: unique among the test binaries that share a server.
 func newTag() string { return fmt.Sprintf("advlocktest-%d-%d", os.Getpid(), seq.Add(1)) }
 
 // withParam returns dsn (a URL or key=value settings) with the run-time parameter name set to value.
 func withParam(dsn, name, value string) (string, error) {
-	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+	if isURL(dsn) {
 		u, err := neturl.Parse(dsn)
 		if err != nil { // pgx reads more URLs than net/url does (a socket directory as the host, percent-encoded)
 			sep := "?"
@@ -148,7 +153,7 @@ func freshDatabase(t TB, admin string) string {
 	name := fmt.Sprintf("advlocktest_%d_%d", os.Getpid(), seq.Add(1))
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, admin)
+	conn, err := connect(ctx, admin, "advlocktest")
 	if err != nil {
 		t.Fatalf("advlocktest: connect to create a database: %v", err)
 	}
@@ -157,7 +162,7 @@ func freshDatabase(t TB, admin string) string {
 		t.Fatalf("advlocktest: create database %s: %v", name, err)
 	}
 	dsn := admin + " dbname=" + name
-	if strings.HasPrefix(admin, "postgres://") || strings.HasPrefix(admin, "postgresql://") {
+	if isURL(admin) {
 		u, err := neturl.Parse(admin)
 		if err != nil {
 			t.Fatalf("advlocktest: the server's connection string does not parse as a URL")
@@ -174,7 +179,7 @@ func freshDatabase(t TB, admin string) string {
 		serversMu.Unlock()
 		ctx, cancel := context.WithTimeout(context.Background(), bound)
 		defer cancel()
-		conn, err := pgx.Connect(ctx, admin)
+		conn, err := connect(ctx, admin, "advlocktest")
 		if err == nil {
 			defer conn.Close(context.Background())
 			_, err = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
@@ -199,7 +204,7 @@ func checkLeftHeld(t TB, admin, tag string) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, admin)
+	conn, err := connect(ctx, admin, "advlocktest")
 	if err != nil {
 		t.Errorf("advlocktest: connect to check for locks left held: %v", err)
 		return
