@@ -88,47 +88,14 @@ func TestHoldAtLeast(t *testing.T) {
 	// Another replica's tick that tries (no wait) across the end of the hold: every try before the end is refused,
 	// the first that passes comes after it, and then the key has one holder, the replica.
 	t.Run("tries across the end of the hold", func(t *testing.T) {
-		k := key(t)
-		v, _ := k.Int64()
-		lk, err := b.l.TryLock(ctx, k, HoldAtLeast(hold))
-		if err != nil {
-			t.Fatal(err)
-		}
-		until := time.Now().Add(hold)
-		if err := lk.Unlock(ctx); err != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(time.Until(until) - 100*time.Millisecond)
-		refused := 0
-		for {
-			tried := time.Now()
-			w, err := other.TryLock(ctx, k)
-			if errors.Is(err, ErrNotAcquired) {
-				refused++
-				if time.Since(until) > 10*time.Second {
-					t.Fatal("the key was never released")
-				}
-				continue
+		// On a loaded machine the first try may come only after the hold: the round is then run again.
+		for round := 0; ; round++ {
+			if triesAcrossHoldEnd(ctx, t, b, other, hold) {
+				return
 			}
-			if err != nil {
-				t.Fatal(err)
+			if round == 4 {
+				t.Fatal("no try came during the hold in 5 rounds: the race was not run")
 			}
-			if early := until.Sub(tried); early > 0 {
-				t.Errorf("a try begun %v before the hold ended was granted", early)
-			}
-			if got, err := pgtest.Holders(ctx, b.obs, v); err != nil || len(got) != 1 || got[0] != w.PID() {
-				t.Errorf("holders %v (%v), want the replica's %d alone", got, err, w.PID())
-			}
-			if !errors.Is(lk.Err(), ErrNotHeld) {
-				t.Errorf("the first lock after the hold: Err %v, want ErrNotHeld", lk.Err())
-			}
-			if err := w.Unlock(ctx); err != nil {
-				t.Fatal(err)
-			}
-			break
-		}
-		if refused == 0 {
-			t.Error("no try came during the hold: the race was not run")
 		}
 	})
 
@@ -256,4 +223,51 @@ func TestHoldAtLeast(t *testing.T) {
 		}
 		_ = o.Unlock(ctx)
 	})
+}
+
+// triesAcrossHoldEnd is one round of TestHoldAtLeast/tries_across_the_end_of_the_hold: a lock held by b.l for at
+// least hold and unlocked at once, and other's tries in a loop from shortly before the hold's end. It fails t if a
+// try begun before the end was granted, or if the replica then is not the key's only holder; it reports whether a
+// try came during the hold (the race was run).
+func triesAcrossHoldEnd(ctx context.Context, t *testing.T, b *bundle, other *Locker, hold time.Duration) bool {
+	k := key(t)
+	v, _ := k.Int64()
+	lk, err := b.l.TryLock(ctx, k, HoldAtLeast(hold))
+	if err != nil {
+		t.Fatal(err)
+	}
+	until := time.Now().Add(hold)
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Until(until) - 200*time.Millisecond)
+	refused := 0
+	for {
+		tried := time.Now()
+		w, err := other.TryLock(ctx, k)
+		if errors.Is(err, ErrNotAcquired) {
+			refused++
+			if time.Since(until) > 10*time.Second {
+				t.Fatal("the key was never released")
+			}
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if early := until.Sub(tried); early > 0 {
+			t.Errorf("a try begun %v before the hold ended was granted", early)
+		}
+		if got, err := pgtest.Holders(ctx, b.obs, v); err != nil || len(got) != 1 || got[0] != w.PID() {
+			t.Errorf("holders %v (%v), want the replica's %d alone", got, err, w.PID())
+		}
+		pgtest.WaitClosed(t, lk.Done(), 10*time.Second, "the lingering lock's end, told after its release") // the server let go first
+		if !errors.Is(lk.Err(), ErrNotHeld) {
+			t.Errorf("the lingering lock after its hold: Err %v, want ErrNotHeld", lk.Err())
+		}
+		if err := w.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return refused > 0
+	}
 }

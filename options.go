@@ -165,9 +165,9 @@ func callOptions(opts []CallOption) callOpts {
 // of the key wait or fail as for any held lock. [Locker.Close] releases it at once. An early Unlock does not ask
 // the server whether the lock is still held (without a hold, Unlock's release does): a loss its watcher has not
 // noticed yet (a silent network, within the keepalive bound) is told by Done and Err, not by Unlock's result, nor
-// by Do's. It is what makes a scheduled
-// job run once per tick on several replicas whose clocks or start times differ: see docs/locks.md, "Scheduled
-// jobs". d <= 0 holds nothing past the unlock. The last HoldAtLeast given counts.
+// by Do's. It is what makes a scheduled job run once per tick on several replicas whose clocks or start times
+// differ (with [TickKey]): see docs/locks.md, "Scheduled jobs". d <= 0 holds nothing past the unlock. The last
+// HoldAtLeast given counts.
 func HoldAtLeast(d time.Duration) CallOption {
 	return func(c *callOpts) { c.hold = d }
 }

@@ -148,7 +148,7 @@ func TestRunTick(t *testing.T) {
 		time.Sleep(d + time.Second)
 	}
 	want := advlock.TickKey(name, time.Now(), period)
-	p := start(t, dbEnv(t), "run", "--no-wait", "--tick", "1h", "--hold-at-least", "3s", name, "--", "sh", "-c", "echo $ADVLOCK_KEY")
+	p := start(t, dbEnv(t), "run", "--no-wait", "--tick", "1h", "--hold-at-least", "5s", name, "--", "sh", "-c", "echo $ADVLOCK_KEY")
 	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(p.out.String(), "@"); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("COMMAND did not run: stderr %q", p.err.String())
