@@ -67,6 +67,7 @@ type Report struct {
 	PromoteMS       Percentiles `json:"promote_ms"`
 	FirstGrantMS    Percentiles `json:"first_grant_after_promotion_ms"`
 	FirstGrantMaxMS float64     `json:"first_grant_after_promotion_max_ms"`
+	FirstGrantMinMS float64     `json:"first_grant_after_promotion_min_ms"`
 	NotExercised    []string    `json:"not_exercised,omitempty"` // why a run under faults proves nothing
 	Dir             string      `json:"dir,omitempty"`           // kept when something was found
 }
@@ -200,7 +201,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	if len(first) > 0 {
 		sort.Float64s(first)
 		r.FirstGrantMS = Percentiles{P50: pct(first, 0.5), P99: pct(first, 0.99), N: len(first)}
-		r.FirstGrantMaxMS = pct(first, 1)
+		r.FirstGrantMaxMS, r.FirstGrantMinMS = pct(first, 1), pct(first, 0)
 	}
 	if c.opt.Failover && !c.opt.NoFaults && r.Failovers == 0 && (len(c.opt.Faults) == 0 || slices.Contains(c.opt.Faults, "failover")) {
 		r.NotExercised = append(r.NotExercised, "no failover took place")
