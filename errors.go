@@ -35,7 +35,9 @@ var (
 	// fn, Holding) or in this process's gate, which the server cannot see. See "Deadlocks" in docs/locks.md.
 	ErrDeadlock = session.ErrDeadlock
 	// ErrUnlockFailed: Unlock could not get the server to confirm the release (error, timeout, cancelled ctx), so
-	// the session was closed instead of being pooled; the server drops the lock when it sees the socket close.
+	// the session was closed instead of being pooled; the server drops the lock when it sees the socket close. For
+	// an Unlock before the lock's HoldAtLeast had passed: no answer came to its question whether the lock was still
+	// held, and the lock stays held until the hold has passed.
 	ErrUnlockFailed = session.ErrUnlockFailed
 	// ErrInvalidKey: the zero Key, or text that ParseKey cannot read.
 	ErrInvalidKey = session.ErrInvalidKey

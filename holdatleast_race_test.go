@@ -724,47 +724,48 @@ func TestHoldAtLeastLeasesClose(t *testing.T) {
 // Do promises that a lock lost at any point makes its result non-nil (the Unlock confirms the lock was still held
 // when fn returned): a session lost silently during fn (here: the network blackholed, the backend terminated,
 // another Locker granted the key while fn runs) makes Do return an error (the unlock is not confirmed). With
-// HoldAtLeast an early Unlock does not ask the server (documented at HoldAtLeast: such a loss shows on the lock's
-// Done and Err, after Do has returned), so only the case without a hold is judged here.
+// HoldAtLeast the early Unlock asks the session whether it is still there, which gets no answer either.
 func TestHoldAtLeastDoLostSilently(t *testing.T) {
 	b := setup(t)
-	for _, hold := range []bool{false} {
-		name := "without HoldAtLeast"
-		var opts []CallOption
-		if hold {
-			name = "with HoldAtLeast"
-			opts = append(opts, HoldAtLeast(time.Hour))
-		}
-		t.Run(name, func(t *testing.T) {
-			ctx := ctxT(t, 2*time.Minute)
-			p, pool := proxiedPool(t, b.url, 4)
-			l := New(pool, WithSharedSessions(0), WithReleaseTimeout(time.Second))
-			k := key(t)
-			overlapped := false
-			err := l.Do(ctx, k, func(fctx context.Context) error {
-				pids := b.holders(t, k)
-				if len(pids) != 1 {
-					t.Errorf("holders %v", pids)
-					return nil
-				}
-				p.Blackhole(true)
-				pgtest.Terminate(t, b.obs, pids[0])
-				o, err := b.l.Lock(ctx, k, Wait(10*time.Second))
-				if err != nil {
-					t.Errorf("another Locker during fn: %v", err)
-					return nil
-				}
-				overlapped = true
-				_ = o.Unlock(ctx)
-				return nil
-			}, opts...)
-			t.Logf("Do: %v", err)
-			if overlapped && err == nil {
-				t.Errorf("Do returned nil, though another Locker held the key while fn ran")
+	for _, mode := range haModes() {
+		for _, hold := range []bool{false, true} {
+			name := mode.name + "/without HoldAtLeast"
+			var opts []CallOption
+			if hold {
+				name = mode.name + "/with HoldAtLeast"
+				opts = append(opts, HoldAtLeast(time.Hour))
 			}
-			p.Blackhole(false)
-			haClose(t, l, nil)
-		})
+			t.Run(name, func(t *testing.T) {
+				ctx := ctxT(t, 2*time.Minute)
+				p, pool := proxiedPool(t, b.url, 4)
+				l := New(pool, append(mode.opts, WithReleaseTimeout(time.Second))...)
+				k := key(t)
+				overlapped := false
+				err := l.Do(ctx, k, func(fctx context.Context) error {
+					pids := b.holders(t, k)
+					if len(pids) != 1 {
+						t.Errorf("holders %v", pids)
+						return nil
+					}
+					p.Blackhole(true)
+					pgtest.Terminate(t, b.obs, pids[0])
+					o, err := b.l.Lock(ctx, k, Wait(10*time.Second))
+					if err != nil {
+						t.Errorf("another Locker during fn: %v", err)
+						return nil
+					}
+					overlapped = true
+					_ = o.Unlock(ctx)
+					return nil
+				}, opts...)
+				t.Logf("Do: %v", err)
+				if overlapped && err == nil {
+					t.Errorf("Do returned nil, though another Locker held the key while fn ran")
+				}
+				p.Blackhole(false)
+				haClose(t, l, nil)
+			})
+		}
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -49,6 +50,9 @@ type LockInfo struct {
 	// readers, or has waited a whole slice, and new shared requests of advlock wait behind it (see "Waits and the
 	// database" in docs/locks.md). The intent's own pg_locks row is not listed.
 	Intent bool
+	// Lingering marks a lock held past its work: its holder unlocked it (or Do's fn returned) before its
+	// [HoldAtLeast] had passed, and it is released when that has. The marker's own pg_locks row is not listed.
+	Lingering bool
 	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
 	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
@@ -148,6 +152,9 @@ func inspectLeases(ctx context.Context, q Querier) ([]LockInfo, error) {
 		li := LockInfo{Lease: &LeaseInfo{}}
 		err := r.Scan(&li.Granted, &sp, &v, &li.Lease.Token, &li.Lease.Holder, &li.Lease.Granted, &li.Lease.Expires, &left)
 		li.Key = keyOf(session.ID{Pair: sp == 2, V: v})
+		if h, ok := strings.CutSuffix(li.Lease.Holder, lease.LingerMark); ok && li.Granted {
+			li.Lease.Holder, li.Lingering = h, true
+		}
 		if li.Granted {
 			li.Lease.Left = time.Duration(left) * time.Millisecond
 		} else { // a wait: since, in place of granted and expires
@@ -293,7 +300,7 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		return li, err
 	})
 	if err == nil {
-		out = foldIntents(out)
+		out = foldLingering(foldIntents(out))
 	}
 	markCycles(out)
 	countClients(out)
@@ -345,6 +352,39 @@ func foldIntents(out []LockInfo) []LockInfo {
 				}
 			}
 			slices.Sort(kept[i].BlockedBy)
+		}
+	}
+	return kept
+}
+
+// foldLingering drops the markers of locks held past their work (the shared int8 lock a session holds beside a
+// key it holds, that is that key's marker: see Lock.Unlock under HoldAtLeast) and marks the rows of their keys
+// instead. A marker whose session holds no such key is listed as the lock it is.
+func foldLingering(out []LockInfo) []LockInfo {
+	type lock struct {
+		pid int32
+		id  session.ID
+	}
+	markers := map[lock]bool{}
+	for _, li := range out {
+		if li.Granted && li.Shared && !li.Key.id.Pair {
+			markers[lock{li.PID, li.Key.id}] = true
+		}
+	}
+	if len(markers) == 0 {
+		return out
+	}
+	folded := map[lock]bool{}
+	for i, li := range out {
+		if m := (lock{li.PID, li.Key.id.Linger()}); li.Granted && markers[m] {
+			out[i].Lingering = true
+			folded[m] = true
+		}
+	}
+	kept := out[:0]
+	for _, li := range out {
+		if !(li.Granted && li.Shared && folded[lock{li.PID, li.Key.id}]) {
+			kept = append(kept, li)
 		}
 	}
 	return kept
@@ -463,10 +503,11 @@ func (li LockInfo) MarshalJSON() ([]byte, error) {
 		CallerHolds     []heldJSON `json:"caller_holds,omitempty"`
 		InCycle         bool       `json:"in_cycle,omitempty"`
 		Intent          bool       `json:"intent,omitempty"`
+		Lingering       bool       `json:"lingering,omitempty"`
 		ClientSessions  int        `json:"client_sessions"`
 		Lease           *leaseJSON `json:"lease,omitempty"`
 	}{li.Key.String(), li.Mode(), li.Granted, li.WaitStart, blocked, li.PID, li.ApplicationName, li.ClientAddr,
-		start, li.State, holds, li.InCycle, li.Intent, li.ClientSessions, ls})
+		start, li.State, holds, li.InCycle, li.Intent, li.Lingering, li.ClientSessions, ls})
 }
 
 // LockTableUse is how full the server's shared lock table is. Every advisory lock takes an entry, in a table that

@@ -2,6 +2,7 @@ package advlock
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"time"
 )
@@ -26,6 +27,7 @@ type handle interface {
 	Done() <-chan struct{}
 	Err() error
 	Release(ctx context.Context, after error) error
+	Confirm(ctx context.Context) error // a round trip after the call: nil if still held, else how the lock ended
 	AfterEnd(f func()) (stop func() bool)
 	Token() int64
 	PID() uint32
@@ -65,14 +67,16 @@ func (lk *Lock) Err() error { return lk.h.Err() }
 // returns nil. Otherwise the session is closed, never pooled, so that the server drops the lock, and Unlock says
 // why: ErrLockLost if the lock had been lost (or the server said the session no longer held it), ErrUnlockFailed if
 // the unlock failed, timed out or ctx had ended. A second call returns ErrNotHeld; a call after Close released the
-// lock returns ErrClosed.
+// lock returns ErrClosed. Before the lock's [HoldAtLeast] has passed, Unlock leaves the key held until it has, and
+// asks the server whether the lock still is: nil, ErrLockLost, or an error matching ErrUnlockFailed and ctx's
+// error when no answer came before ctx ended (the key stays held as asked).
 func (lk *Lock) Unlock(ctx context.Context) error {
 	if lk == nil {
 		return ErrNotHeld
 	}
 	if d := time.Until(lk.holdUntil); d > 0 && lk.h.Err() == nil && lk.ended.CompareAndSwap(lockHeld, lingering) {
 		if lk.l.lingerFor(lk, d) {
-			return nil
+			return lk.confirm(ctx)
 		}
 		// Lost as it was unlocked (the Locker forgot it before its Err said so): reported as any loss.
 		lk.ended.Store(unlockedByCaller)
@@ -86,4 +90,14 @@ func (lk *Lock) Unlock(ctx context.Context) error {
 		return &keyError{op: "unlock", key: lk.key, err: err}
 	}
 	return nil
+}
+
+// confirm asks the server, for an Unlock before the lock's HoldAtLeast has passed, whether the lock is still held:
+// what a release would have told. A release that came first (the hold passed, or Close) told it.
+func (lk *Lock) confirm(ctx context.Context) error {
+	err := lk.h.Confirm(ctx)
+	if err == nil || errors.Is(err, ErrNotHeld) || errors.Is(err, ErrClosed) {
+		return nil
+	}
+	return &keyError{op: "unlock", key: lk.key, err: err}
 }

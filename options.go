@@ -159,15 +159,16 @@ func callOptions(opts []CallOption) callOpts {
 }
 
 // HoldAtLeast keeps the key held until at least d after its grant, even when the caller unlocks sooner (or Do's fn
-// returns sooner): Unlock then returns nil at once, and the lock is released in the background when d has passed
+// returns sooner). Such an Unlock asks the server whether the lock is still held (one round trip on its session,
+// or one statement on a lease's row), marks it held past its work, and returns: nil when held, ErrLockLost when it
+// was lost, or an error matching ErrUnlockFailed and ctx's error when no answer came before ctx ended (the lock
+// then stays held as asked); Do's result says the same. The lock is released in the background when d has passed
 // since the grant. Meanwhile it stays a normal lock: Done and Err tell a loss, observers hear of its end when it
-// really ends, [Locker.Stats] counts it, Inspect and advlock ls show its holder, and this Locker's other callers
-// of the key wait or fail as for any held lock. [Locker.Close] releases it at once. An early Unlock does not ask
-// the server whether the lock is still held (without a hold, Unlock's release does): a loss its watcher has not
-// noticed yet (a silent network, within the keepalive bound) is told by Done and Err, not by Unlock's result, nor
-// by Do's. It is what makes a scheduled job run once per tick on several replicas whose clocks or start times
-// differ (with [TickKey]): see docs/locks.md, "Scheduled jobs". d <= 0 holds nothing past the unlock. The last
-// HoldAtLeast given counts.
+// really ends, [Locker.Stats] counts it, [Inspect] marks it Lingering and advlock ls shows it held past its work,
+// fencing tokens are as usual, and this Locker's other callers of the key wait or fail as for any held lock.
+// [Locker.Close] releases it at once. It is what makes a scheduled job run once per tick on several replicas whose
+// clocks or start times differ (with [TickKey]): see docs/locks.md, "Scheduled jobs". d <= 0 holds nothing past
+// the unlock. The last HoldAtLeast given counts.
 func HoldAtLeast(d time.Duration) CallOption {
 	return func(c *callOpts) { c.hold = d }
 }

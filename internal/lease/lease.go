@@ -296,6 +296,28 @@ func (l *Lease) Target() session.Target { return session.Target{ID: l.id} }
 // PID is 0: a lease has no server session.
 func (l *Lease) PID() uint32 { return 0 }
 
+// Confirm asks the server whether the lease is still this holder's, and marks it held past its work (LingerSQL):
+// one statement, sent after this call. It returns nil when the server has it as this owner's and unexpired; the
+// loss when not (the lease ends, as when the renewer finds that), or the lease's end when it ended first; an error
+// matching ErrUnlockFailed when the statement got no answer (the lease goes on, renewed as before).
+func (l *Lease) Confirm(ctx context.Context) error {
+	if err := l.Err(); err != nil {
+		return err
+	}
+	r, err := run(ctx, l.pool, l.cfg.Bound, LingerSQL(l.id, l.owner, l.term))
+	switch {
+	case l.released.Load():
+		<-l.ctx.Done() // a Release raced the renewal (and may have deleted the row first): it says how the lease ended
+		return l.Err()
+	case err == nil && r == 1:
+		return l.Err()
+	case err == nil:
+		l.finish(fmt.Errorf("%w: the lease expired, or was taken over or broken", session.ErrLockLost))
+		return l.Err()
+	}
+	return session.NotConfirmed(ctx, err)
+}
+
 // Release stops renewing and deletes the lease (keyed on owner and term); after is what Err reports then. It
 // returns the loss when the lease had been lost, ErrLockLost when the server no longer had it as this owner's, and
 // ErrUnlockFailed when the delete was not confirmed (the lease then ends at its expiry, not renewed).

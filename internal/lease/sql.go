@@ -231,6 +231,18 @@ func RenewSQL(id session.ID, owner string, term int64, length time.Duration) str
 		strconv.FormatInt(term, 10) + ", " + ms(length) + ")"
 }
 
+// LingerMark ends the holder of a lease held past its work: its holder unlocked it before its minimum hold had
+// passed (see Lease.Confirm). Inspect reads it back.
+const LingerMark = " (held past its work)"
+
+// LingerSQL marks owner's lease of id, of term, as held past its work (LingerMark), if it still holds it and it
+// has not expired on the server's clock: 1 when marked, 0 when not (it expired, or another lease took the key over).
+func LingerSQL(id session.ID, owner string, term int64) string {
+	return "WITH m AS (UPDATE " + Table + " SET holder = holder || " + quote(LingerMark) + " WHERE space = " + space(id) +
+		" AND key = " + strconv.FormatInt(id.V, 10) + " AND owner = " + quote(owner) + " AND term = " +
+		strconv.FormatInt(term, 10) + " AND expires > clock_timestamp() RETURNING 1) SELECT count(*) FROM m"
+}
+
 // renewUnkeyedSQL is the renewal of mutant.LeaseRenewUnkeyed: keyed on the key alone.
 func renewUnkeyedSQL(id session.ID, length time.Duration) string {
 	return "WITH r AS (UPDATE " + Table + " SET expires = clock_timestamp() + interval '" + ms(length) + " milliseconds' " +

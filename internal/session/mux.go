@@ -310,6 +310,7 @@ type Held struct {
 	mu     sync.Mutex
 	after  []func()
 	rel    bool
+	marked bool // Confirm took the lock's marker (guarded by mu)
 }
 
 // Done is closed when the lock is released or lost.
@@ -383,6 +384,34 @@ func (h *Held) finish(err error) {
 	})
 }
 
+// Confirm asks the server whether the session is still there, and so still holds the lock: a round trip sent after
+// this call, which also takes the lock's marker (ID.Linger; the release gives it back). It returns nil once
+// answered; the lock's end (the loss, or the release that came first) when it has ended or ends meanwhile. Like
+// Release it does not look at ctx: the answer comes within one round trip, or the session dies within its bound.
+func (h *Held) Confirm(context.Context) error {
+	if err := h.Err(); err != nil {
+		return err
+	}
+	r := &req{op: opLinger, key: h.target.ID.Linger().V}
+	h.mux.do(r)
+	if r.err == nil && r.res == 1 {
+		h.mu.Lock()
+		late := h.rel // Release read marked before this answer: the marker is this call's to give back
+		h.marked = !late
+		h.mu.Unlock()
+		if late {
+			h.mux.do(&req{op: opUnlockShared, key: r.key})
+		}
+	}
+	if err := h.Err(); err != nil {
+		return err
+	}
+	if r.err == nil || errors.Is(r.err, ErrLockTableFull) { // answered (the marker may have found no room)
+		return nil
+	}
+	return r.err // the Mux died as r went out: ErrLockLost, as every lock on it is being told
+}
+
 // Release unlocks. The unlock goes out whatever ctx says (a shared session is never left in doubt for a caller's
 // deadline) and is answered within one round trip or the session dies. true -> only this lock ends (Err reports
 // after); false or an error -> the session is in doubt and is destroyed, every lock on it lost. A second call
@@ -394,9 +423,13 @@ func (h *Held) Release(ctx context.Context, after error) error {
 		return ErrNotHeld
 	}
 	h.rel = true
+	marked := h.marked
 	h.mu.Unlock()
 	if err := h.Err(); err != nil {
 		return err
+	}
+	if marked { // first the marker, so that the key is never shown held past its work once released
+		h.mux.do(&req{op: opUnlockShared, key: h.target.ID.Linger().V})
 	}
 	if mutant.On(mutant.UnlockSkippedShared) { // the lock stays on the shared session, which the caller no longer knows
 		m := h.mux

@@ -165,12 +165,12 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 			r.res = results[i]
 		case failed >= 0:
 			retry = append(retry, r)
-		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && isTry(r.op):
+		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && (isTry(r.op) || r.op == opLinger):
 			r.err, failed = batchErr, i // no lock-table space for this try
 			if isSharedTry(r.op) && !m.fenced {
 				// Its key was granted before its test of the key's intent found no space (sharedTry): undone
 				// first in the next round trip, exactly (the unlock answers false when it was not).
-				retry = append(retry, &req{op: r.op + opUnlock - opTry, key: r.key})
+				retry = append(retry, undoOf(r))
 			}
 		default:
 			m.wire = wire // die settles them: the session is in doubt
@@ -202,7 +202,7 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 		for j, r := range answered {
 			granted := j != failed && isTry(r.op) && r.res >= 1
 			if j == failed || granted {
-				undo = append(undo, &req{op: r.op + opUnlock - opTry, key: r.key})
+				undo = append(undo, undoOf(r))
 			}
 			if granted {
 				r.res = 0

@@ -18,10 +18,21 @@ const (
 	opUnlock
 	opUnlockShared
 	opPair = 4
+	// opLinger takes a lock's marker (a shared try of ID.Linger, its key): Confirm's round trip, whose answer also
+	// proves the session still there. Not a try of the caller's key: its failure ends no lock.
+	opLinger = 2*opPair + 1
 )
 
-// isTry reports whether op takes a lock (the others release one).
-func isTry(op int16) bool { return (op-1)%opPair < opUnlock-1 }
+// isTry reports whether op takes a caller's lock (the others release one, or take a marker).
+func isTry(op int16) bool { return op < opLinger && (op-1)%opPair < opUnlock-1 }
+
+// undoOf is the request that gives back what r may have taken: an unlock of its key in its mode.
+func undoOf(r *req) *req {
+	if r.op == opLinger {
+		return &req{op: opUnlockShared, key: r.key}
+	}
+	return &req{op: r.op + opUnlock - opTry, key: r.key}
+}
 
 // The statements of a shared session, [fenced]: the array statement for a round trip of several requests, and for a
 // round trip that carries one request (the usual case for a lone caller) a plain call, which costs the server
@@ -31,8 +42,8 @@ func isTry(op int16) bool { return (op-1)%opPair < opUnlock-1 }
 var (
 	muxStmt    = [2]string{"advlock_mux_1", "advlock_muxf_1"}
 	muxSQL     [2]string
-	singleSQL  [2][8]string // by op-1
-	singleStmt [2][8]string
+	singleSQL  [2][opLinger]string // by op-1
+	singleStmt [2][opLinger]string
 )
 
 func init() {
@@ -57,6 +68,9 @@ func init() {
 			singleSQL[f][op-1] = "SELECT " + call(single[pair], "$2::int8")
 			singleStmt[f][op-1] = fmt.Sprintf("%s_%d", muxStmt[f], op)
 		}
+		fmt.Fprintf(&cases, " WHEN %d THEN pg_try_advisory_lock_shared(t.k)::int\n", opLinger)
+		singleSQL[f][opLinger-1] = "SELECT pg_try_advisory_lock_shared($1::int8)::int"
+		singleStmt[f][opLinger-1] = fmt.Sprintf("%s_%d", muxStmt[f], opLinger)
 		muxSQL[f] = "SELECT t.i, CASE t.op\n" + cases.String() +
 			" END FROM unnest($1::int2[], $2::int8[], $3::int8[]) WITH ORDINALITY AS t(op, k, x, i)"
 	}

@@ -157,11 +157,20 @@ type Session struct {
 	target    Target
 	keepalive time.Duration
 
-	ctx        context.Context // ends when the lock is released or lost; context.Cause says which
-	end        context.CancelCauseFunc
-	watchMu    sync.Mutex
-	stopping   bool // guarded by watchMu: Release wants the connection back
-	pinging    bool // guarded by watchMu: a keepalive round trip is in flight, which must not be cut short
+	ctx      context.Context // ends when the lock is released or lost; context.Cause says which
+	end      context.CancelCauseFunc
+	watchMu  sync.Mutex
+	stopping bool // guarded by watchMu: Release wants the connection back
+	pinging  bool // guarded by watchMu: a keepalive round trip is in flight, which must not be cut short
+	// Confirm's round trips, guarded by watchMu: the watcher's pings sent so far, the last that was answered, the
+	// one a Confirm waits for, and a channel closed after each answer (made by a Confirm; nil otherwise).
+	watching   bool
+	pingsSent  uint64
+	pingsOK    uint64
+	asked      uint64
+	pinged     chan struct{}
+	markTried  bool // the first round trip sent for a Confirm also takes the lock's marker (ID.Linger)
+	marked     bool // it was granted: the release gives it back
 	starter    *Starter
 	pendingIdx int       // index in starter.pending while not yet watched, else -1; guarded by starter.mu
 	granted    time.Time // when the lock was granted (set by starter.add)
@@ -471,8 +480,15 @@ func (s *Session) Err() error { return context.Cause(s.ctx) }
 // does not interrupt it; it waits for it, at most one keepalive interval), so a healthy lock is never reported lost.
 func (s *Session) watch() {
 	defer close(s.watchDone)
+	s.watchMu.Lock()
+	s.watching = true
+	ping := s.asked > s.pingsSent // a Confirm came before the watcher
+	s.watchMu.Unlock()
 	for {
-		err := s.conn.Wait(time.Now().Add(s.keepalive))
+		err := ErrWaitTimeout
+		if !ping {
+			err = s.conn.Wait(time.Now().Add(s.keepalive))
+		}
 		switch {
 		case err == nil:
 			if s.stopRequested() {
@@ -486,14 +502,37 @@ func (s *Session) watch() {
 				return // Release asked (its Interrupt ended the Wait); the connection is theirs again
 			}
 			s.pinging = true
+			s.pingsSent++
+			seq := s.pingsSent
+			mark := s.asked >= seq && !s.markTried
+			s.markTried = s.markTried || mark
 			s.watchMu.Unlock()
 			s.conn.ClearDeadline()
 			ctx, cancel := context.WithTimeout(context.Background(), s.keepalive)
-			err = s.conn.Ping(ctx)
+			marked := false
+			if mark {
+				var r int64
+				r, err = s.conn.QueryInt(ctx, LingerSQL(s.target.ID))
+				marked = err == nil && r == 1
+				if errors.Is(err, ErrLockTableFull) {
+					err = nil // answered: the session is there, only the marker found no room
+				}
+			} else {
+				err = s.conn.Ping(ctx)
+			}
 			cancel()
 			s.watchMu.Lock()
 			s.pinging = false
+			s.marked = s.marked || marked
+			if err == nil {
+				s.pingsOK = seq
+			}
+			if s.pinged != nil {
+				close(s.pinged)
+				s.pinged = nil
+			}
 			stop := s.stopping
+			ping = s.asked > seq // a Confirm that came while this ping was on the wire wants one sent after it
 			s.watchMu.Unlock()
 			if err == nil {
 				if stop {
@@ -512,6 +551,61 @@ func (s *Session) watch() {
 		return
 	}
 }
+
+// Confirm asks the server whether the session is still there, and so still holds the lock: the watcher sends a
+// round trip after this call (interrupting its wait on the idle connection, or right after a keepalive already on
+// the wire) and Confirm returns nil once it is answered. A session that ended, or ends meanwhile, returns why (Err:
+// the loss, or the clean release that came first). When ctx ends first it returns an error matching
+// ErrUnlockFailed and ctx's error, and the lock goes on as it was.
+func (s *Session) Confirm(ctx context.Context) error {
+	s.watchMu.Lock()
+	want := s.pingsSent + 1
+	s.asked = max(s.asked, want)
+	if s.watching && !s.pinging && !s.stopping {
+		s.conn.Interrupt() // its Wait returns at once and it pings; a ping on the wire is never cut
+	}
+	for {
+		if s.pingsOK >= want {
+			s.watchMu.Unlock()
+			return nil
+		}
+		if s.pinged == nil {
+			s.pinged = make(chan struct{})
+		}
+		ch := s.pinged
+		s.watchMu.Unlock()
+		select {
+		case <-ch:
+		case <-s.ctx.Done():
+			return s.Err()
+		case <-ctx.Done():
+			if err := s.Err(); err != nil {
+				return err
+			}
+			return NotConfirmed(ctx, nil)
+		}
+		s.watchMu.Lock()
+	}
+}
+
+// NotConfirmed is the error of a Confirm that got no answer: cause, or none when ctx ended first. It matches
+// ErrUnlockFailed, cause and, when ctx has ended, ctx's error.
+func NotConfirmed(ctx context.Context, cause error) error {
+	if cause == nil {
+		cause = fmt.Errorf("no answer: %w", context.Cause(ctx))
+	}
+	return WithContext(ctx, &notConfirmed{cause})
+}
+
+type notConfirmed struct{ cause error }
+
+func (e *notConfirmed) Error() string {
+	return "advlock: lock not confirmed (" + e.cause.Error() + "); it stays held until its minimum hold has passed"
+}
+
+func (*notConfirmed) Is(target error) bool { return target == ErrUnlockFailed }
+
+func (e *notConfirmed) Unwrap() error { return e.cause }
 
 // finish ends the lock with cause, once: the owner is told first (OnEnd), then Done closes, then what OnEnd asked
 // to run after.
@@ -577,6 +671,11 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		return nil
 	}
 	sql, args := UnlockSQL(t)
+	s.watchMu.Lock()
+	if s.marked { // the marker goes with the key (the statement answers the key's unlock)
+		sql += " + 0 * pg_advisory_unlock_shared(" + strconv.FormatInt(s.target.ID.Linger().V, 10) + ")::int"
+	}
+	s.watchMu.Unlock()
 	r, err := s.conn.QueryInt(ctx, sql, args...)
 	switch {
 	case err == nil && r == resultAcquired && ctx.Err() == nil:

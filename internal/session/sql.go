@@ -140,8 +140,11 @@ var trySQL, waitFirstSQL [2][2][2]string
 // share an intent and a user's key is the intent of another only by a 64-bit coincidence. Readers test it without
 // waiting (noIntent); writers take it only with a try, in a statement that waits for nothing else, so that whether
 // a session holds it is always known.
-func (id ID) Intent() ID {
-	x := uint64(id.V) ^ 0x6164766c6f636b49 // "advlockI"
+func (id ID) Intent() ID { return id.derived(0x6164766c6f636b49) } // "advlockI"
+
+// derived maps id to an int8 key: the splitmix64 finalizer of the key xor c (and a constant for pairs).
+func (id ID) derived(c uint64) ID {
+	x := uint64(id.V) ^ c
 	if id.Pair {
 		x ^= 0x7061697273706163 // "pairspac"
 	}
@@ -151,9 +154,25 @@ func (id ID) Intent() ID {
 	x *= 0x94d049bb133111eb
 	x ^= x >> 31
 	if !id.Pair && int64(x) == id.V {
-		x ^= 1 // a key that would be its own intent (a fixed point of the bijection) takes its neighbour's
+		x ^= 1 // a key that would be its own image (a fixed point of the bijection) takes its neighbour's
 	}
 	return ID{V: int64(x)}
+}
+
+// Linger is the marker of a lock held past its work (an Unlock before the lock's minimum hold had passed): the
+// session that holds the key holds this int8 key in shared mode too, until it releases the key, so that a reader
+// of pg_locks (Inspect, advlock ls) can tell. Derived as Intent is, with another constant. Nobody takes it
+// exclusively, so a shared try of it is granted (but for a 64-bit coincidence with a user's key held exclusively).
+func (id ID) Linger() ID { return id.derived(0x6164766c6f636b4c) } // "advlockL"
+
+// LingerSQL takes id's marker (see Linger): 1 when granted.
+func LingerSQL(id ID) string {
+	return "SELECT pg_try_advisory_lock_shared(" + strconv.FormatInt(id.Linger().V, 10) + ")::int"
+}
+
+// UnlingerSQL gives id's marker back: 1 when the session held it.
+func UnlingerSQL(id ID) string {
+	return "SELECT pg_advisory_unlock_shared(" + strconv.FormatInt(id.Linger().V, 10) + ")::int"
 }
 
 // noIntent is an SQL condition: true when no session holds the intent i (an int8 expression) exclusively, tested

@@ -98,6 +98,7 @@ func (s *suite) run(t *testing.T) {
 		{"ReleaseExact", s.releaseExact},
 		{"CancelRace", s.cancelRace},
 		{"LostOnTerminate", s.lostOnTerminate},
+		{"HeldPastWork", s.heldPastWork},
 		{"DoCancelsOnLoss", s.doCancelsOnLoss},
 		{"LostOnNetworkFault", s.lostOnNetworkFault},
 		{"DatabaseDown", s.databaseDown},
@@ -756,6 +757,62 @@ func (s *suite) lostOnTerminate(t *testing.T) {
 	}
 	if err := again.Unlock(ctx); err != nil {
 		t.Fatal(err)
+	}
+	noIdleLocks(t, h, obs)
+}
+
+// heldPastWork: an Unlock before the lock's HoldAtLeast has passed asks the server whether the lock is still held
+// and marks it held past its work (Inspect's Lingering; the marker goes with the key, nothing is pooled holding
+// it); the holder's session terminated just before such an Unlock makes it say ErrLockLost.
+func (s *suite) heldPastWork(t *testing.T) {
+	h, obs := s.open(t, advlock.WithKeepalive(s.keepalive())), s.observer(t)
+	ctx := ctxT(t, 30*time.Second)
+	k := Key(t)
+	lk, err := h.L.TryLock(ctx, k, advlock.HoldAtLeast(500*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatalf("Unlock during the hold: %v", err)
+	}
+	pid := pidOf(t, obs, k)
+	rows, err := advlock.Inspect(ctx, obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mine []advlock.LockInfo
+	for _, r := range rows {
+		if uint32(r.PID) == pid {
+			mine = append(mine, r)
+		}
+	}
+	if len(mine) != 1 || !mine[0].Key.Equal(k) || !mine[0].Lingering {
+		t.Errorf("Inspect of the lingering lock's session: %+v, want its key alone, Lingering", mine)
+	}
+	waitDone(t, lk, 10*time.Second)
+	if !errors.Is(lk.Err(), advlock.ErrNotHeld) {
+		t.Errorf("Err after the hold: %v, want ErrNotHeld", lk.Err())
+	}
+	locks, err := pgtest.Locks(ctx, obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range locks {
+		if r.PID == pid {
+			t.Errorf("once released, the lock's session %d still holds %v (its marker?)", pid, r)
+		}
+	}
+	noIdleLocks(t, h, obs)
+
+	for range 3 {
+		lk, err := h.L.TryLock(ctx, Key(t), advlock.HoldAtLeast(time.Hour))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pgtest.Terminate(t, obs, pidOf(t, obs, lk.Key()))
+		if err := lk.Unlock(ctx); !errors.Is(err, advlock.ErrLockLost) {
+			t.Errorf("Unlock during the hold, right after the holder's session was terminated: %v, want ErrLockLost", err)
+		}
 	}
 	noIdleLocks(t, h, obs)
 }

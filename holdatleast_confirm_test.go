@@ -1,0 +1,271 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/lease"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+)
+
+// An Unlock before the lock's HoldAtLeast has passed asks the server whether the lock is still held (a round trip
+// on its own session or shared session, a statement on a lease's row) and marks it held past its work: Inspect
+// and advlock ls show it so, and the marker goes with the key.
+
+func haModesAndLeases() []struct {
+	name string
+	opts []Option
+} {
+	return append(haModes(), struct {
+		name string
+		opts []Option
+	}{"leases", []Option{WithLeases()}})
+}
+
+// advisoryOf lists the advisory locks the server shows for pid, as "key/mode" of int8 keys.
+func advisoryOf(t *testing.T, b *bundle, pid uint32) []Row {
+	t.Helper()
+	rows, err := pgtest.Locks(context.Background(), b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []Row
+	for _, r := range rows {
+		if r.PID == pid {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// Row is a pg_locks row of the tests.
+type Row = pgtest.Row
+
+// heldRow is Inspect's row of k's holder; it fails t unless there is exactly one.
+func heldRow(t *testing.T, b *bundle, k Key) LockInfo {
+	t.Helper()
+	rows, err := Inspect(context.Background(), b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []LockInfo
+	for _, r := range rows {
+		if r.Key.Equal(k) && r.Granted {
+			out = append(out, r)
+		}
+	}
+	if len(out) != 1 {
+		t.Fatalf("Inspect shows %d holders of %s, want one: %+v", len(out), k, out)
+	}
+	return out[0]
+}
+
+func TestHoldAtLeastMarksLingering(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, time.Minute)
+	for _, mode := range haModesAndLeases() {
+		t.Run(mode.name, func(t *testing.T) {
+			l := New(b.pool, mode.opts...)
+			defer l.Close()
+			k := key(t)
+			v, _ := k.Int64()
+			lk, err := l.TryLock(ctx, k, HoldAtLeast(2*time.Second))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r := heldRow(t, b, k); r.Lingering {
+				t.Errorf("Inspect marks the lock lingering before its Unlock: %+v", r)
+			}
+			if err := lk.Unlock(ctx); err != nil {
+				t.Fatalf("Unlock during the hold: %v", err)
+			}
+			r := heldRow(t, b, k)
+			if !r.Lingering {
+				t.Errorf("Inspect does not mark the lock lingering after an early Unlock: %+v", r)
+			}
+			marker := k.id.Linger().V
+			if mode.name == "leases" {
+				if r.Lease == nil || strings.Contains(r.Lease.Holder, "past its work") {
+					t.Errorf("the lease's row: %+v, want its holder without the mark", r.Lease)
+				}
+				var holder string
+				if err := b.obs.QueryRow(ctx, "SELECT holder FROM "+lease.Table+" WHERE key = $1", v).Scan(&holder); err != nil {
+					t.Fatal(err)
+				}
+				if !strings.HasSuffix(holder, lease.LingerMark) {
+					t.Errorf("the lease table's holder %q, want it marked", holder)
+				}
+				pgtest.WaitClosed(t, lk.Done(), 10*time.Second, "the lingering lease's end")
+				return
+			}
+			pid := lk.PID()
+			got := advisoryOf(t, b, pid)
+			if len(got) != 2 || !slicesHave(got, func(r Row) bool { return r.Int64Key(v) && r.Mode == "ExclusiveLock" }) ||
+				!slicesHave(got, func(r Row) bool { return r.Int64Key(marker) && r.Mode == "ShareLock" }) {
+				t.Errorf("pg_locks of the holder's session %d: %v, want the key exclusive and its marker shared", pid, got)
+			}
+			rows, err := Inspect(ctx, b.obs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range rows {
+				if r.PID == int32(pid) && !r.Key.Equal(k) {
+					t.Errorf("Inspect lists the marker (or another lock) of the lingering session: %+v", r)
+				}
+			}
+			pgtest.WaitClosed(t, lk.Done(), 10*time.Second, "the lingering lock's end")
+			if !errors.Is(lk.Err(), ErrNotHeld) {
+				t.Errorf("Err after the hold: %v, want ErrNotHeld", lk.Err())
+			}
+			if got := advisoryOf(t, b, pid); len(got) != 0 {
+				t.Errorf("after the hold the session %d still holds %v, want nothing (the marker goes with the key)", pid, got)
+			}
+			pgtest.NoIdleLocks(t, b.pool, b.obs)
+		})
+	}
+}
+
+// pidOfKey is the pid of k's only holder, as the server sees it.
+func (b *bundle) pidOfKey(t *testing.T, k Key) uint32 {
+	t.Helper()
+	pids := b.holders(t, k)
+	if len(pids) != 1 {
+		t.Fatalf("want exactly one holder of %s, pg_locks shows %v", k, pids)
+	}
+	return pids[0]
+}
+
+func slicesHave(rows []Row, f func(Row) bool) bool {
+	for _, r := range rows {
+		if f(r) {
+			return true
+		}
+	}
+	return false
+}
+
+// A loss at the moment of an early Unlock: the holder's backend is terminated and Unlock is called at once, before
+// the watcher can have read the server's FATAL. Unlock asks the session, so it says the loss (it returned nil before
+// it asked: the lock lingered, lost); so does Do whose fn ends its own session and returns nil.
+func TestHoldAtLeastUnlockConfirms(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 2*time.Minute)
+	for _, mode := range haModes() {
+		t.Run(mode.name, func(t *testing.T) {
+			l := New(b.pool, mode.opts...)
+			defer l.Close()
+			for i := range 10 {
+				k := key(t)
+				lk, err := l.TryLock(ctx, k, HoldAtLeast(time.Hour))
+				if err != nil {
+					t.Fatal(err)
+				}
+				pgtest.Terminate(t, b.obs, lk.PID())
+				if err := lk.Unlock(ctx); !errors.Is(err, ErrLockLost) {
+					t.Errorf("round %d: Unlock right after the holder's session was terminated: %v, want ErrLockLost", i, err)
+				}
+				kd := key(t)
+				err = l.TryDo(ctx, kd, func(context.Context) error {
+					pgtest.Terminate(t, b.obs, b.pidOfKey(t, kd))
+					return nil
+				}, HoldAtLeast(time.Hour))
+				if !errors.Is(err, ErrLockLost) {
+					t.Errorf("round %d: Do whose fn's session was terminated: %v, want ErrLockLost", i, err)
+				}
+			}
+		})
+	}
+}
+
+// The question an early Unlock asks, at each moment it can meet: before the watcher of a session of its own has
+// started, while a keepalive is on the wire, as the hold's own release fires, and as Close runs. Each time Unlock
+// says what happened (nil, or ErrClosed when Close came first), and once the lock has ended its session holds
+// nothing: the marker never outlives the key, on a pooled session least of all.
+func TestHoldAtLeastConfirmRaces(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 3*time.Minute)
+	leftNothing := func(t *testing.T, pid uint32, round int) {
+		t.Helper()
+		if got := advisoryOf(t, b, pid); len(got) != 0 {
+			t.Errorf("round %d: once the lock ended its session %d holds %v, want nothing", round, pid, got)
+		}
+	}
+	for _, mode := range haModes() {
+		t.Run(mode.name, func(t *testing.T) {
+			t.Run("before the watcher starts, and during keepalives", func(t *testing.T) {
+				for i := range 30 {
+					l := New(b.pool, append(mode.opts, WithKeepalive(3*time.Millisecond))...)
+					k := key(t)
+					v, _ := k.Int64()
+					lk, err := l.TryLock(ctx, k, HoldAtLeast(time.Hour))
+					if err != nil {
+						t.Fatal(err)
+					}
+					if i%2 == 1 { // odd rounds: among the watcher's keepalives, every 3 ms
+						time.Sleep(time.Duration(rand.IntN(6000)) * time.Microsecond)
+					}
+					if err := lk.Unlock(ctx); err != nil {
+						t.Errorf("round %d: Unlock: %v", i, err)
+					}
+					got := advisoryOf(t, b, lk.PID())
+					if !slicesHave(got, func(r Row) bool { return r.Int64Key(v) }) ||
+						!slicesHave(got, func(r Row) bool { return r.Int64Key(k.id.Linger().V) && r.Mode == "ShareLock" }) {
+						t.Errorf("round %d: the lingering lock's session holds %v, want the key and its marker", i, got)
+					}
+					l.Close()
+					leftNothing(t, lk.PID(), i)
+				}
+				pgtest.NoIdleLocks(t, b.pool, b.obs)
+			})
+			t.Run("as the hold's release fires", func(t *testing.T) {
+				l := New(b.pool, mode.opts...)
+				defer l.Close()
+				pids := map[uint32]bool{}
+				for i := range 300 {
+					k := key(t)
+					lk, err := l.TryLock(ctx, k, HoldAtLeast(time.Duration(rand.IntN(1500))*time.Microsecond))
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := lk.Unlock(ctx); err != nil {
+						t.Errorf("round %d: Unlock: %v", i, err)
+					}
+					pgtest.WaitClosed(t, lk.Done(), 10*time.Second, "the lock's end")
+					pids[lk.PID()] = true
+				}
+				for pid := range pids { // the sessions of every round, shared or pooled: the marker went with each key
+					leftNothing(t, pid, -1)
+				}
+				pgtest.NoIdleLocks(t, b.pool, b.obs)
+			})
+			t.Run("as Close runs", func(t *testing.T) {
+				for i := range 30 {
+					l := New(b.pool, mode.opts...)
+					k := key(t)
+					lk, err := l.TryLock(ctx, k, HoldAtLeast(time.Hour))
+					if err != nil {
+						t.Fatal(err)
+					}
+					var wg sync.WaitGroup
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						if err := lk.Unlock(ctx); err != nil && !errors.Is(err, ErrClosed) {
+							t.Errorf("round %d: Unlock racing Close: %v, want nil or ErrClosed", i, err)
+						}
+					}()
+					time.Sleep(time.Duration(rand.IntN(1500)) * time.Microsecond)
+					l.Close()
+					wg.Wait()
+					leftNothing(t, lk.PID(), i)
+				}
+				pgtest.NoIdleLocks(t, b.pool, b.obs)
+			})
+		})
+	}
+}
