@@ -143,8 +143,9 @@ func NewLocker(l *advlock.Locker, opts ...LockerOption) *Locker {
 }
 
 // Lock takes the run's key if no other scheduler holds it (else an error matching advlock.ErrNotAcquired, and
-// gocron skips this run). The lock's Unlock, which gocron calls when the run ends, returns at once; the key is
-// released when the minimum hold has passed.
+// gocron skips this run). The lock's Unlock, which gocron calls when the run ends, asks the server whether the lock
+// is still held (one round trip; advlock ls then shows it held past its work) and returns; the key is released
+// when the minimum hold has passed.
 func (x *Locker) Lock(ctx context.Context, key string) (gocron.Lock, error) {
 	k := advlock.TickKey("gocron/job/"+key, x.now(), x.period) // NameKey of the name alone without tick keys
 	lk, err := x.l.TryLock(ctx, k, advlock.HoldAtLeast(x.hold))

@@ -104,7 +104,8 @@ func TestTable(t *testing.T) {
 			ApplicationName: "cron", ClientAddr: "local", BackendStart: now.Add(-time.Minute), State: "active"},
 		{Key: advlock.PairKey(1, -2), Shared: true, Granted: true, PID: 77, ClientAddr: "::1", State: "idle"},
 		{Key: advlock.Int64Key(9), Granted: true, PID: 88, ApplicationName: "svc", ClientAddr: "10.1.2.4", State: "idle"},
-		{Key: advlock.Int64Key(10), Granted: true, PID: 88, ApplicationName: "svc", ClientAddr: "10.1.2.4", State: "idle"},
+		{Key: advlock.Int64Key(10), Granted: true, PID: 88, ApplicationName: "svc", ClientAddr: "10.1.2.4", State: "idle",
+			Lingering: true},
 		{Key: advlock.Int64Key(11), WaitStart: &wait, BlockedBy: []int32{4343}, PID: 89, ApplicationName: "svc",
 			ClientAddr: "10.1.2.4", State: "active"},
 	}
@@ -492,7 +493,8 @@ func TestRunOtherToolsKeys(t *testing.T) {
 	}
 }
 
-// ls --tree: each key, its holders, then its waiters longest first, with wait times and whom they queue behind.
+// ls --tree: each key, its holders (one held past its work), then its waiters longest first, with wait times and
+// whom they queue behind.
 func TestLsTreeGolden(t *testing.T) {
 	now := time.Date(2026, 11, 30, 12, 0, 10, 0, time.UTC)
 	at := func(s int) *time.Time { x := now.Add(-time.Duration(s) * time.Second); return &x }
@@ -504,6 +506,7 @@ func TestLsTreeGolden(t *testing.T) {
 		{Key: advlock.PairKey(3, 17), Shared: true, Granted: true, PID: 301, ApplicationName: "api"},
 		{Key: advlock.PairKey(3, 17), Shared: true, Granted: true, PID: 302, ApplicationName: "api"},
 		{Key: advlock.Int64Key(42), WaitStart: at(60), BlockedBy: []int32{999}, PID: 401},
+		{Key: advlock.NameKey("reports@2026-11-30T12:00:00Z"), Granted: true, PID: 501, ApplicationName: "advlock run reports", ClientAddr: "10.0.0.7", Lingering: true},
 	}
 	var b strings.Builder
 	printTree(&b, rows, now)

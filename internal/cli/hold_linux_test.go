@@ -14,8 +14,8 @@ import (
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
-// run --hold-at-least: a quick COMMAND's KEY stays held until the hold has passed, and run then exits with
-// COMMAND's status; a second host's run --no-wait --quiet meanwhile exits 75 printing nothing; a signal during the
+// run --hold-at-least: a quick COMMAND's KEY stays held until the hold has passed (advlock ls shows it held past
+// its work), and run then exits with COMMAND's status; a second host's run --no-wait --quiet meanwhile exits 75 printing nothing; a signal during the
 // hold ends it at once; a loss during the hold is reported, COMMAND's status kept.
 func TestRunHoldAtLeast(t *testing.T) {
 	ctx := context.Background()
@@ -46,6 +46,14 @@ func TestRunHoldAtLeast(t *testing.T) {
 	time.Sleep(200 * time.Millisecond) // COMMAND has ended; run holds on
 	if !held(k) {
 		t.Fatalf("KEY not held after COMMAND ended, during the hold")
+	}
+	// advlock ls shows it held past its work, in each of its forms.
+	url := pgtest.URL(t)
+	for _, form := range []struct{ flags, want string }{{"", "lingering"}, {"--tree", "held past its work"}, {"--json", `"lingering": true`}} {
+		args := append(strings.Fields(form.flags), "--dsn", url, k)
+		if code, out, errOut := run(t, "", append([]string{"ls"}, args...)...); code != 0 || !strings.Contains(out, form.want) {
+			t.Errorf("ls %s during the hold: exit %d stderr %q, want %q in:\n%s", form.flags, code, errOut, form.want, out)
+		}
 	}
 	q := start(t, dbEnv(t), "run", "--no-wait", "--quiet", k, "--", "echo", "twice")
 	if code := q.wait(t, 20*time.Second); code != exitNotAcquired || q.out.Len() != 0 || q.err.Len() != 0 {

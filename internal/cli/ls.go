@@ -193,7 +193,7 @@ func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 	}
 	who := func(r advlock.LockInfo) string {
 		if r.Lease != nil && r.Granted {
-			return fmt.Sprintf("lease of %s, %s", orDash(r.Lease.Holder), leaseState(r.Lease))
+			return fmt.Sprintf("lease of %s, %s%s", orDash(r.Lease.Holder), leaseState(r.Lease), pastWork(r))
 		}
 		if r.Lease != nil {
 			return "lease wait of " + orDash(r.Lease.Holder)
@@ -205,7 +205,7 @@ func printTree(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 		if r.ClientAddr != "" {
 			s += " from " + r.ClientAddr
 		}
-		return s
+		return s + pastWork(r)
 	}
 	cycles := 0
 	for _, k := range order {
@@ -452,7 +452,7 @@ func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 	fmt.Fprintln(tw, "KEY\tMODE\tSTATUS\tWAITING\tBLOCKED BY\tPID\tAPPLICATION\tCLIENT\tBACKEND START\tSTATE")
 	for _, r := range rows {
 		if r.Lease != nil && r.Granted {
-			fmt.Fprintf(tw, "%s\tlease\theld\t-\t-\t-\t%s\t-\t-\t%s\n", r.Key, orDash(r.Lease.Holder), leaseState(r.Lease))
+			fmt.Fprintf(tw, "%s\tlease\t%s\t-\t-\t-\t%s\t-\t-\t%s\n", r.Key, heldStatus(r), orDash(r.Lease.Holder), leaseState(r.Lease))
 			continue
 		}
 		if r.Lease != nil {
@@ -460,7 +460,7 @@ func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 				now.Sub(*r.WaitStart).Round(time.Millisecond), orDash(r.Lease.Holder))
 			continue
 		}
-		status, waiting := "held", "-"
+		status, waiting := heldStatus(r), "-"
 		if !r.Granted {
 			status = "waiting"
 			if r.WaitStart != nil {
@@ -487,6 +487,22 @@ func printTable(w io.Writer, rows []advlock.LockInfo, now time.Time) {
 			app, r.ClientAddr, start, r.State)
 	}
 	tw.Flush()
+}
+
+// pastWork marks, for people, a lock held past its work (see advlock.HoldAtLeast).
+func pastWork(r advlock.LockInfo) string {
+	if !r.Lingering {
+		return ""
+	}
+	return ", held past its work until its minimum hold has passed"
+}
+
+// heldStatus is the STATUS of a held lock in the table: held, or lingering (held past its work).
+func heldStatus(r advlock.LockInfo) string {
+	if r.Lingering {
+		return "lingering"
+	}
+	return "held"
 }
 
 // leaseState says a lease's term and how long it has left (on the server's clock).

@@ -231,8 +231,7 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	if *leases {
 		opts = append(opts, advlock.WithLeases(), advlock.WithLeaseHolder("advlock run "+keyArg))
 	}
-	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *quiet, *wait, opts)
-	holdUntil := time.Now().Add(*holdAtLeast) // the grant came before now
+	lk, l, code := acquire(sctx, std, conn, key, *shared, *noWait, *quiet, *wait, opts, advlock.HoldAtLeast(*holdAtLeast))
 	close(stopSigWatch)
 	<-sigWatchDone
 	if l != nil {
@@ -248,13 +247,13 @@ func runCmd(ctx context.Context, args []string, std Stdio) int {
 	if lk == nil {
 		return code
 	}
-	return supervise(ctx, std, lk, key, command, sigs, *grace, holdUntil)
+	return supervise(ctx, std, lk, key, command, sigs, *grace, *holdAtLeast > 0)
 }
 
 // acquire connects and takes key. Connecting has its own budget (the DSN's connect_timeout, default 10s); the
 // lock is tried first, and only then waited for, within wait if it is not zero. It returns the lock, or the exit
 // status when there is none.
-func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait, quiet bool, wait time.Duration, opts []advlock.Option) (*advlock.Lock, *advlock.Locker, int) {
+func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, shared, noWait, quiet bool, wait time.Duration, opts []advlock.Option, hold advlock.CallOption) (*advlock.Lock, *advlock.Locker, int) {
 	l, err := open(ctx, conn, "advlock run "+key.String(), opts...)
 	if err != nil {
 		if ctx.Err() == nil {
@@ -266,7 +265,7 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 	if shared {
 		try, lock = l.TryRLock, l.RLock
 	}
-	lk, err := try(ctx, key)
+	lk, err := try(ctx, key, hold)
 	if errors.Is(err, advlock.ErrNotAcquired) && !noWait {
 		// An advlock run that runs this one holds its key on this one's behalf (ADVLOCK_HOLDING): a wait that
 		// closes a cycle through it ends with ErrDeadlock.
@@ -274,7 +273,7 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 		if wait > 0 {
 			wctx, cancel = context.WithTimeout(wctx, wait)
 		}
-		lk, err = lock(wctx, key)
+		lk, err = lock(wctx, key, hold)
 		cancel()
 		if errors.Is(err, advlock.ErrDeadlock) && ctx.Err() == nil {
 			fmt.Fprintf(std.Err, "advlock: run: %v\n", err)
@@ -303,7 +302,7 @@ func acquire(ctx context.Context, std Stdio, conn string, key advlock.Key, share
 }
 
 // supervise runs command under lk until it exits, forwarding signals, and ends its group if the lock is lost.
-func supervise(ctx context.Context, std Stdio, lk *advlock.Lock, key advlock.Key, command []string, sigs <-chan os.Signal, grace time.Duration, holdUntil time.Time) int {
+func supervise(ctx context.Context, std Stdio, lk *advlock.Lock, key advlock.Key, command []string, sigs <-chan os.Signal, grace time.Duration, hold bool) int {
 	env := []string{"ADVLOCK_KEY=" + key.String(), "ADVLOCK_HOLDING=" + holding(lk)}
 	if lk.Token() != 0 {
 		env = append(env, "ADVLOCK_TOKEN="+strconv.FormatInt(lk.Token(), 10))
@@ -351,13 +350,15 @@ loop:
 		}
 	}
 	j.finish()
-	lostInHold := false
-	if d := time.Until(holdUntil); d > 0 && !lost {
-		lostInHold = holdOn(std, lk, key, sigs, d)
-	}
 	uctx, ucancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer ucancel()
-	if err := lk.Unlock(uctx); err != nil && !lost && !lostInHold {
+	// With --hold-at-least an Unlock before the hold has passed leaves the key held until it has (marked held past
+	// its work, as advlock ls shows), once the server said the lock is still held.
+	err = lk.Unlock(uctx)
+	if err == nil && hold && !lost {
+		holdOn(std, lk, key, sigs)
+	}
+	if err != nil && !lost {
 		if errors.Is(err, advlock.ErrLockLost) {
 			fmt.Fprintf(std.Err, "advlock: lock %s was lost before the command's end was recorded: %s\n", key, describe(err))
 			return exitLost
@@ -375,24 +376,23 @@ loop:
 	return exitCannotExec
 }
 
-// holdOn keeps lk held for d after COMMAND has ended (--hold-at-least), until a signal cuts it short or the lock
-// is lost (reported: another host may run the tick again), which it reports.
-func holdOn(std Stdio, lk *advlock.Lock, key advlock.Key, sigs <-chan os.Signal, d time.Duration) (lost bool) {
-	t := time.NewTimer(d)
-	defer t.Stop()
+// holdOn waits, after COMMAND has ended, for the end of lk, which its early Unlock left held until its
+// --hold-at-least has passed: its release, or a signal (the caller's Close then releases it at once), or its loss,
+// which it reports (another host may run the tick again; the status stays COMMAND's).
+func holdOn(std Stdio, lk *advlock.Lock, key advlock.Key, sigs <-chan os.Signal) {
 	for {
 		select {
-		case <-t.C:
-			return false
 		case s := <-sigs:
 			if s == syscall.SIGTSTP {
 				continue
 			}
-			return false
+			return
 		case <-lk.Done():
-			fmt.Fprintf(std.Err, "advlock: lock %s lost during --hold-at-least (another host may run the job again): %s\n",
-				key, describe(lk.Err()))
-			return true
+			if errors.Is(lk.Err(), advlock.ErrLockLost) {
+				fmt.Fprintf(std.Err, "advlock: lock %s lost during --hold-at-least (another host may run the job again): %s\n",
+					key, describe(lk.Err()))
+			}
+			return
 		}
 	}
 }
