@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -11,6 +12,8 @@ import (
 
 	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // An Unlock before the lock's HoldAtLeast has passed asks the server whether the lock is still held (a round trip
@@ -267,5 +270,87 @@ func TestHoldAtLeastConfirmRaces(t *testing.T) {
 				pgtest.NoIdleLocks(t, b.pool, b.obs)
 			})
 		})
+	}
+}
+
+// goroutinesIn counts the goroutines whose stack shows fn.
+func goroutinesIn(fn string) int {
+	buf := make([]byte, 1<<22)
+	n := runtime.Stack(buf, true)
+	c := 0
+	for _, g := range strings.Split(string(buf[:n]), "\n\n") {
+		if strings.Contains(g, fn) {
+			c++
+		}
+	}
+	return c
+}
+
+// A lease broken during its hold (its row deleted), then an early Unlock: the question finds the loss and says
+// ErrLockLost, and the lease's renewer has stopped by the time Unlock returns (nothing releases a lost lease, so
+// its renewer ran on after Close before: up to its next renewal, or its whole trust window against a closed pool).
+func TestHoldAtLeastLeaseLostAtUnlock(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, time.Minute)
+	for _, open := range []bool{false, true} {
+		l := New(b.pool, WithLeases())
+		if open {
+			var err error
+			if l, err = Open(ctx, b.url, WithLeases()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		before := goroutinesIn("(*Lease).renew")
+		k := key(t)
+		v, _ := k.Int64()
+		lk, err := l.TryLock(ctx, k, HoldAtLeast(time.Hour))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := b.obs.Exec(ctx, "DELETE FROM "+lease.Table+" WHERE key = $1", v); err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Unlock(ctx); !errors.Is(err, ErrLockLost) {
+			t.Errorf("Open %v: Unlock of a lease broken during its hold: %v, want ErrLockLost", open, err)
+		}
+		if n := goroutinesIn("(*Lease).renew"); n != before {
+			t.Errorf("Open %v: %d lease renewers run once Unlock said the loss, %d before the lock", open, n, before)
+		}
+		l.Close()
+	}
+}
+
+// The statements an early Unlock and the lingering release send have one text for every key: a pool that prepares
+// and caches statements (pgx's default) caches each once, not once per key.
+func TestHoldAtLeastPreparesOnce(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, time.Minute)
+	pool := pgtest.Pool(t, b.url, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	l := New(pool, WithSharedSessions(0))
+	defer l.Close()
+	for range 20 {
+		lk, err := l.TryLock(ctx, key(t), HoldAtLeast(20*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		<-lk.Done()
+	}
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Release()
+	var unlocks, markers, all int
+	if err := c.QueryRow(ctx, "SELECT count(*) FILTER (WHERE statement LIKE '%pg_advisory_unlock_shared(%'), "+
+		"count(*) FILTER (WHERE statement LIKE '%pg_try_advisory_lock_shared(%'), count(*) FROM pg_prepared_statements",
+		pgx.QueryExecModeSimpleProtocol).Scan(&unlocks, &markers, &all); err != nil {
+		t.Fatal(err)
+	}
+	if unlocks > 1 || markers > 1 {
+		t.Errorf("after 20 lingering locks the pooled connection has %d prepared statements: %d lingering unlocks and %d marker tries, want one of each at most",
+			all, unlocks, markers)
 	}
 }

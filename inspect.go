@@ -52,6 +52,8 @@ type LockInfo struct {
 	Intent bool
 	// Lingering marks a lock held past its work: its holder unlocked it (or Do's fn returned) before its
 	// [HoldAtLeast] had passed, and it is released when that has. The marker's own pg_locks row is not listed.
+	// pg_locks shows a session's holds of one key in one mode as one row: a key held in shared mode by several
+	// callers of one Locker on one shared session shows Lingering while any of them lingers.
 	Lingering bool
 	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the

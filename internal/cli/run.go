@@ -355,15 +355,15 @@ loop:
 	// With --hold-at-least an Unlock before the hold has passed leaves the key held until it has (marked held past
 	// its work, as advlock ls shows), once the server said the lock is still held.
 	err = lk.Unlock(uctx)
-	if err == nil && hold && !lost {
-		holdOn(std, lk, key, sigs)
-	}
 	if err != nil && !lost {
 		if errors.Is(err, advlock.ErrLockLost) {
 			fmt.Fprintf(std.Err, "advlock: lock %s was lost before the command's end was recorded: %s\n", key, describe(err))
 			return exitLost
 		}
 		fmt.Fprintf(std.Err, "advlock: warning: %s\n", describe(err))
+	}
+	if hold && !lost { // also when the question got no answer: the key stays held until the hold has passed
+		holdOn(std, lk, key, sigs)
 	}
 	switch {
 	case lost:

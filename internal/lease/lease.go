@@ -59,7 +59,8 @@ type Lease struct {
 	end      context.CancelCauseFunc
 	endOnce  sync.Once
 	released atomic.Bool
-	stop     chan struct{} // closed to stop the renewer
+	stop     chan struct{} // closed to stop the renewer (halt)
+	stopOnce sync.Once
 	stopped  chan struct{} // closed when the renewer has returned
 
 	mu    sync.Mutex
@@ -313,9 +314,16 @@ func (l *Lease) Confirm(ctx context.Context) error {
 		return l.Err()
 	case err == nil:
 		l.finish(fmt.Errorf("%w: the lease expired, or was taken over or broken", session.ErrLockLost))
+		l.halt() // nothing releases a lost lease: its renewer stops here, as it would on finding the loss itself
 		return l.Err()
 	}
 	return session.NotConfirmed(ctx, err)
+}
+
+// halt stops the renewer and waits for it to return.
+func (l *Lease) halt() {
+	l.stopOnce.Do(func() { close(l.stop) })
+	<-l.stopped
 }
 
 // Release stops renewing and deletes the lease (keyed on owner and term); after is what Err reports then. It
@@ -325,8 +333,7 @@ func (l *Lease) Release(ctx context.Context, after error) error {
 	if !l.released.CompareAndSwap(false, true) {
 		return session.ErrNotHeld
 	}
-	close(l.stop)
-	<-l.stopped
+	l.halt()
 	if err := l.Err(); err != nil {
 		return err
 	}

@@ -512,7 +512,7 @@ func (s *Session) watch() {
 			marked := false
 			if mark {
 				var r int64
-				r, err = s.conn.QueryInt(ctx, LingerSQL(s.target.ID))
+				r, err = s.conn.QueryInt(ctx, LingerSQL, s.target.ID.Linger().V)
 				marked = err == nil && r == 1
 				if errors.Is(err, ErrLockTableFull) {
 					err = nil // answered: the session is there, only the marker found no room
@@ -672,8 +672,8 @@ func (s *Session) Release(ctx context.Context, after error) error {
 	}
 	sql, args := UnlockSQL(t)
 	s.watchMu.Lock()
-	if s.marked { // the marker goes with the key (the statement answers the key's unlock)
-		sql += " + 0 * pg_advisory_unlock_shared(" + strconv.FormatInt(s.target.ID.Linger().V, 10) + ")::int"
+	if s.marked { // the marker goes with the key
+		sql, args = UnlockLingeringSQL(t, s.target.ID)
 	}
 	s.watchMu.Unlock()
 	r, err := s.conn.QueryInt(ctx, sql, args...)

@@ -165,14 +165,15 @@ func (id ID) derived(c uint64) ID {
 // exclusively, so a shared try of it is granted (but for a 64-bit coincidence with a user's key held exclusively).
 func (id ID) Linger() ID { return id.derived(0x6164766c6f636b4c) } // "advlockL"
 
-// LingerSQL takes id's marker (see Linger): 1 when granted.
-func LingerSQL(id ID) string {
-	return "SELECT pg_try_advisory_lock_shared(" + strconv.FormatInt(id.Linger().V, 10) + ")::int"
-}
+// LingerSQL takes a marker (see Linger), its one argument: 1 when granted. Its text is the same for every key, so
+// that a driver that prepares statements prepares it once.
+const LingerSQL = "SELECT pg_try_advisory_lock_shared($1::int8)::int"
 
-// UnlingerSQL gives id's marker back: 1 when the session held it.
-func UnlingerSQL(id ID) string {
-	return "SELECT pg_advisory_unlock_shared(" + strconv.FormatInt(id.Linger().V, 10) + ")::int"
+// UnlockLingeringSQL is UnlockSQL for a lock whose marker (that of held, the key it holds) this session holds:
+// the marker goes too, and the statement answers the key's unlock.
+func UnlockLingeringSQL(t Target, held ID) (string, []any) {
+	sql, args := UnlockSQL(t)
+	return sql + " + 0 * pg_advisory_unlock_shared($" + strconv.Itoa(len(args)+1) + "::int8)::int", append(args, held.Linger().V)
 }
 
 // noIntent is an SQL condition: true when no session holds the intent i (an int8 expression) exclusively, tested
