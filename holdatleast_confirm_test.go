@@ -201,27 +201,42 @@ func TestHoldAtLeastConfirmRaces(t *testing.T) {
 	for _, mode := range haModes() {
 		t.Run(mode.name, func(t *testing.T) {
 			t.Run("before the watcher starts, and during keepalives", func(t *testing.T) {
+				// A keepalive every 10 ms, which is also the bound of its round trip (and of a shared session's): a
+				// loaded machine may miss it, and the lock is then lost, which Unlock must then say.
+				confirmed := 0
 				for i := range 30 {
-					l := New(b.pool, append(mode.opts, WithKeepalive(3*time.Millisecond))...)
+					l := New(b.pool, append(mode.opts, WithKeepalive(10*time.Millisecond))...)
 					k := key(t)
 					v, _ := k.Int64()
 					lk, err := l.TryLock(ctx, k, HoldAtLeast(time.Hour))
 					if err != nil {
 						t.Fatal(err)
 					}
-					if i%2 == 1 { // odd rounds: among the watcher's keepalives, every 3 ms
-						time.Sleep(time.Duration(rand.IntN(6000)) * time.Microsecond)
+					if i%2 == 1 { // odd rounds: among the keepalives
+						time.Sleep(time.Duration(rand.IntN(20000)) * time.Microsecond)
 					}
-					if err := lk.Unlock(ctx); err != nil {
+					err = lk.Unlock(ctx)
+					switch {
+					case err == nil:
+						confirmed++
+						got := advisoryOf(t, b, lk.PID())
+						if !slicesHave(got, func(r Row) bool { return r.Int64Key(v) }) ||
+							!slicesHave(got, func(r Row) bool { return r.Int64Key(k.id.Linger().V) && r.Mode == "ShareLock" }) {
+							t.Errorf("round %d: the lingering lock's session holds %v, want the key and its marker", i, got)
+						}
+					case errors.Is(err, ErrLockLost) && (strings.Contains(err.Error(), "within") || strings.Contains(err.Error(), "keepalive")):
+						t.Logf("round %d: a keepalive missed its 10 ms bound: %v", i, err)
+						if !errors.Is(lk.Err(), ErrLockLost) {
+							t.Errorf("round %d: Unlock said %v, Err says %v", i, err, lk.Err())
+						}
+					default:
 						t.Errorf("round %d: Unlock: %v", i, err)
-					}
-					got := advisoryOf(t, b, lk.PID())
-					if !slicesHave(got, func(r Row) bool { return r.Int64Key(v) }) ||
-						!slicesHave(got, func(r Row) bool { return r.Int64Key(k.id.Linger().V) && r.Mode == "ShareLock" }) {
-						t.Errorf("round %d: the lingering lock's session holds %v, want the key and its marker", i, got)
 					}
 					l.Close()
 					leftNothing(t, lk.PID(), i)
+				}
+				if confirmed == 0 {
+					t.Errorf("no Unlock of 30 was confirmed: every keepalive missed its bound, the test proves nothing")
 				}
 				pgtest.NoIdleLocks(t, b.pool, b.obs)
 			})
