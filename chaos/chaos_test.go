@@ -730,6 +730,14 @@ func TestCheckerDeadlocks(t *testing.T) {
 			pairSpec{"x", 0, "A", "B", [2]int{0, 8010}, [2]int{100, 8000}, -1, "timeout"},
 			pairSpec{"y", 1, "B", "A", [2]int{50, 8060}, [2]int{150, 8050}, -1, "timeout"}),
 			Evidence{Kind: "sigstop", At: at(200), Until: at(7000), Worker: 2}), map[string]int{VDeadlockHang: 1}},
+		{"a cycle formed as its worker's blackhole had just ended (its Locker not yet reconnected)", evidence(pairs(
+			pairSpec{"x", 0, "A", "B", [2]int{0, 8010}, [2]int{100, 8000}, -1, "timeout"},
+			pairSpec{"y", 1, "B", "A", [2]int{50, 8060}, [2]int{150, 8050}, -1, "timeout"}),
+			Evidence{Kind: "blackhole", At: at(-2000), Until: at(-500), Worker: 1}), map[string]int{}},
+		{"a cycle formed past the loss bound after its worker's blackhole ended", evidence(pairs(
+			pairSpec{"x", 0, "A", "B", [2]int{0, 8010}, [2]int{100, 8000}, -1, "timeout"},
+			pairSpec{"y", 1, "B", "A", [2]int{50, 8060}, [2]int{150, 8050}, -1, "timeout"}),
+			Evidence{Kind: "blackhole", At: at(-3000), Until: at(-1300), Worker: 1}), map[string]int{VDeadlockHang: 1}},
 		{"a terminate on its worker excuses no hang", evidence(pairs(
 			pairSpec{"x", 0, "A", "B", [2]int{0, 8010}, [2]int{100, 8000}, -1, "timeout"},
 			pairSpec{"y", 1, "B", "A", [2]int{50, 8060}, [2]int{150, 8050}, -1, "timeout"}),

@@ -180,15 +180,18 @@ func (h *History) deadlocks() []Violation {
 		return ws
 	}
 	// What can keep a Locker from reading the graph, or from being answered, in time: a restart of the server (the
-	// reading fails until it is back), a cut, blackhole or latency on its worker's network, its process stopped.
-	// A terminate never hits a reading (it aims at backends that hold or wait), and one that ends a wait of the
-	// cycle breaks the cycle.
-	disturbed := func(ws []int, from, to time.Time) bool {
+	// reading fails until it is back), a cut, blackhole or latency on its worker's network, its process stopped;
+	// each until the Locker has noticed the connections the fault broke and has others, within the loss bound
+	// after the fault ends (a reading on a connection a blackhole left dead waits for its keepalive bound). A
+	// terminate never hits a reading (it aims at backends that hold or wait), and one that ends a wait of the
+	// cycle breaks the cycle. after is how long a fault's effect is counted past its end.
+	disturbed := func(ws []int, from, to time.Time, after time.Duration) bool {
 		for _, e := range h.Evidence {
 			efrom, eto := e.At, e.At
 			if e.Until.After(eto) {
 				eto = e.Until
 			}
+			eto = eto.Add(after)
 			switch {
 			case e.Kind == "restart_fast" || e.Kind == "restart_immediate" || e.Kind == "failover":
 				efrom = efrom.Add(-time.Second)
@@ -221,7 +224,7 @@ func (h *History) deadlocks() []Violation {
 				describe(c), ts(c.Formed), len(c.Victims), strings.Join(vs, ", "))
 		case len(c.Victims) > 0 && c.Victims[0].End.Sub(c.Formed) <= h.DeadlockBound,
 			len(c.Victims) == 0 && c.Broken.Sub(c.Formed) <= h.DeadlockBound:
-		case disturbed(workers(c), c.Formed.Add(-faultSlack), c.Formed.Add(h.DeadlockBound)):
+		case disturbed(workers(c), c.Formed.Add(-faultSlack), c.Formed.Add(h.DeadlockBound), h.Bound):
 			c.Excused = true
 		case len(c.Victims) > 0:
 			add(VDeadlockHang, "cycle %s formed at %s and was broken by %s's ErrDeadlock only at %s, %v later (bound %v)",
@@ -239,7 +242,7 @@ func (h *History) deadlocks() []Violation {
 		if m.w.Result != "deadlock" || len(m.victimOf) > 0 {
 			continue
 		}
-		if disturbed([]int{m.w.Worker}, m.waitTo.Add(-h.DeadlockBound), m.waitTo) {
+		if disturbed([]int{m.w.Worker}, m.waitTo.Add(-h.DeadlockBound), m.waitTo, 0) {
 			continue // a reading answered before a pause or a cut, judged after it
 		}
 		if h.strandedNear(m.w.Worker, m.waitTo.Add(-h.DeadlockBound), m.waitTo) {
