@@ -77,7 +77,7 @@ func TestHoldAtLeastMarksLingering(t *testing.T) {
 			defer l.Close()
 			k := key(t)
 			v, _ := k.Int64()
-			lk, err := l.TryLock(ctx, k, HoldAtLeast(2*time.Second))
+			lk, err := l.TryLock(ctx, k, HoldAtLeast(1500*time.Millisecond))
 			if err != nil {
 				t.Fatal(err)
 			}

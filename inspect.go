@@ -309,39 +309,41 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 	return out, consistent, err
 }
 
+// pidLock is a lock of one session, as the folds below match them.
+type pidLock struct {
+	pid int32
+	id  session.ID
+}
+
 // foldIntents drops the intents of writers from out (a waiting writer holds its key's intent, see docs/locks.md,
 // "Waits and the database") and marks the rows of their keys instead: an intent is the exclusive int8 lock, held
 // by the session that also waits for (or holds) a key, that is that key's intent. An intent whose session waits for
 // nothing is listed as the lock it is.
 func foldIntents(out []LockInfo) []LockInfo {
-	type lock struct {
-		pid int32
-		id  session.ID
-	}
-	intents := map[lock]bool{}
+	intents := map[pidLock]bool{}
 	for _, li := range out {
 		if !li.Shared {
-			intents[lock{li.PID, li.Key.id.Intent()}] = true
+			intents[pidLock{li.PID, li.Key.id.Intent()}] = true
 		}
 	}
 	if len(intents) == 0 {
 		return out
 	}
 	isIntent := func(li LockInfo) bool {
-		return li.Granted && !li.Shared && !li.Key.id.Pair && intents[lock{li.PID, li.Key.id}]
+		return li.Granted && !li.Shared && !li.Key.id.Pair && intents[pidLock{li.PID, li.Key.id}]
 	}
-	held := map[lock]bool{}
+	held := map[pidLock]bool{}
 	kept := out[:0]
 	for _, li := range out {
 		if isIntent(li) {
-			held[lock{li.PID, li.Key.id}] = true
+			held[pidLock{li.PID, li.Key.id}] = true
 			continue
 		}
 		kept = append(kept, li)
 	}
 	writers := map[session.ID][]int32{} // key -> pids of the writers that hold its intent
 	for i, li := range kept {
-		if !li.Shared && held[lock{li.PID, li.Key.id.Intent()}] {
+		if !li.Shared && held[pidLock{li.PID, li.Key.id.Intent()}] {
 			kept[i].Intent = true
 			writers[li.Key.id] = append(writers[li.Key.id], li.PID)
 		}
@@ -363,29 +365,25 @@ func foldIntents(out []LockInfo) []LockInfo {
 // key it holds, that is that key's marker: see Lock.Unlock under HoldAtLeast) and marks the rows of their keys
 // instead. A marker whose session holds no such key is listed as the lock it is.
 func foldLingering(out []LockInfo) []LockInfo {
-	type lock struct {
-		pid int32
-		id  session.ID
-	}
-	markers := map[lock]bool{}
+	markers := map[pidLock]bool{}
 	for _, li := range out {
 		if li.Granted && li.Shared && !li.Key.id.Pair {
-			markers[lock{li.PID, li.Key.id}] = true
+			markers[pidLock{li.PID, li.Key.id}] = true
 		}
 	}
 	if len(markers) == 0 {
 		return out
 	}
-	folded := map[lock]bool{}
+	folded := map[pidLock]bool{}
 	for i, li := range out {
-		if m := (lock{li.PID, li.Key.id.Linger()}); li.Granted && markers[m] {
+		if m := (pidLock{li.PID, li.Key.id.Linger()}); li.Granted && markers[m] {
 			out[i].Lingering = true
 			folded[m] = true
 		}
 	}
 	kept := out[:0]
 	for _, li := range out {
-		if !(li.Granted && li.Shared && folded[lock{li.PID, li.Key.id}]) {
+		if !(li.Granted && li.Shared && folded[pidLock{li.PID, li.Key.id}]) {
 			kept = append(kept, li)
 		}
 	}

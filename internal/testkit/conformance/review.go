@@ -164,7 +164,7 @@ func (s *suite) unlockDuringKeepalive(t *testing.T) {
 	p.Latency(10 * time.Millisecond)
 	defer p.Latency(0)
 	timedOut := 0
-	for i := 0; i < 40; i++ {
+	for i := 0; i < 30; i++ {
 		lk, err := h.L.TryLock(ctx, Key(t))
 		for try := 0; err != nil && strings.Contains(err.Error(), "no answer within") && try < 3; try++ {
 			// A shared session's round trip is bounded by the keepalive too: on a loaded machine a try may
