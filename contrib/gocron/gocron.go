@@ -101,9 +101,9 @@ func (e *Elector) Close() error {
 //     1 s: for cron jobs (a minute apart or more) and interval jobs of 2 s or more, with clocks within a second.
 //     A job more frequent than that needs WithMinimumHold below half its interval, or WithTickKeys;
 //   - with WithTickKeys(period): the key names the run's tick too (advlock.TickKey("gocron/job/"+name, the
-//     scheduler's clock, period): the clock rounded to the nearest multiple of period), so ticks never share a key and only S < h is needed (h at most a few periods: each
-//     held key costs a lock until its hold ends). Schedulers whose clocks differ by half a period or more may
-//     name one run by two ticks, and run it twice.
+//     scheduler's clock, period): the clock rounded to the nearest multiple of period), so ticks never share a
+//     key and only S < h is needed (h at most a few periods: each held key costs a lock until its hold ends).
+//     Schedulers whose clocks differ by half a period or more may name one run by two ticks, and run it twice.
 //
 // Beyond S the job may run twice for one tick, one run after the other (never at once). gocron does not tell a
 // Locker the run's scheduled time, so the tick is read from the clock when the run starts. The hold ends early

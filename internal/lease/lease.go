@@ -308,7 +308,7 @@ func (l *Lease) Confirm(ctx context.Context) error {
 	r, err := run(ctx, l.pool, l.cfg.Bound, LingerSQL(l.id, l.owner, l.term))
 	switch {
 	case l.released.Load():
-		<-l.ctx.Done() // a Release raced the renewal (and may have deleted the row first): it says how the lease ended
+		<-l.ctx.Done() // a Release raced the statement (and may have deleted the row first): it says how the lease ended
 		return l.Err()
 	case err == nil && r == 1:
 		return l.Err()

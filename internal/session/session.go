@@ -170,7 +170,7 @@ type Session struct {
 	asked      uint64
 	pinged     chan struct{}
 	markTried  bool // the first round trip sent for a Confirm also takes the lock's marker (ID.Linger)
-	marked     bool // it was granted: the release gives it back
+	marked     bool // it was granted: the release gives it back (read once the watcher has returned)
 	starter    *Starter
 	pendingIdx int       // index in starter.pending while not yet watched, else -1; guarded by starter.mu
 	granted    time.Time // when the lock was granted (set by starter.add)
@@ -671,11 +671,9 @@ func (s *Session) Release(ctx context.Context, after error) error {
 		return nil
 	}
 	sql, args := UnlockSQL(t)
-	s.watchMu.Lock()
-	if s.marked { // the marker goes with the key
+	if s.marked { // the marker goes with the key (the watcher, which set it, has returned: no lock needed)
 		sql, args = UnlockLingeringSQL(t, s.target.ID)
 	}
-	s.watchMu.Unlock()
 	r, err := s.conn.QueryInt(ctx, sql, args...)
 	switch {
 	case err == nil && r == resultAcquired && ctx.Err() == nil:
