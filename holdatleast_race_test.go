@@ -94,7 +94,7 @@ func haRescue(l *Locker, lk *Lock) func() {
 	return func() {
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		if lk.linger != nil && lk.linger.Stop() {
+		if lk.hold != nil && lk.hold.linger != nil && lk.hold.linger.Stop() {
 			l.inflight.Done()
 		}
 	}
@@ -189,7 +189,7 @@ func TestHoldAtLeastLostAsUnlocked(t *testing.T) {
 				t.Errorf("Err after the loss: %v, want ErrLockLost", lk.Err())
 			}
 			l.mu.Lock()
-			armed := lk.linger != nil && lk.forgotten
+			armed := lk.hold != nil && lk.hold.linger != nil && lk.forgotten
 			l.mu.Unlock()
 			if armed {
 				t.Logf("Unlock returned %v and armed the hold's timer after the Locker had forgotten the lost lock", uerr)

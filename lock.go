@@ -12,15 +12,23 @@ import (
 type Lock struct {
 	l         *Locker
 	key       Key
-	shared    bool
 	h         handle
-	ended     atomic.Int32 // lockHeld, then unlockedByCaller or releasedByClose, whichever comes first
-	forgotten bool         // guarded by l.mu: released or lost, and dropped by the Locker
-	observed  atomic.Bool  // its grant was reported to the Locker's observers and its end not yet
-	grantedAt time.Time    // set before observed
-	holdUntil time.Time    // HoldAtLeast: Unlock before then lingers (set before the Lock is returned)
-	linger    *time.Timer  // the lingering lock's release, once Unlock was called early (guarded by l.mu)
+	grantedAt time.Duration // since clockStart, set before observed
+	hold      *minHold      // HoldAtLeast only (set before the Lock is returned)
+	ended     atomic.Int32  // lockHeld, then unlockedByCaller or releasedByClose, whichever comes first
+	observed  atomic.Bool   // its grant was reported to the Locker's observers and its end not yet
+	shared    bool
+	forgotten bool // guarded by l.mu: released or lost, and dropped by the Locker
 }
+
+// minHold is a Lock's HoldAtLeast, apart so that the locks without one (most) stay small.
+type minHold struct {
+	until  time.Time   // Unlock before then lingers
+	linger *time.Timer // the lingering lock's release, once Unlock was called early (guarded by l.mu)
+}
+
+// clockStart is where the Locks' grant times count from (a monotonic clock, 8 bytes a Lock).
+var clockStart = time.Now()
 
 // handle is where a lock is held: a *session.Session of its own, or a *session.Held on a shared session.
 type handle interface {
@@ -31,6 +39,14 @@ type handle interface {
 	AfterEnd(f func()) (stop func() bool)
 	Token() int64
 	PID() uint32
+}
+
+// holdLeft is how long lk's HoldAtLeast has still to run (0 without one).
+func (lk *Lock) holdLeft() time.Duration {
+	if lk.hold == nil {
+		return 0
+	}
+	return time.Until(lk.hold.until)
 }
 
 // Values of Lock.ended.
@@ -74,7 +90,7 @@ func (lk *Lock) Unlock(ctx context.Context) error {
 	if lk == nil {
 		return ErrNotHeld
 	}
-	if d := time.Until(lk.holdUntil); d > 0 && lk.h.Err() == nil && lk.ended.CompareAndSwap(lockHeld, lingering) {
+	if d := lk.holdLeft(); d > 0 && lk.h.Err() == nil && lk.ended.CompareAndSwap(lockHeld, lingering) {
 		if lk.l.lingerFor(lk, d) {
 			return lk.confirm(ctx)
 		}

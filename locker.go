@@ -197,7 +197,7 @@ func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool, opts []Ca
 		return nil, &keyError{op: verb, key: key, err: err}
 	}
 	if co.hold > 0 {
-		lk.holdUntil = time.Now().Add(co.hold) // the grant came before now: held at least co.hold past it
+		lk.hold = &minHold{until: time.Now().Add(co.hold)} // the grant came before now: held at least co.hold past it
 	}
 	return lk, nil
 }
@@ -489,7 +489,7 @@ func (l *Locker) forget(lk *Lock) (wasHeld bool) {
 		return false
 	}
 	lk.forgotten = true
-	if lk.linger != nil && lk.linger.Stop() {
+	if lk.hold != nil && lk.hold.linger != nil && lk.hold.linger.Stop() {
 		l.inflight.Done() // ended (lost) during its hold: nothing left to release later
 	}
 	_, wasHeld = l.held[lk]
@@ -527,7 +527,7 @@ func (l *Locker) Close() {
 	held := make([]*Lock, 0, len(l.held))
 	for lk := range l.held {
 		held = append(held, lk)
-		if lk.linger != nil && lk.linger.Stop() {
+		if lk.hold != nil && lk.hold.linger != nil && lk.hold.linger.Stop() {
 			l.inflight.Done() // its release will not run: the loop below releases it
 		}
 	}
@@ -643,7 +643,7 @@ func (l *Locker) lingerFor(lk *Lock, d time.Duration) bool {
 		return true // Close releases every lingering lock it finds
 	}
 	l.inflight.Add(1)
-	lk.linger = time.AfterFunc(d, func() {
+	lk.hold.linger = time.AfterFunc(d, func() {
 		defer l.inflight.Done()
 		if lk.ended.CompareAndSwap(lingering, unlockedByCaller) {
 			_ = l.release(lk, ErrNotHeld)

@@ -276,7 +276,7 @@ func (l *Locker) granted(lk *Lock) {
 	if len(l.obs) == 0 {
 		return
 	}
-	lk.grantedAt = time.Now()
+	lk.grantedAt = time.Since(clockStart)
 	lk.observed.Store(true)
 	l.mu.Lock()
 	ended := lk.forgotten
@@ -293,7 +293,7 @@ func (l *Locker) lockEnded(lk *Lock, err error) {
 		return
 	}
 	e := LockEnd{Key: lk.key, Shared: lk.shared, Session: "dedicated", PID: lk.h.PID(), Token: lk.Token(),
-		Held: time.Since(lk.grantedAt), Err: err}
+		Held: time.Since(clockStart) - lk.grantedAt, Err: err}
 	switch lk.h.(type) {
 	case *session.Held:
 		e.Session = "shared"

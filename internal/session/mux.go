@@ -231,7 +231,7 @@ func (m *Mux) Try(ctx context.Context, t Target, onEnd OnEnd) (*Held, error) {
 	if t.ID.Pair {
 		op += opPair
 	}
-	h := &Held{mux: m, target: t, done: make(chan struct{}), onEnd: onEnd}
+	h := &Held{mux: m, target: t, onEnd: onEnd}
 	r := &req{op: op, key: t.ID.V, hook: func(r *req) {
 		if r.err == nil && r.res >= 1 {
 			m.mu.Lock()
@@ -304,8 +304,9 @@ type Held struct {
 	mux    *Mux
 	target Target
 	once   sync.Once
-	done   chan struct{}
-	err    error // set before done is closed
+	done   chan struct{} // made by the first Done call (most locks are never watched), closed at the end; guarded by mu
+	ended  atomic.Bool   // set under mu as the lock ends: err is then final
+	err    error         // set before ended
 	onEnd  OnEnd
 	mu     sync.Mutex
 	after  []func()
@@ -314,19 +315,30 @@ type Held struct {
 }
 
 // Done is closed when the lock is released or lost.
-func (h *Held) Done() <-chan struct{} { return h.done }
+func (h *Held) Done() <-chan struct{} {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.done == nil {
+		if h.ended.Load() {
+			return closedChan
+		}
+		h.done = make(chan struct{})
+	}
+	return h.done
+}
+
+// closedChan is Done's answer for a lock that ended before anyone asked.
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 // Token is the grant's fencing token: 0 without fencing.
 func (h *Held) Token() int64 { return h.token }
 
 // Err is nil while held; afterwards it says why it ended.
 func (h *Held) Err() error {
-	select {
-	case <-h.done:
+	if h.ended.Load() {
 		return h.err
-	default:
-		return nil
 	}
+	return nil
 }
 
 // PID is the pid of the server session that holds the lock (0 when the driver does not tell).
@@ -335,12 +347,10 @@ func (h *Held) PID() uint32 { return h.mux.pid }
 // AfterEnd arranges for f to run once the lock ends (at once if it has); stop cancels that.
 func (h *Held) AfterEnd(f func()) (stop func() bool) {
 	h.mu.Lock()
-	select {
-	case <-h.done:
+	if h.ended.Load() {
 		h.mu.Unlock()
 		go f()
 		return func() bool { return false }
-	default:
 	}
 	h.after = append(h.after, f)
 	i := len(h.after) - 1
@@ -369,7 +379,10 @@ func (h *Held) finish(err error) {
 			then = onEnd(err)
 		}
 		h.mu.Lock()
-		close(h.done)
+		h.ended.Store(true)
+		if h.done != nil {
+			close(h.done)
+		}
 		after := h.after
 		h.after = nil
 		h.mu.Unlock()
@@ -470,7 +483,7 @@ func (h *Held) Release(ctx context.Context, after error) error {
 	case r.res != 1:
 		err := fmt.Errorf("%w: pg_advisory_unlock returned false on a shared session: it no longer held the key; session closed, its locks lost", ErrLockLost)
 		m.kill(err)
-		<-h.done
+		<-h.Done()
 		return h.Err()
 	}
 	return nil

@@ -301,3 +301,79 @@ func fillLockTable(t *testing.T, ctx context.Context, url string, obs *pgconn.Pg
 	}
 	return filler
 }
+
+// A Held's Done is made on its first call: asked before the end it closes at the end, asked after it is closed
+// already, and asked as the lock ends (a loss, from the Mux's own goroutine) it is one or the other, never a channel
+// that stays open; Err says the end whenever Done is closed, and AfterEnd runs its f either way.
+func TestHeldDoneLate(t *testing.T) {
+	m, _ := openTestMux(t)
+	ctx := context.Background()
+	closedSoon := func(what string, c <-chan struct{}) {
+		t.Helper()
+		select {
+		case <-c:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: Done still open", what)
+		}
+	}
+	early, err := m.Try(ctx, Target{ID: ID{V: 9101}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	late, err := m.Try(ctx, Target{ID: ID{V: 9102}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	watched := early.Done()
+	select {
+	case <-watched:
+		t.Fatal("Done closed while held")
+	default:
+	}
+	if early.Err() != nil || late.Err() != nil {
+		t.Fatal("Err set while held")
+	}
+	if err := early.Release(ctx, ErrNotHeld); err != nil {
+		t.Fatal(err)
+	}
+	closedSoon("asked before the release", watched)
+	if err := late.Release(ctx, ErrNotHeld); err != nil {
+		t.Fatal(err)
+	}
+	closedSoon("asked after the release", late.Done())
+	if !errors.Is(early.Err(), ErrNotHeld) || !errors.Is(late.Err(), ErrNotHeld) {
+		t.Fatalf("Err after release: %v, %v", early.Err(), late.Err())
+	}
+	ran := make(chan struct{})
+	late.AfterEnd(func() { close(ran) })
+	closedSoon("AfterEnd after the end", ran)
+
+	// Locks lost at once, Done asked from other goroutines as the Mux ends them.
+	var hs []*Held
+	for i := range 50 {
+		h, err := m.Try(ctx, Target{ID: ID{V: int64(9200 + i)}}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hs = append(hs, h)
+	}
+	var wg sync.WaitGroup
+	for _, h := range hs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c := h.Done()
+			select {
+			case <-c:
+			case <-time.After(5 * time.Second):
+				t.Error("Done asked as the lock ended stays open")
+				return
+			}
+			if !errors.Is(h.Err(), ErrLockLost) {
+				t.Errorf("Err once Done closed: %v", h.Err())
+			}
+		}()
+	}
+	m.kill(SessionEnded(errors.New("killed by the test")))
+	wg.Wait()
+}
