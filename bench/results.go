@@ -118,27 +118,40 @@ func (res *results) print(w io.Writer) {
 		}
 		fmt.Fprintf(w, "  %-62s %-10s %s\n", desc, show, verdict)
 	}
-	for _, t := range []struct{ desc, w, who string }{
-		{"advlock TryLock+Unlock, 1 goroutine >= 0.95x raw pgx", wUncontended, "advlock TryLock"},
-		{"advlock TryLock+Unlock, 8 goroutines >= 0.95x raw pgx", wDistinct, "advlock TryLock"},
-		{"advlock Lock+Unlock, 8 goroutines >= 0.95x raw pgx", wDistinct, "advlock Lock"},
+	for _, t := range []struct {
+		desc, w, who string
+		min          float64
+	}{
+		{"advlock TryLock+Unlock, 1 goroutine >= 1.0x raw pgx", wUncontended, "advlock TryLock", 1},
+		{"advlock Lock+Unlock, 1 goroutine >= 1.0x raw pgx", wUncontended, "advlock Lock", 1},
+		{"advlock Do, 1 goroutine >= 1.0x raw pgx", wUncontended, "advlock Do", 1},
+		{"advlock TryLock+Unlock, 8 goroutines >= 0.95x raw pgx", wDistinct, "advlock TryLock", 0.95},
+		{"advlock Lock+Unlock, 8 goroutines >= 0.95x raw pgx", wDistinct, "advlock Lock", 0.95},
 	} {
 		r := res.find(t.w, t.who, "throughput", "cycles/s")
 		show := ""
 		if r != nil {
 			show = fmt.Sprintf("%.2fx", r.XRaw)
 		}
-		target(t.desc, r, func(r *result) bool { return r.XRaw >= 0.95 }, show)
+		target(t.desc, r, func(r *result) bool { return r.XRaw >= t.min }, show)
+	}
+	if r := res.find(wOneKey, "advlock Lock", "fairness (max/min per goroutine)", "x"); r != nil {
+		target("advlock Lock, 8 goroutines on one key: fairness <= 1.1x", r, func(r *result) bool { return r.Value <= 1.1 }, fmt.Sprintf("%.2fx", r.Value))
 	}
 	if r := res.find(wMany, "advlock TryLock", "throughput", "cycles/s"); r != nil {
 		target("advlock TryLock+Unlock, 256 goroutines >= 100,000 cycles/s", r, func(r *result) bool { return r.Value >= 100000 }, num(r.Value))
-		target("advlock, 256 goroutines >= 5x raw pgx on 8 connections", r, func(r *result) bool { return r.XRaw >= 5 }, fmt.Sprintf("%.2fx", r.XRaw))
+	}
+	if r := res.find(wMany, openDefault, "throughput", "cycles/s"); r != nil {
+		target("advlock Open, 256 goroutines >= 5x raw pgx on 8 connections", r, func(r *result) bool { return r.XRaw >= 5 }, fmt.Sprintf("%.2fx", r.XRaw))
 	}
 	if r := res.find(wMemory, "advlock Lock", "heap per held lock", "B"); r != nil {
-		target("advlock heap per held lock (shared sessions) <= 1,000 B", r, func(r *result) bool { return r.Value <= 1000 }, num(r.Value)+" B")
+		target("advlock heap per held lock (shared sessions) <= 618 B", r, func(r *result) bool { return r.Value <= 618 }, num(r.Value)+" B")
 	}
 	if r := res.find(wHandoff, "advlock Lock", "p50", "ms"); r != nil {
-		target("advlock handoff p50 <= 1.1x raw pgx's", r, func(r *result) bool { return r.XRaw <= 1.1 }, fmt.Sprintf("%.2fx", r.XRaw))
+		target("advlock handoff p50 <= 1.05x raw pgx's", r, func(r *result) bool { return r.XRaw <= 1.05 }, fmt.Sprintf("%.2fx", r.XRaw))
+	}
+	if r := res.find(wHandoff, "advlock Lock", "p99", "ms"); r != nil {
+		target("advlock handoff p99 <= 2x raw pgx's", r, func(r *result) bool { return r.XRaw <= 2 }, fmt.Sprintf("%.2fx", r.XRaw))
 	}
 	if r := res.find(wLoss, "advlock Lock", "p50 after pg_terminate_backend", "ms"); r != nil {
 		target("advlock loss noticed p50 <= 100 ms", r, func(r *result) bool { return r.Value <= 100 }, num(r.Value)+" ms")

@@ -75,18 +75,12 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 				}
 			}
 		}
+		for name, lat := range handoffs(ctx, order, tag+"-w4") {
+			col.add(wHandoff, name, "p50", "ms", ms(percentile(lat, 50)), "")
+			col.add(wHandoff, name, "p99", "ms", ms(percentile(lat, 99)), "")
+		}
 		for _, c := range order {
 			tag := fmt.Sprintf("r%d-%s-%d", round, c.name, time.Now().UnixNano())
-			if c.blocking {
-				n := *flagHandoffs
-				if !c.pg || c.polls {
-					n = 20
-				}
-				if lat, err := handoff(ctx, c, n, tag+"-w4"); check(c, wHandoff, err) {
-					col.add(wHandoff, c.name, "p50", "ms", ms(percentile(lat, 50)), "")
-					col.add(wHandoff, c.name, "p99", "ms", ms(percentile(lat, 99)), "")
-				}
-			}
 			if b, a, err := memory(ctx, c, tag+"-w6"); check(c, wMemory, err) {
 				col.add(wMemory, c.name, "per acquire+release", "B/op", b, "")
 				col.add(wMemory, c.name, "per acquire+release", "allocs/op", a, "")
@@ -195,6 +189,14 @@ func throughput(ctx context.Context, cs []contender, n int, sameKey bool, tag st
 				}
 			}
 		}
+		if sameKey && r.err == nil {
+			// and one uncounted turn of the workload itself, so that every client has opened what waiting takes (a
+			// session of its own for advlock) before the counting starts: a client that connects while the others
+			// cycle is counted as starved by its own start.
+			if _, err := runTurn(len(r.cl), func(g int) error { return cycle(r, g) }, 100*time.Millisecond); err != nil {
+				r.err = err
+			}
+		}
 	}
 	turns := make([]turn, len(rs))
 	for i, r := range rs {
@@ -227,43 +229,94 @@ func throughput(ctx context.Context, cs []contender, n int, sameKey bool, tag st
 	return out
 }
 
-// handoff measures the time from the holder's release to the blocked waiter's grant.
-func handoff(ctx context.Context, c contender, samples int, tag string) ([]time.Duration, error) {
-	cl, closeAll, err := newClients(ctx, c, 2)
+// handoffWarmup is how many handoffs each contender makes, uncounted, before its samples: a fresh client opens its
+// connections (raw pgx's is connected before it starts; advlock opens its shared session on the first call and a
+// session of its own for the first wait), which is a client's start, not a handoff.
+const handoffWarmup = 2
+
+// handoffs measures workload 4 for every blocking contender: each with a holder and a waiter of its own, the
+// contenders taking turns one sample at a time, so that all of them share the machine's weather.
+func handoffs(ctx context.Context, cs []contender, tag string) map[string][]time.Duration {
+	type pair struct {
+		c              contender
+		holder, waiter client
+		n              int
+		lat            []time.Duration
+		err            error
+	}
+	var ps []*pair
+	for _, c := range cs {
+		if !c.blocking {
+			continue
+		}
+		cl, closeAll, err := newClients(ctx, c, 2)
+		if !check(c, wHandoff, err) {
+			continue
+		}
+		defer closeAll()
+		n := *flagHandoffs
+		if !c.pg || c.polls {
+			n = 20
+		}
+		ps = append(ps, &pair{c: c, holder: cl[0], waiter: cl[1], n: n + handoffWarmup})
+	}
+	for i := 0; ; i++ {
+		more := false
+		for _, p := range ps {
+			if p.err != nil || i >= p.n {
+				continue
+			}
+			more = true
+			d, err := handoff(ctx, p.holder, p.waiter, fmt.Sprintf("%s-%s-%d", tag, p.c.name, i))
+			if err != nil {
+				p.err = err
+				check(p.c, wHandoff, err)
+				continue
+			}
+			if i >= handoffWarmup {
+				p.lat = append(p.lat, d)
+			}
+		}
+		if !more {
+			break
+		}
+	}
+	out := map[string][]time.Duration{}
+	for _, p := range ps {
+		if p.err == nil {
+			out[p.c.name] = p.lat
+		}
+	}
+	return out
+}
+
+// handoff is one sample of workload 4: the time from the holder's release call to the blocked waiter's grant.
+func handoff(ctx context.Context, holder, waiter client, key string) (time.Duration, error) {
+	un, err := holder.lock(ctx, key)
 	if err != nil {
-		return nil, err
+		return 0, err
 	}
-	defer closeAll()
-	holder, waiter := cl[0], cl[1]
-	var lat []time.Duration
-	for i := range samples {
-		key := fmt.Sprintf("%s-%d", tag, i)
-		un, err := holder.lock(ctx, key)
-		if err != nil {
-			return nil, err
-		}
-		type grant struct {
-			at  time.Time
-			err error
-		}
-		got := make(chan grant, 1)
-		go func() { // the waiter takes the key as its API is called (one Do for advlock Do) and releases it
-			var at time.Time
-			err := waiter.cycle(ctx, key, func() { at = time.Now() })
-			got <- grant{at, err}
-		}()
-		time.Sleep(10 * time.Millisecond) // the waiter is queued (or polling) by now
-		t0 := time.Now()
-		if err := un(ctx); err != nil {
-			return nil, err
-		}
-		g := <-got
-		if g.err != nil {
-			return nil, g.err
-		}
-		lat = append(lat, g.at.Sub(t0))
+	type grant struct {
+		at  time.Time
+		err error
 	}
-	return lat, nil
+	got := make(chan grant, 1)
+	go func() { // the waiter takes the key as its API is called (one Do for advlock Do) and releases it
+		var at time.Time
+		err := waiter.cycle(ctx, key, func() { at = time.Now() })
+		got <- grant{at, err}
+	}()
+	time.Sleep(10 * time.Millisecond) // the waiter is queued (or polling) by now
+	t0 := time.Now()
+	if err := un(ctx); err != nil {
+		<-got
+		return 0, err
+	}
+	g := <-got
+	if g.err != nil {
+		return 0, g.err
+	}
+	return g.at.Sub(t0), nil
 }
 
 // memory measures heap bytes and allocations per acquire+release on one client.
@@ -756,27 +809,35 @@ func takeTurns(ts []turn) {
 			if *t.err != nil {
 				continue
 			}
-			var wg sync.WaitGroup
-			var failed atomic.Value
-			start := time.Now()
-			stop := start.Add(slice)
-			for g := range t.n {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					for time.Now().Before(stop) {
-						if err := t.cycle(g); err != nil {
-							failed.Store(err)
-							return
-						}
-					}
-				}()
-			}
-			wg.Wait()
-			*t.spent += time.Since(start)
-			if err, _ := failed.Load().(error); err != nil {
+			d, err := runTurn(t.n, t.cycle, slice)
+			*t.spent += d
+			if err != nil {
 				*t.err = err
 			}
 		}
 	}
+}
+
+// runTurn runs cycle on n goroutines at once until d has passed, and returns how long that took (the last cycle
+// ends past d) and the first error.
+func runTurn(n int, cycle func(g int) error, d time.Duration) (time.Duration, error) {
+	var wg sync.WaitGroup
+	var failed atomic.Value
+	start := time.Now()
+	stop := start.Add(d)
+	for g := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Now().Before(stop) {
+				if err := cycle(g); err != nil {
+					failed.Store(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	err, _ := failed.Load().(error)
+	return time.Since(start), err
 }
