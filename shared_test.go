@@ -214,11 +214,12 @@ func TestSharedPairKeys(t *testing.T) {
 	}
 }
 
-// A caller that arrives just as the quiet socket passes to the background reader (after session.WatchDelay) gets
-// the socket back at once. The reader used to set its read deadline after letting go of the Mux's lock, so a
-// caller that asked for the socket in between had its "yield now" deadline overwritten, and waited for the
-// keepalive bound: a call stalled for a whole keepalive interval (seen as 5 s stalls under contention). The hook
-// holds the reader at that moment until a caller has asked.
+// A caller that arrives just as the quiet socket passes to the background reader (after session.WatchDelay) is
+// answered at once: its round trip goes out, and the reader, once started, reads the answer and hands the socket
+// back. (When a caller took the socket back by a past read deadline, the reader set its own deadline after letting
+// go of the Mux's lock, and a caller that asked in between had its "yield now" deadline overwritten and waited for
+// the keepalive bound: a call stalled for a whole keepalive interval, seen as 5 s stalls under contention.) The
+// hook holds the reader at that moment until the caller's round trip is out.
 func TestSharedNoStallAfterQuiet(t *testing.T) {
 	url := pgtest.URL(t)
 	pool := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = 4 })

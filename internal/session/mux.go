@@ -21,7 +21,8 @@ import (
 //	                      a lone caller goes out at once, from its own goroutine)
 //	socket  <-- one reader at a time: a lone caller reads its own answer (no goroutine hand-off); when others
 //	            wait behind it, a background reader takes the busy socket and keeps it while the session is busy
-//	            (callers then write and wait); after WatchDelay of quiet a caller takes the socket back, and a
+//	            (callers then write and wait); after WatchDelay of quiet a caller's round trip goes out at once
+//	            and the background reader, having read its answer, gives the socket back; a
 //	            quiet socket nobody reads gets the background reader, so a FATAL or EOF is seen at once and a
 //	            keepalive bounds silent loss. A FATAL, EOF or a round trip not answered within the bound ends every
 //	            lock on the session at once.
@@ -54,11 +55,11 @@ type Mux struct {
 	wire      []*req // on the wire, in order (nil for a keepalive)
 	busy      bool   // a round trip is on the wire
 	sentAt    time.Time
-	token     int           // who reads the socket: tokenFree, tokenCaller or tokenBG
-	idleSince time.Time     // when the last round trip was answered
-	wantToken chan struct{} // a caller asked the background reader to yield; closed when it has
-	timer     *time.Timer   // starts the background reader after a quiet moment
-	dead      error         // once set, the Mux takes nothing more
+	token     int         // who reads the socket: tokenFree, tokenCaller or tokenBG
+	idleSince time.Time   // when the last round trip was answered
+	handBack  bool        // the background reader gives the socket up once nothing waits (see do)
+	timer     *time.Timer // starts the background reader after a quiet moment
+	dead      error       // once set, the Mux takes nothing more
 	closing   bool
 	held      map[*Held]struct{}
 	results   []int64
@@ -165,10 +166,6 @@ func (m *Mux) die(cause error) {
 	}
 	if m.timer != nil {
 		m.timer.Stop()
-	}
-	if m.wantToken != nil {
-		close(m.wantToken)
-		m.wantToken = nil
 	}
 	wire, queue := m.wire, m.queue
 	m.wire, m.queue, m.busy = nil, nil, false

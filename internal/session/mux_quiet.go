@@ -8,9 +8,9 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 )
 
-// onTimeout handles a read deadline: a caller wants the quiet socket (the background reader yields), a silent
-// idle session gets a keepalive round trip, a round trip unanswered past the bound ends the session.
-func (m *Mux) onTimeout(me *req) (yield bool, err error) {
+// onTimeout handles a read deadline: a silent idle session gets a keepalive round trip, a round trip unanswered
+// past the bound ends the session.
+func (m *Mux) onTimeout() error {
 	if h := testHookSettle.Load(); h != nil {
 		(*h)(m, "timeout")
 	}
@@ -20,33 +20,26 @@ func (m *Mux) onTimeout(me *req) (yield bool, err error) {
 		// to settle the Mux, never to hand a dead socket over.
 		cause := m.dead
 		m.mu.Unlock()
-		return false, cause
+		return cause
 	}
 	if m.busy {
 		left := m.bound - time.Since(m.sentAt)
 		m.mu.Unlock()
 		if left > 0 {
 			_ = m.nc.SetReadDeadline(time.Now().Add(left))
-			return false, nil
+			return nil
 		}
 		// The Mux closes its socket on this error: the session is gone, as after a network loss.
-		return false, SessionEnded(fmt.Errorf("keepalive: no answer within %v", m.bound))
-	}
-	if me == nil && m.wantToken != nil { // the background reader gives the socket to a caller
-		m.token = tokenFree
-		close(m.wantToken)
-		m.wantToken = nil
-		m.mu.Unlock()
-		return true, nil
+		return SessionEnded(fmt.Errorf("keepalive: no answer within %v", m.bound))
 	}
 	m.busy, m.wire, m.results, m.sentAt = true, nil, m.results[:0], time.Now()
 	m.mu.Unlock()
 	buf, _ := (&pgproto3.Sync{}).Encode(nil) // a keepalive: the server answers ReadyForQuery
 	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
 	if _, err := m.nc.Write(buf); err != nil {
-		return false, fmt.Errorf("keepalive: %w", err)
+		return fmt.Errorf("keepalive: %w", err)
 	}
-	return false, nil
+	return nil
 }
 
 // armLocked schedules the background reader for when the socket has been quiet for WatchDelay.
@@ -70,12 +63,11 @@ func (m *Mux) startBG() {
 	}
 	m.token = tokenBG
 	m.bg.Add(1)
-	// Under the lock: a caller that wants the socket back sets a past deadline (see do), which must not be
-	// overwritten by this one, or the reader would sleep through it until the bound (a stall of a keepalive).
+	// Under the lock, before any caller's round trip (which sets its own deadline as it goes out) can follow.
 	_ = m.nc.SetReadDeadline(time.Now().Add(m.bound))
 	m.mu.Unlock()
 	if h := testHookReaderStarting.Load(); h != nil {
-		(*h)(func() bool { m.mu.Lock(); defer m.mu.Unlock(); return m.wantToken != nil })
+		(*h)(func() bool { m.mu.Lock(); defer m.mu.Unlock(); return m.handBack })
 	}
 	go func() {
 		defer m.bg.Done()
@@ -95,7 +87,8 @@ var testHookSettle atomic.Pointer[func(m *Mux, at string)]
 var testHookMessage atomic.Pointer[func(m *Mux, msg pgproto3.BackendMessage) pgproto3.BackendMessage]
 
 // SetTestHookReaderStarting makes every background reader that starts on a quiet socket call f first, outside the
-// Mux's lock; asked reports whether a caller has asked for the socket back. nil removes it. Tests only.
+// Mux's lock; asked reports whether a caller's round trip went out for this reader to answer (and then give the
+// socket up). nil removes it. Tests only.
 func SetTestHookReaderStarting(f func(asked func() bool)) {
 	if f == nil {
 		testHookReaderStarting.Store(nil)

@@ -22,17 +22,12 @@ const (
 // itself; else r goes out in the next round trip, and the caller waits (or reads, when its turn comes).
 func (m *Mux) do(r *req) {
 	m.mu.Lock()
-	// Take the socket back from a background reader that has been quiet for a while (a sporadic caller reads its
-	// own answer); one that was busy a moment ago goes on reading (under load the socket stays with it).
-	for m.dead == nil && !m.busy && m.token == tokenBG && time.Since(m.idleSince) >= WatchDelay {
-		if m.wantToken == nil {
-			m.wantToken = make(chan struct{})
-			_ = m.nc.SetReadDeadline(time.Unix(1, 0))
-		}
-		ch := m.wantToken
-		m.mu.Unlock()
-		<-ch
-		m.mu.Lock()
+	// A sporadic caller on a socket the background reader has read quietly for a while: its round trip goes out at
+	// once, the background reader reads the answer and then gives the socket up (complete), so that the caller's
+	// next round trip reads its own answer. (Taking the socket back first would cost two wake-ups before the
+	// request goes out.) One that was busy a moment ago goes on reading: under load the socket stays with it.
+	if m.dead == nil && !m.busy && m.token == tokenBG && time.Since(m.idleSince) >= WatchDelay {
+		m.handBack = true
 	}
 	if m.dead != nil {
 		cause := m.dead
@@ -82,8 +77,8 @@ func (m *Mux) wait(r *req) {
 	}
 }
 
-// read is the reading role: it reads answers until me is answered (me nil: the background reader, until it
-// yields or the Mux dies), sending what queued meanwhile.
+// read is the reading role: it reads answers until me is answered (me nil: the background reader, until it gives
+// the socket up or the Mux dies), sending what queued meanwhile.
 func (m *Mux) read(me *req) {
 	for {
 		msg, err := m.fe.Receive()
@@ -93,12 +88,8 @@ func (m *Mux) read(me *req) {
 		if err != nil {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
-				yield, err := m.onTimeout(me)
-				if err != nil {
+				if err := m.onTimeout(); err != nil {
 					m.die(err)
-					return
-				}
-				if yield {
 					return
 				}
 				continue
@@ -149,7 +140,8 @@ func (m *Mux) read(me *req) {
 
 // complete settles the round trip on the wire, sends whatever queued meanwhile, and decides who reads next. It
 // reports done when the reader me may stop reading: its own request is answered (and the role has passed on or
-// the socket is free), or the background reader must yield.
+// the socket is free), or the background reader answered a sporadic caller and nothing else waits (it gives the
+// socket up).
 func (m *Mux) complete(me *req) (done bool, err error) {
 	if h := testHookSettle.Load(); h != nil {
 		(*h)(m, "complete")
@@ -236,6 +228,16 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 	case next == nil && me != nil: // a caller's reading ends; the background reader takes over after a quiet moment
 		m.token = tokenFree
 		m.armLocked()
+	case next == nil && m.handBack && m.dead == nil:
+		// The background reader answered a sporadic caller and nothing else waits: it gives the socket up (a kill
+		// from now on finds it free and settles the Mux itself; one before this goes on to the reader, which finds
+		// the closed socket).
+		m.handBack = false
+		m.token = tokenFree
+		m.armLocked()
+		m.mu.Unlock()
+		m.settle(answered)
+		return true, nil
 	case next != nil && mine: // my answer is in and others wait: the background reader takes the busy socket
 		m.token = tokenBG
 		m.bg.Add(1)

@@ -71,7 +71,7 @@ var errKilled = errors.New("killed by the test")
 // just as a caller finishes reading its own answer, the locks on the Mux must still be reported lost and the Mux
 // must end: the server dropped them with the session.
 func TestMuxKillAtHandOff(t *testing.T) {
-	for _, at := range []string{"timeout", "complete"} {
+	for _, at := range []string{"hand-back", "complete"} {
 		t.Run(at, func(t *testing.T) {
 			for i := range 20 {
 				m, gone := openTestMux(t)
@@ -80,7 +80,7 @@ func TestMuxKillAtHandOff(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if at == "timeout" { // the background reader reads the quiet socket (on a loaded machine, late)
+				if at == "hand-back" { // the background reader reads the quiet socket (on a loaded machine, late)
 					deadline := time.Now().Add(5 * time.Second)
 					for {
 						m.mu.Lock()
@@ -94,25 +94,24 @@ func TestMuxKillAtHandOff(t *testing.T) {
 						}
 						time.Sleep(WatchDelay)
 					}
-					time.Sleep(2 * WatchDelay) // quiet for WatchDelay: a caller asks for the socket back
+					time.Sleep(2 * WatchDelay) // quiet for WatchDelay: a caller's answer is read by it, which then hands back
 				}
 				var once sync.Once
 				killed := false
 				setHookSettle(t, func(hm *Mux, where string) {
-					if hm != m || where != at {
+					if hm != m || where != "complete" {
 						return
 					}
-					if at == "timeout" { // only the hand-off to a caller, not a keepalive
-						hm.mu.Lock()
-						asked := hm.wantToken != nil
-						hm.mu.Unlock()
-						if !asked {
-							return
-						}
+					hm.mu.Lock()
+					handBack := hm.handBack && hm.token == tokenBG
+					hm.mu.Unlock()
+					if handBack != (at == "hand-back") { // the background reader answering a caller, or the caller itself
+						return
 					}
 					once.Do(func() { killed = true; m.kill(errKilled) })
 				})
-				// A caller: it asks the background reader for the socket (timeout), or reads its own answer (complete).
+				// A caller: its answer is read by the background reader, which then gives the socket up (hand-back), or
+				// by the caller itself (complete).
 				if h, err := m.Try(ctx, Target{ID: ID{V: time.Now().UnixNano() + 1}}, nil); err == nil {
 					_ = h.Release(ctx, ErrNotHeld)
 				}
