@@ -864,3 +864,25 @@ func TestHoldAtLeastDoLostDuringFn(t *testing.T) {
 		})
 	}
 }
+
+// Close as a TryLock with a hold is granted: the Lock's hold is made before the Lock is in the Locker's set, where
+// Close (and a loss's forget) read it under the Locker's mutex. It was set after the grant, outside that mutex, and
+// -race saw Close read it as TryLock wrote it (3 of 3 runs).
+func TestHoldAtLeastGrantRacingClose(t *testing.T) {
+	b := setup(t)
+	for i := range 20 {
+		ctx := ctxT(t, time.Minute)
+		l := New(pgtest.Pool(t, b.url, nil))
+		if _, err := l.TryLock(ctx, key(t)); err != nil { // the shared session opens first
+			t.Fatal(err)
+		}
+		got := make(chan struct{})
+		go func() {
+			defer close(got)
+			_, _ = l.TryLock(ctx, key(t), HoldAtLeast(time.Hour))
+		}()
+		time.Sleep(time.Duration(i*20) * time.Microsecond)
+		l.Close()
+		<-got
+	}
+}

@@ -172,17 +172,17 @@ func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool, opts []Ca
 	switch {
 	case wait && co.waitSet && co.wait <= 0:
 		wait = false
-		lk, err = l.lock1(ctx, key, shared, false)
+		lk, err = l.lock1(ctx, key, shared, false, co.hold > 0)
 	case wait && co.waitSet:
 		// The bound is a deadline of its own: the server's lock_timeout honours it and the session survives it.
 		wctx, cancel := context.WithTimeoutCause(ctx, co.wait, errWaitElapsed)
-		lk, err = l.lock1(wctx, key, shared, true)
+		lk, err = l.lock1(wctx, key, shared, true, co.hold > 0)
 		cancel()
 		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) && ownDeadline(ctx, co.wait) {
 			err = &notAcquiredError{why: "not granted within " + co.wait.String()}
 		}
 	default:
-		lk, err = l.lock1(ctx, key, shared, wait)
+		lk, err = l.lock1(ctx, key, shared, wait, co.hold > 0)
 	}
 	if err != nil {
 		verb := "lock"
@@ -197,7 +197,7 @@ func (l *Locker) lock(ctx context.Context, key Key, shared, wait bool, opts []Ca
 		return nil, &keyError{op: verb, key: key, err: err}
 	}
 	if co.hold > 0 {
-		lk.hold = &minHold{until: time.Now().Add(co.hold)} // the grant came before now: held at least co.hold past it
+		lk.hold.until = time.Now().Add(co.hold) // the grant came before now: held at least co.hold past it (read by Unlock alone)
 	}
 	return lk, nil
 }
@@ -211,7 +211,7 @@ func ownDeadline(ctx context.Context, d time.Duration) bool {
 
 var errWaitElapsed = errors.New("advlock: the Wait bound elapsed")
 
-func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Lock, err error) {
+func (l *Locker) lock1(ctx context.Context, key Key, shared, wait, hold bool) (lk *Lock, err error) {
 	if l == nil || l.pool == nil {
 		return nil, ErrNoPool
 	}
@@ -261,6 +261,9 @@ func (l *Locker) lock1(ctx context.Context, key Key, shared, wait bool) (lk *Loc
 	// nlk, not the result lk: the handle's end may run on another goroutine at any moment (the session dies),
 	// while a return below writes lk.
 	nlk := &Lock{l: l, key: key, shared: shared}
+	if hold { // made before the Lock is shared (l.held, its end): forget and Close read hold under l.mu
+		nlk.hold = &minHold{}
+	}
 	// The in-process slot is given back when the lock ends, however it ends, before Done closes: a lost lock's
 	// session is gone, so nothing can be shared, and a holder that re-acquires as soon as it is told of the loss,
 	// without calling Unlock on the lost handle, must find the key free in this Locker. The observers are told once
