@@ -309,8 +309,7 @@ func handoff(ctx context.Context, holder, waiter client, key string) (time.Durat
 	time.Sleep(10 * time.Millisecond) // the waiter is queued (or polling) by now
 	t0 := time.Now()
 	if err := un(ctx); err != nil {
-		<-got
-		return 0, err
+		return 0, err // the waiter may wait on: the run reports the error and ends this contender's samples
 	}
 	g := <-got
 	if g.err != nil {

@@ -21,11 +21,11 @@ import (
 //	                      a lone caller goes out at once, from its own goroutine)
 //	socket  <-- one reader at a time: a lone caller reads its own answer (no goroutine hand-off); when others
 //	            wait behind it, a background reader takes the busy socket and keeps it while the session is busy
-//	            (callers then write and wait); after WatchDelay of quiet a caller's round trip goes out at once
-//	            and the background reader, having read its answer, gives the socket back; a
-//	            quiet socket nobody reads gets the background reader, so a FATAL or EOF is seen at once and a
-//	            keepalive bounds silent loss. A FATAL, EOF or a round trip not answered within the bound ends every
-//	            lock on the session at once.
+//	            (callers then write and wait); a quiet socket nobody reads gets the background reader, so a
+//	            FATAL or EOF is seen at once and a keepalive bounds silent loss, and after WatchDelay of quiet a
+//	            caller's round trip goes out at once and the reader, having read its answer, gives the socket
+//	            back. A FATAL, EOF or a round trip not answered within the bound ends every lock on the session at
+//	            once.
 //
 // Only statements that never wait go on a Mux: tries and unlocks. A wait for a key held elsewhere happens on a
 // session of its own ([Acquire]). Errors in a round trip: rows answered before the failing one are applied (the
