@@ -273,24 +273,36 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 	for i := range 30 {
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 		var opts []advlock.CallOption
-		if waitOpt { // the bound is Wait's; the sampler below still stops at 100 ms
+		if waitOpt { // the bound is Wait's
 			opts = []advlock.CallOption{advlock.Wait(100 * time.Millisecond)}
 		}
-		done := make(chan struct{})
-		go func() { // the waiter's server pid, from pg_locks, while it waits
+		done, stop := make(chan struct{}), make(chan struct{})
+		go func() { // the waiter's server pid, from pg_locks, while the call runs
 			defer close(done)
-			for ctx.Err() == nil {
-				rows, err := pgtest.Locks(context.Background(), obs)
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				// This key's rows alone: on a loaded machine, with other tests' thousands of locks in pg_locks, a
+				// read of the whole table could take the call's 100 ms, and see none of its wait.
+				rows, err := obs.Query(context.Background(), `SELECT pid FROM pg_locks WHERE locktype = 'advisory'
+					AND NOT granted AND objsubid = 1 AND classid::text::int8 = $1 AND objid::text::int8 = $2`,
+					int64(uint64(v)>>32), int64(uint32(v)))
 				if err != nil {
 					t.Error(err)
 					return
 				}
-				for _, r := range rows {
-					if r.Int64Key(v) && !r.Granted {
-						pids[r.PID] = true
-					}
+				got, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+				if err != nil {
+					t.Error(err)
+					return
 				}
-				time.Sleep(5 * time.Millisecond)
+				for _, pid := range got {
+					pids[uint32(pid)] = true
+				}
+				time.Sleep(2 * time.Millisecond)
 			}
 		}()
 		start := time.Now()
@@ -301,6 +313,7 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 		_, err := h.L.Lock(lctx, k, opts...)
 		took := time.Since(start)
 		cancel()
+		close(stop)
 		<-done
 		switch {
 		case waitOpt && (!errors.Is(err, advlock.ErrNotAcquired) || errors.Is(err, context.DeadlineExceeded)):
