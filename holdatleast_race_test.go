@@ -94,7 +94,7 @@ func haRescue(l *Locker, lk *Lock) func() {
 	return func() {
 		l.mu.Lock()
 		defer l.mu.Unlock()
-		if lk.hold != nil && lk.hold.linger != nil && lk.hold.linger.Stop() {
+		if lk.stopLinger() {
 			l.inflight.Done()
 		}
 	}

@@ -14,7 +14,7 @@ type Lock struct {
 	key       Key
 	h         handle
 	grantedAt time.Duration // since clockStart, set before observed
-	hold      *minHold      // HoldAtLeast only (set before the Lock is returned)
+	hold      *minHold      // HoldAtLeast only: made before the Lock is shared (Close reads it under l.mu)
 	ended     atomic.Int32  // lockHeld, then unlockedByCaller or releasedByClose, whichever comes first
 	observed  atomic.Bool   // its grant was reported to the Locker's observers and its end not yet
 	shared    bool
@@ -47,6 +47,12 @@ func (lk *Lock) holdLeft() time.Duration {
 		return 0
 	}
 	return time.Until(lk.hold.until)
+}
+
+// stopLinger stops the release armed for a lingering lk, and reports whether it stopped it before it ran
+// (guarded by l.mu).
+func (lk *Lock) stopLinger() bool {
+	return lk.hold != nil && lk.hold.linger != nil && lk.hold.linger.Stop()
 }
 
 // Values of Lock.ended.

@@ -492,7 +492,7 @@ func (l *Locker) forget(lk *Lock) (wasHeld bool) {
 		return false
 	}
 	lk.forgotten = true
-	if lk.hold != nil && lk.hold.linger != nil && lk.hold.linger.Stop() {
+	if lk.stopLinger() {
 		l.inflight.Done() // ended (lost) during its hold: nothing left to release later
 	}
 	_, wasHeld = l.held[lk]
@@ -530,7 +530,7 @@ func (l *Locker) Close() {
 	held := make([]*Lock, 0, len(l.held))
 	for lk := range l.held {
 		held = append(held, lk)
-		if lk.hold != nil && lk.hold.linger != nil && lk.hold.linger.Stop() {
+		if lk.stopLinger() {
 			l.inflight.Done() // its release will not run: the loop below releases it
 		}
 	}
