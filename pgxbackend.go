@@ -36,6 +36,10 @@ func (a pgxPool) Acquire(ctx context.Context) (session.Conn, error) {
 
 func (pgxPool) Wires() bool { return true }
 
+// DialsInCall is false: pgxpool makes a new connection apart from the caller's context, and pools it when the
+// caller has gone.
+func (pgxPool) DialsInCall() bool { return false }
+
 // Dial opens a connection outside the pool, with the pool's connection configuration.
 func (a pgxPool) Dial(ctx context.Context) (session.TextConn, error) {
 	c, err := pgx.ConnectConfig(ctx, a.p.Config().ConnConfig)

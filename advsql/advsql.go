@@ -177,6 +177,10 @@ func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
 	return a, nil
 }
 
+// DialsInCall says that db makes a new connection in the caller's context (and drops it half made when that context
+// ends): advlock lets the making outlive a call that ran out of time, for the next call (see session.Waits).
+func (p *pool) DialsInCall() bool { return true }
+
 // dialSpec is the driver and dsn a *sql.DB was opened with.
 type dialSpec struct{ driverName, dsn string }
 

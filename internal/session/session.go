@@ -89,6 +89,11 @@ type Pool interface {
 	Wires() bool
 	// Stats reports the pool's connections.
 	Stats() PoolStats
+	// DialsInCall reports whether Acquire makes a new connection in the caller's context and drops it half made
+	// when that context ends (database/sql does; pgxpool makes it apart): a wait bounded shorter than a
+	// connection's making would then make one per call and never reach the server, so advlock lets the making
+	// outlive the call (see Waits.setUp).
+	DialsInCall() bool
 }
 
 // PoolStats are a pool's own figures.
@@ -227,20 +232,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	// The round trips before the lock statement, and a try's lock statement, are answered at once by a live
 	// server: each is bounded (a context without a deadline must not hang a call in a network that drops
 	// packets). Only a wait in the server is as long as ctx says.
-	vctx, vcancel := context.WithTimeout(ctx, VerifyBound)
-	err = verify(vctx, pool, conn, cfg.Settings)
-	boundPassed := ctx.Err() == nil && vctx.Err() != nil
-	vcancel()
-	if err != nil {
-		if errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified) {
-			conn.Release() // no lock was taken
-		} else {
-			if boundPassed {
-				err = fmt.Errorf("check session: no answer within %v; session closed", VerifyBound)
-			}
-			becauseErr(conn, "checking a new connection failed", err)
-			conn.Destroy()
-		}
+	if err := cfg.Waits.check(ctx, pool, conn, cfg.Settings); err != nil {
 		return nil, WithContext(ctx, err)
 	}
 	// One prepared statement: a try, or for a wait a try and then a wait in the server for one slice at most,

@@ -90,7 +90,7 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 			s.mu.Unlock()
 			return nil, WithContext(ctx, err)
 		}
-		if grow {
+		if grow && s.opening == 0 { // one open at a time while none is open: the callers wait for it together
 			if s.pool.Stats().Exhausted() {
 				s.mu.Unlock()
 				return nil, ErrPoolExhausted

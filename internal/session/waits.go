@@ -2,7 +2,11 @@ package session
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 )
 
 // Waits tracks what of one Locker may wait — calls waiting for a connection from the pool, and lock statements
@@ -15,12 +19,22 @@ type Waits struct {
 	acquiring map[uint64]context.CancelCauseFunc
 	next      uint64
 	closed    bool
+	apart     sync.WaitGroup // set-ups going on after their callers left (see setUp)
 }
 
-// acquire takes a connection from pool; Close makes it fail with ErrClosed.
+// acquire takes a connection from pool; Close makes it fail with ErrClosed. From a pool that makes a new connection
+// in the caller's context (DialsInCall) with room for one, the taking goes on when ctx ends (see setUp), and a
+// connection made after the call has returned goes back to the pool.
 func (w *Waits) acquire(ctx context.Context, pool Pool) (Conn, error) {
 	if w == nil {
 		return pool.Acquire(ctx)
+	}
+	if pool.DialsInCall() && ctx.Done() != nil && !pool.Stats().Exhausted() {
+		c, err, ran := w.setUp(ctx, pool.Acquire, Conn.Release)
+		if !ran {
+			return nil, ErrClosed
+		}
+		return c, err
 	}
 	actx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
@@ -44,6 +58,101 @@ func (w *Waits) acquire(ctx context.Context, pool Pool) (Conn, error) {
 		return nil, ErrClosed
 	}
 	return c, err
+}
+
+// check verifies conn (see verify) within VerifyBound, and ends a connection that fails the checks (back to the
+// pool when they merely could not prove it, destroyed otherwise). When ctx ends first, check returns its error at
+// once and the checks go on apart (see setUp): a connection that passes them goes back to the pool checked, so
+// that the next call need not make and check one again.
+func (w *Waits) check(ctx context.Context, pool Pool, conn Conn, settings []Setting) error {
+	if ok, _ := conn.Verified(); ok {
+		return nil
+	}
+	run := func(ctx context.Context) (Conn, error) {
+		vctx, cancel := context.WithTimeout(ctx, VerifyBound)
+		err := verify(vctx, pool, conn, settings)
+		boundPassed := ctx.Err() == nil && vctx.Err() != nil
+		cancel()
+		switch {
+		case err == nil:
+			return conn, nil
+		case errors.Is(err, ErrTxPooling) || errors.Is(err, ErrUnverified):
+			conn.Release() // no lock was taken
+		default:
+			if boundPassed {
+				err = fmt.Errorf("check session: no answer within %v; session closed", VerifyBound)
+			}
+			becauseErr(conn, "checking a new connection failed", err)
+			conn.Destroy()
+		}
+		return nil, err
+	}
+	if w == nil || ctx.Done() == nil {
+		_, err := run(ctx)
+		return err
+	}
+	_, err, ran := w.setUp(ctx, run, Conn.Release)
+	if !ran {
+		conn.Release() // nothing was sent
+	}
+	return err
+}
+
+// setUp runs set, which takes or checks a connection, and returns what it returns; ran is false when Close had
+// already run (set did not run, the error is ErrClosed). When ctx ends first setUp returns ctx's error at once,
+// and set goes on apart, under a context of its own that Close ends, and that ends VerifyBound after ctx does (a
+// connection that is being made, or answering its checks, is seldom far from done); drop gets the connection
+// that set gives after the call has returned. Close waits for set to end.
+func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, error), drop func(Conn)) (c Conn, err error, ran bool) {
+	sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	w.mu.Lock()
+	if w.closed {
+		w.mu.Unlock()
+		cancel(nil)
+		return nil, ErrClosed, false
+	}
+	if w.acquiring == nil {
+		w.acquiring = map[uint64]context.CancelCauseFunc{}
+	}
+	id := w.next
+	w.next++
+	w.acquiring[id] = cancel
+	w.apart.Add(1)
+	w.mu.Unlock()
+	type result struct {
+		c   Conn
+		err error
+	}
+	got := make(chan result) // unbuffered: a result is either taken by the caller or dropped, never both
+	var late atomic.Pointer[time.Timer]
+	go func() {
+		defer w.apart.Done()
+		c, err := set(sctx)
+		select {
+		case got <- result{c, err}:
+		case <-ctx.Done():
+			if c != nil {
+				drop(c)
+			}
+		}
+		w.mu.Lock()
+		delete(w.acquiring, id)
+		w.mu.Unlock()
+		cancel(nil)
+		if t := late.Load(); t != nil {
+			t.Stop()
+		}
+	}()
+	select {
+	case r := <-got:
+		if r.err != nil && ctx.Err() == nil && context.Cause(sctx) == ErrClosed {
+			return nil, ErrClosed, true
+		}
+		return r.c, r.err, true
+	case <-ctx.Done():
+		late.Store(time.AfterFunc(VerifyBound, func() { cancel(context.DeadlineExceeded) }))
+		return nil, WithContext(ctx, ctx.Err()), true
+	}
 }
 
 // add registers conn for the duration of a wait; it returns false when Close already ran.
@@ -76,11 +185,11 @@ func (w *Waits) remove(conn Conn) bool {
 	return !w.closed
 }
 
-// Close aborts every registered wait and refuses later ones. It reports nothing; the aborted calls return errors
-// matching ErrClosed and close their sessions.
+// Close aborts every registered wait and refuses later ones, and waits for the set-ups going on apart (see setUp),
+// which it ends too. It reports nothing; the aborted calls return errors matching ErrClosed and close their
+// sessions.
 func (w *Waits) Close() {
 	w.mu.Lock()
-	defer w.mu.Unlock()
 	w.closed = true
 	for c := range w.conns {
 		c.Abort()
@@ -88,6 +197,8 @@ func (w *Waits) Close() {
 	for _, cancel := range w.acquiring {
 		cancel(ErrClosed)
 	}
+	w.mu.Unlock()
+	w.apart.Wait()
 }
 
 // Count is the number of lock statements waiting in the server now.

@@ -8,11 +8,13 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
@@ -222,6 +224,54 @@ func (s *suite) closeWhileAcquiring(t *testing.T) {
 	}
 	giveBack()
 	noIdleLocks(t, h, obs)
+	t.Run("check apart", func(t *testing.T) { s.closeWhileChecking(t, obs) })
+}
+
+// closeWhileChecking: a new connection whose check goes on after its call returned (the call's bound passed) is
+// ended by Close, which returns promptly and only once that check has ended.
+func (s *suite) closeWhileChecking(t *testing.T, obs *pgx.Conn) {
+	var entered, returned atomic.Int32
+	h := s.openURL(t, s.be.URL, WithWrap(func(c session.Conn) session.Conn {
+		return &stuckCheck{Conn: c, entered: &entered, returned: &returned}
+	}))
+	t.Cleanup(h.L.Close)
+	start := time.Now()
+	if _, err := h.L.Lock(context.Background(), Key(t), advlock.Wait(100*time.Millisecond)); !errors.Is(err, advlock.ErrNotAcquired) {
+		t.Fatalf("Lock with Wait(100ms) while every new connection's check hangs: %v, want ErrNotAcquired", err)
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("Lock with Wait(100ms) while every new connection's check hangs returned after %v", took)
+	}
+	for deadline := time.Now().Add(10 * time.Second); entered.Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no connection's check began")
+		}
+	}
+	closed := make(chan struct{})
+	go func() { h.L.Close(); close(closed) }()
+	pgtest.WaitClosed(t, closed, 5*time.Second, "Close with a new connection's check hanging after its call returned")
+	if e, r := entered.Load(), returned.Load(); e != r {
+		t.Errorf("Close returned with %d of %d hanging checks still running", e-r, e)
+	}
+	noIdleLocks(t, h, obs)
+}
+
+// stuckCheck leaves a connection's first query, advlock's check of it, unanswered until its ctx ends.
+type stuckCheck struct {
+	session.Conn
+	checked           bool
+	entered, returned *atomic.Int32
+}
+
+func (c *stuckCheck) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	if c.checked {
+		return c.Conn.QueryInt(ctx, sql, args...)
+	}
+	c.checked = true
+	c.entered.Add(1)
+	defer c.returned.Add(1)
+	<-ctx.Done()
+	return 0, ctx.Err()
 }
 
 // unlockRacingClose: Unlock concurrent with Close returns nil (it won) or ErrClosed (Close released the lock),
@@ -257,12 +307,31 @@ func (s *suite) unlockRacingClose(t *testing.T) {
 // ErrNotAcquired for Wait), and nothing is left waiting or held.
 func (s *suite) timedWaitsKeepSessions(t *testing.T) {
 	for _, bound := range []string{"deadline", "wait"} {
-		t.Run(bound, func(t *testing.T) { s.timedWaitsKeepSessions1(t, bound == "wait") })
+		t.Run(bound, func(t *testing.T) { s.timedWaitsKeepSessions1(t, bound == "wait", false) })
+	}
+	if s.shared { // the sessions of their own are made as in the other mode; the shared session's open is not
+		t.Run("slow setup", func(t *testing.T) { s.timedWaitsKeepSessions1(t, true, true) })
 	}
 }
 
-func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
-	holder, h, obs := s.open(t), s.open(t), s.observer(t)
+// timedWaitsKeepSessions1 makes 30 waits of 100 ms for a held key, bounded by Wait or by ctx, and checks that they
+// use 1 to 3 server sessions. With slow, every new connection takes 150 ms to make (the server's first answer is
+// late) and 120 ms more to check (advlock's first round trip on it): the first calls end before any of their
+// connections is ready, and the connections they began must still serve the later calls (made once, not once per
+// call).
+func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt, slow bool) {
+	holder, obs := s.open(t), s.observer(t)
+	var h Harness
+	var p *faults.Proxy
+	if slow {
+		var url string
+		url, p = s.proxyURL(t)
+		p.SetupLatency(150 * time.Millisecond)
+		h = s.openURL(t, url, WithWrap(func(c session.Conn) session.Conn { return &slowCheck{Conn: c} }))
+		t.Cleanup(h.L.Close)
+	} else {
+		h = s.open(t)
+	}
 	k := Key(t)
 	hl, err := holder.L.TryLock(ctxT(t, 10*time.Second), k)
 	if err != nil {
@@ -270,6 +339,8 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 	}
 	v, _ := k.Int64()
 	pids := map[uint32]bool{}
+	var calls []string // each call's time and error, for a failure's message
+	waited := 0        // calls seen waiting in the server
 	for i := range 30 {
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 		var opts []advlock.CallOption
@@ -277,6 +348,7 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 			opts = []advlock.CallOption{advlock.Wait(100 * time.Millisecond)}
 		}
 		done, stop := make(chan struct{}), make(chan struct{})
+		seen := false
 		go func() { // the waiter's server pid, from pg_locks, while the call runs
 			defer close(done)
 			for {
@@ -301,6 +373,7 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 				}
 				for _, pid := range got {
 					pids[uint32(pid)] = true
+					seen = true
 				}
 				time.Sleep(2 * time.Millisecond)
 			}
@@ -315,6 +388,10 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 		cancel()
 		close(stop)
 		<-done
+		calls = append(calls, fmt.Sprintf("%d: %v waited in the server: %v; %v", i, took.Round(time.Millisecond), seen, err))
+		if seen {
+			waited++
+		}
 		switch {
 		case waitOpt && (!errors.Is(err, advlock.ErrNotAcquired) || errors.Is(err, context.DeadlineExceeded)):
 			t.Fatalf("call %d: Lock with Wait(100ms) on a held key: %v, want ErrNotAcquired", i, err)
@@ -325,15 +402,44 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt bool) {
 			t.Errorf("call %d returned %v after it began (deadline 100ms)", i, took)
 		}
 	}
-	if len(pids) == 0 || len(pids) > 3 {
-		t.Errorf("30 timed-out waits used %d server sessions %v, want 1 to 3", len(pids), pids)
+	switch {
+	case len(pids) == 0 || len(pids) > 3 && !slow:
+		t.Errorf("30 timed-out waits used %d server sessions %v, want 1 to 3; the calls:\n%s", len(pids), pids,
+			strings.Join(calls, "\n"))
+	case slow && (waited < 10 || p.Dials() > 10):
+		// Each call that ends before a connection is ready begins one (about 3 in 270 ms): the sessions are the
+		// connections made, bounded here, and may be more than 3.
+		t.Errorf("with each connection taking 270 ms to make and check, %d of 30 calls of 100 ms waited in the server "+
+			"(want 10 or more) and %d connections were made (want at most 10); the calls:\n%s", waited, p.Dials(),
+			strings.Join(calls, "\n"))
 	}
-	t.Logf("30 timed-out waits used %d server session(s)", len(pids))
+	if n := h.L.Stats().SharedSessions; slow && n != 1 {
+		// The first calls waited for the shared session's open, one after another: one open serves them all.
+		t.Errorf("%d shared sessions open after calls one at a time, want 1", n)
+	}
+	t.Logf("30 timed-out waits used %d server session(s); %d of them waited in the server", len(pids), waited)
+	if slow {
+		t.Logf("%d connections were made", p.Dials())
+	}
 	if err := hl.Unlock(ctxT(t, 10*time.Second)); err != nil {
 		t.Fatal(err)
 	}
 	waitFree(t, obs, k)
 	noIdleLocks(t, h, obs)
+}
+
+// slowCheck answers a connection's first query, advlock's check of it, 120 ms late.
+type slowCheck struct {
+	session.Conn
+	checked bool
+}
+
+func (c *slowCheck) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	if !c.checked {
+		c.checked = true
+		time.Sleep(120 * time.Millisecond)
+	}
+	return c.Conn.QueryInt(ctx, sql, args...)
 }
 
 // waitBound: Wait(d) bounds a wait apart from ctx (ErrNotAcquired when d elapses, ctx errors when ctx ends first,

@@ -1,6 +1,6 @@
 // Package faults is a small TCP proxy for injecting network faults between a client and PostgreSQL in tests: cut
 // every connection, refuse new ones (as a server that is down), blackhole traffic (bytes vanish, sockets stay
-// open, as when a network silently drops), or add latency.
+// open, as when a network silently drops), or add latency, to every chunk or to each new connection's setup.
 package faults
 
 import (
@@ -18,6 +18,8 @@ type Proxy struct {
 	blackhole atomic.Bool
 	refuse    atomic.Bool
 	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
+	setup     atomic.Int64 // nanoseconds added before the server's first chunk on each new connection
+	dials     atomic.Int64 // connections accepted
 
 	mu      sync.Mutex
 	closed  bool
@@ -62,6 +64,7 @@ func (p *Proxy) accept() {
 		if err != nil {
 			return
 		}
+		p.dials.Add(1)
 		if p.refuse.Load() {
 			c.Close()
 			continue
@@ -81,20 +84,22 @@ func (p *Proxy) accept() {
 		p.links[c] = s
 		p.mu.Unlock()
 		p.wg.Add(2)
-		go p.pipe(c, s)
-		go p.pipe(s, c)
+		go p.pipe(c, s, 0)
+		go p.pipe(s, c, time.Duration(p.setup.Load()))
 	}
 }
 
-func (p *Proxy) pipe(from, to net.Conn) {
+// pipe forwards from's bytes to to; first delays the first chunk (see SetupLatency).
+func (p *Proxy) pipe(from, to net.Conn, first time.Duration) {
 	defer p.wg.Done()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := from.Read(buf)
 		if n > 0 && !p.blackhole.Load() {
-			if d := time.Duration(p.latency.Load()); d > 0 {
+			if d := time.Duration(p.latency.Load()) + first; d > 0 {
 				time.Sleep(d)
 			}
+			first = 0
 			if p.blackhole.Load() {
 				continue
 			}
@@ -153,6 +158,13 @@ func (p *Proxy) Refuse(on bool) { p.refuse.Store(on) }
 
 // Latency delays every forwarded chunk by d.
 func (p *Proxy) Latency(d time.Duration) { p.latency.Store(int64(d)) }
+
+// SetupLatency delays the server's first answer on each connection made from now on by d, as a loaded server
+// is slow to start a session, or a far one to finish a handshake; later bytes flow as usual.
+func (p *Proxy) SetupLatency(d time.Duration) { p.setup.Store(int64(d)) }
+
+// Dials is how many connections the proxy has accepted.
+func (p *Proxy) Dials() int { return int(p.dials.Load()) }
 
 // Close stops the proxy and closes every connection.
 func (p *Proxy) Close() {
