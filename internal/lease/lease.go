@@ -72,18 +72,26 @@ type Lease struct {
 // errQuiet is a grant refused because the server's timeline is younger than one lease length (see GrantSQL).
 var errQuiet = errors.New("the server was promoted less than one lease length ago: no lease is granted until then")
 
-// Take tries once to take id's lease: ErrNotAcquired when another lease holds it. A statement whose outcome is
-// unknown (an error, or ctx cancelled while it ran) is undone: whatever it may have granted to this owner is
-// deleted, so that no row outlives the call.
+// Take tries once to take id's lease: ErrNotAcquired when another lease holds it. The grant, once sent, is not cut
+// by ctx (only by its bound): cut, its outcome would be unknown, and the server could still grant it after the
+// delete sent to undo it had found nothing, leaving a lease that nobody holds until it expires. A grant that ctx's
+// end raced is given back, and the call returns ctx's error. A statement whose outcome is unknown all the same (an
+// error, its bound passed) is undone: whatever it may have granted to this owner is deleted.
 func Take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onEnd session.OnEnd) (*Lease, error) {
-	return take(ctx, pool, id, cfg, onEnd, "")
+	l, err := take(ctx, pool, id, cfg, onEnd, "")
+	if err == nil && ctx.Err() != nil {
+		_ = l.Release(context.Background(), session.ErrNotHeld)
+		return nil, session.WithContext(ctx, ctx.Err())
+	}
+	return l, err
 }
 
-// take is Take for waiter ("" for a try): see GrantSQL.
+// take is Take for waiter ("" for a try): see GrantSQL. ctx bounds the wait for a connection; the grant runs to its
+// end within cfg.Bound.
 func take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onEnd session.OnEnd, waiter string) (*Lease, error) {
 	owner := newOwner()
 	sent := time.Now()
-	r, err := run(ctx, pool, cfg.Bound, GrantSQL(id, owner, cfg.Holder, cfg.Length, waiter))
+	r, err := runWhole(ctx, pool, cfg.Bound, GrantSQL(id, owner, cfg.Holder, cfg.Length, waiter))
 	if err != nil {
 		undo(pool, id, owner, cfg.Bound)
 		if code := session.SQLState(err); code == "25006" || code == "55000" { // read-only, or "recovery is in progress": a standby
@@ -185,6 +193,25 @@ func run(ctx context.Context, pool session.Pool, bound time.Duration, sql string
 			err = ctx.Err()
 		}
 		return 0, session.WithContext(ctx, err)
+	}
+	c.Release()
+	return r, nil
+}
+
+// runWhole is run whose statement, once sent, ctx does not cut (only bound): ctx bounds the wait for a connection.
+func runWhole(ctx context.Context, pool session.Pool, bound time.Duration, sql string) (int64, error) {
+	actx, cancel := context.WithTimeout(ctx, bound)
+	c, err := pool.Acquire(actx)
+	cancel()
+	if err != nil {
+		return 0, session.WithContext(actx, fmt.Errorf("acquire connection: %w", err))
+	}
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), bound)
+	defer cancel()
+	r, err := c.QueryInt(qctx, sql)
+	if err != nil {
+		c.Destroy()
+		return 0, session.WithContext(qctx, err)
 	}
 	c.Release()
 	return r, nil
