@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/config"
+	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -748,4 +750,65 @@ func TestInspectWaitStartAcrossYields(t *testing.T) {
 	if late > 0 {
 		t.Errorf("WaitStart moved forward after a yield in %d of %d samples (up to %v after the calls began)", late, samples, worst.Round(time.Millisecond))
 	}
+}
+
+// A session of its own whose connection is still being checked when its call's bound ends keeps its slot until the
+// check has ended (the connection pooled or destroyed): the waits queued for a slot do not take more connections
+// meanwhile, and the connection kept for the Locker's reads stays free. The slot used to go to the next wait at
+// once, which took the kept connection while the checks went on.
+func TestBudgetWhileCheckingApart(t *testing.T) {
+	url := pgtest.URL(t)
+	var hang atomic.Bool
+	hang.Store(true)
+	l := openApp(t, url, appName(t, "apart"), "", WithSharedSessions(0), option(func(o *config.Options) {
+		o.Wrap = func(c session.Conn) session.Conn { return &hungCheck{Conn: c, hang: &hang} }
+	}))
+	ctx := ctxT(t, 30*time.Second)
+	lock := func(wg *sync.WaitGroup, n int, bound time.Duration) {
+		for range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if _, err := l.Lock(ctx, key(t), Wait(bound)); !errors.Is(err, ErrNotAcquired) {
+					t.Errorf("Lock with Wait(%v) while new connections' checks hang: %v, want ErrNotAcquired", bound, err)
+				}
+			}()
+		}
+	}
+	var first, queued sync.WaitGroup
+	lock(&first, 6, 100*time.Millisecond) // every slot's check hangs, past the calls' bound
+	time.Sleep(20 * time.Millisecond)
+	lock(&queued, 4, 1500*time.Millisecond) // queued for a slot, still waiting when the first calls return
+	first.Wait()
+	time.Sleep(300 * time.Millisecond)
+	if st := l.Stats(); st.Conns > st.Pool.Max-1 {
+		t.Errorf("with the checks going on after their calls: Stats %+v, want at most %d connections (one kept)", st, st.Pool.Max-1)
+	}
+	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if err := l.Ping(rctx); err != nil {
+		t.Errorf("Ping with every slot's check going on: %v", err)
+	}
+	queued.Wait()
+	hang.Store(false)
+	closed := make(chan struct{})
+	go func() { l.Close(); close(closed) }()
+	pgtest.WaitClosed(t, closed, 5*time.Second, "Close with checks going on")
+}
+
+// hungCheck leaves a connection's first query, advlock's check of it, unanswered until its ctx ends, while hang.
+type hungCheck struct {
+	session.Conn
+	hang    *atomic.Bool
+	checked bool
+}
+
+func (c *hungCheck) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	if !c.checked && c.hang.Load() {
+		c.checked = true
+		<-ctx.Done()
+		return 0, ctx.Err()
+	}
+	c.checked = true
+	return c.Conn.QueryInt(ctx, sql, args...)
 }

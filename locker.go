@@ -436,8 +436,8 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 			}
 		}
 		s, err := session.Acquire(ctx, l.pool, t, wait, l.cfg, end)
-		if err != nil && give != nil {
-			give() // to the first wait queued for a session, if any
+		if err != nil && give != nil && !session.AfterSetUp(err, give) {
+			give() // to the first wait queued for a session, if any (once the connection left behind is back)
 		}
 		if errors.Is(err, session.ErrYielded) {
 			l.yields.Add(1)
@@ -562,6 +562,7 @@ func (l *Locker) Close() {
 	wg.Wait()
 	l.heldWG.Wait() // also those a concurrent Unlock is releasing, or being lost, and their observers told
 	l.inflight.Wait()
+	l.cfg.Waits.Wait() // connections still being set up for calls that have returned
 	l.detectWG.Wait()
 	if l.shared != nil {
 		l.shared.Close()

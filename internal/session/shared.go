@@ -90,12 +90,14 @@ func (s *Shared) Get(ctx context.Context, wait bool) (*Mux, error) {
 			s.mu.Unlock()
 			return nil, WithContext(ctx, err)
 		}
-		if grow && s.opening == 0 { // one open at a time while none is open: the callers wait for it together
+		if grow {
 			if s.pool.Stats().Exhausted() {
 				s.mu.Unlock()
 				return nil, ErrPoolExhausted
 			}
-			s.openLocked()
+			if s.opening == 0 { // one open at a time while none is open: the callers wait for it together
+				s.openLocked()
+			}
 		}
 		ch := s.changed // wait for an open to end
 		s.mu.Unlock()

@@ -29,7 +29,12 @@ func (w *Waits) acquire(ctx context.Context, pool Pool) (Conn, error) {
 	if w == nil {
 		return pool.Acquire(ctx)
 	}
-	if pool.DialsInCall() && ctx.Done() != nil && !pool.Stats().Exhausted() {
+	if err := ctx.Err(); err != nil {
+		return nil, err // nothing begun
+	}
+	if st := pool.Stats(); pool.DialsInCall() && ctx.Done() != nil && st.Idle == 0 && !st.Exhausted() {
+		// A connection is to be made (none idle, room for one): an idle one is handed out at once, and a wait
+		// for one given back is the caller's to make.
 		c, err, ran := w.setUp(ctx, pool.Acquire, Conn.Release)
 		if !ran {
 			return nil, ErrClosed
@@ -101,8 +106,10 @@ func (w *Waits) check(ctx context.Context, pool Pool, conn Conn, settings []Sett
 // setUp runs set, which takes or checks a connection, and returns what it returns; ran is false when Close had
 // already run (set did not run, the error is ErrClosed). When ctx ends first setUp returns ctx's error at once,
 // and set goes on apart, under a context of its own that Close ends, and that ends VerifyBound after ctx does (a
-// connection that is being made, or answering its checks, is seldom far from done); drop gets the connection
-// that set gives after the call has returned. Close waits for set to end.
+// connection that is being made, or answering its checks, is seldom far from done; a driver that ignores its
+// context while it connects, as lib/pq does without connect_timeout, is not cut by either); drop gets the
+// connection that set gives after the call has returned. The error then says so (AfterSetUp), so that what the
+// connection counts against, a session slot, is given back after it. Wait waits for set to end.
 func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, error), drop func(Conn)) (c Conn, err error, ran bool) {
 	sctx, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
 	w.mu.Lock()
@@ -125,6 +132,7 @@ func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, erro
 	}
 	got := make(chan result) // unbuffered: a result is either taken by the caller or dropped, never both
 	var late atomic.Pointer[time.Timer]
+	left := &apartErr{}
 	go func() {
 		defer w.apart.Done()
 		c, err := set(sctx)
@@ -134,6 +142,7 @@ func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, erro
 			if c != nil {
 				drop(c)
 			}
+			left.end()
 		}
 		w.mu.Lock()
 		delete(w.acquiring, id)
@@ -150,9 +159,54 @@ func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, erro
 		}
 		return r.c, r.err, true
 	case <-ctx.Done():
-		late.Store(time.AfterFunc(VerifyBound, func() { cancel(context.DeadlineExceeded) }))
-		return nil, WithContext(ctx, ctx.Err()), true
+		t := time.AfterFunc(VerifyBound, func() { cancel(context.DeadlineExceeded) })
+		late.Store(t)
+		if sctx.Err() != nil { // set has ended, and may not have seen the timer
+			t.Stop()
+		}
+		left.err = WithContext(ctx, ctx.Err())
+		return nil, left, true
 	}
+}
+
+// apartErr is setUp's error for a call that left while its connection was still being set up.
+type apartErr struct {
+	err  error
+	mu   sync.Mutex
+	done bool
+	then []func()
+}
+
+func (e *apartErr) Error() string { return e.err.Error() }
+func (e *apartErr) Unwrap() error { return e.err }
+
+// end runs what waited for the set-up's end.
+func (e *apartErr) end() {
+	e.mu.Lock()
+	e.done = true
+	then := e.then
+	e.then = nil
+	e.mu.Unlock()
+	for _, f := range then {
+		f()
+	}
+}
+
+// AfterSetUp runs f once the connection that err's call left behind, still being set up (see Waits.setUp), is back
+// in its pool or destroyed, and reports true; it reports false, running nothing, when err left none behind, or its
+// set-up has ended already: the caller then runs f itself.
+func AfterSetUp(err error, f func()) bool {
+	var e *apartErr
+	if !errors.As(err, &e) {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.done {
+		return false
+	}
+	e.then = append(e.then, f)
+	return true
 }
 
 // add registers conn for the duration of a wait; it returns false when Close already ran.
@@ -185,11 +239,11 @@ func (w *Waits) remove(conn Conn) bool {
 	return !w.closed
 }
 
-// Close aborts every registered wait and refuses later ones, and waits for the set-ups going on apart (see setUp),
-// which it ends too. It reports nothing; the aborted calls return errors matching ErrClosed and close their
-// sessions.
+// Close aborts every registered wait, and the set-ups going on apart (see setUp), and refuses later ones. It
+// reports nothing; the aborted calls return errors matching ErrClosed and close their sessions.
 func (w *Waits) Close() {
 	w.mu.Lock()
+	defer w.mu.Unlock()
 	w.closed = true
 	for c := range w.conns {
 		c.Abort()
@@ -197,8 +251,13 @@ func (w *Waits) Close() {
 	for _, cancel := range w.acquiring {
 		cancel(ErrClosed)
 	}
-	w.mu.Unlock()
-	w.apart.Wait()
+}
+
+// Wait waits for the set-ups going on apart (see setUp) to end; after Close, they end soon.
+func (w *Waits) Wait() {
+	if w != nil {
+		w.apart.Wait()
+	}
 }
 
 // Count is the number of lock statements waiting in the server now.
