@@ -124,7 +124,8 @@ func Ended(err error) bool {
 
 // noConnWithin is a try's failure to get a connection within VerifyBound. It is no context error (the caller set no
 // deadline, and a dial cut by the bound matches context.DeadlineExceeded), so it does not wrap its cause; errors.As
-// finds the cause's *pgconn.ConnectError, when it has one, as it does in every other failure to connect.
+// finds the cause's *pgconn.ConnectError, when it has one, as it does in every other failure to connect, and
+// AfterSetUp the connection still being made apart (see Waits.setUp).
 type noConnWithin struct{ cause error }
 
 func (e *noConnWithin) Error() string {
@@ -132,6 +133,9 @@ func (e *noConnWithin) Error() string {
 }
 
 func (e *noConnWithin) As(target any) bool {
+	if _, ok := target.(**apartErr); ok {
+		return errors.As(e.cause, target)
+	}
 	t, ok := target.(**pgconn.ConnectError)
 	if !ok {
 		return false
