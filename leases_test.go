@@ -757,55 +757,67 @@ func TestLeaseTryCutLeavesNoLease(t *testing.T) {
 	if _, err := l.Inspect(ctx); err != nil { // the lease tables, on a database that has never seen them
 		t.Fatal(err)
 	}
-	k := key(t)
-	v, _ := k.Int64()
-	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires) VALUES "+
-		"(1, $1, 'expired', 1, clock_timestamp() - interval '1 hour')", v); err != nil {
-		t.Fatal(err)
-	}
-	blocker := pgtest.Conn(t, url)
-	tx, err := blocker.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec(ctx, "SELECT 1 FROM "+lease.Table+" WHERE space = 1 AND key = $1 FOR UPDATE", v); err != nil {
-		t.Fatal(err)
-	}
-	res := make(chan error, 1)
-	go func() {
-		tctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
-		defer cancel()
-		lk, err := l.TryLock(tctx, k)
-		if err == nil {
-			err = lk.Unlock(ctx)
+	// The row lock's holder lets go of the key's row as it was (the grant then takes it), or gives it to another
+	// owner first (the grant then finds it held): either way the try ran out of time, and says so.
+	for _, taken := range []bool{false, true} {
+		k := key(t)
+		v, _ := k.Int64()
+		if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires) VALUES "+
+			"(1, $1, 'expired', 1, clock_timestamp() - interval '1 hour')", v); err != nil {
+			t.Fatal(err)
+		}
+		blocker := pgtest.Conn(t, url)
+		tx, err := blocker.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, "SELECT 1 FROM "+lease.Table+" WHERE space = 1 AND key = $1 FOR UPDATE", v); err != nil {
+			t.Fatal(err)
+		}
+		res := make(chan error, 1)
+		go func() {
+			tctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			defer cancel()
+			lk, err := l.TryLock(tctx, k)
 			if err == nil {
-				err = errors.New("granted")
+				err = lk.Unlock(ctx)
+				if err == nil {
+					err = errors.New("granted")
+				}
+			}
+			res <- err
+		}()
+		var got error
+		select { // the grant waits behind the row lock past the call's deadline
+		case got = <-res:
+		case <-time.After(800 * time.Millisecond):
+		}
+		if taken {
+			if _, err := tx.Exec(ctx, "UPDATE "+lease.Table+" SET owner = 'other', expires = clock_timestamp() + "+
+				"interval '1 hour' WHERE space = 1 AND key = $1", v); err != nil {
+				t.Fatal(err)
 			}
 		}
-		res <- err
-	}()
-	var got error
-	select { // the grant waits behind the row lock past the call's deadline
-	case got = <-res:
-	case <-time.After(800 * time.Millisecond):
-	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if got == nil {
-		got = <-res
-	}
-	if !errors.Is(got, context.DeadlineExceeded) {
-		t.Errorf("TryLock whose deadline passed while its grant waited: %v, want DeadlineExceeded", got)
-	}
-	var owner string
-	var live bool
-	// FOR UPDATE waits for a grant still running on the row, then reads what it left.
-	if err := obs.QueryRow(ctx, "SELECT owner, expires >= clock_timestamp() FROM "+lease.Table+
-		" WHERE space = 1 AND key = $1 FOR UPDATE", v).Scan(&owner, &live); err != nil && !errors.Is(err, pgx.ErrNoRows) {
-		t.Fatal(err)
-	}
-	if live {
-		t.Errorf("after a TryLock whose deadline passed, the key's lease is live, owner %q: held by nobody", owner)
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got == nil {
+			got = <-res
+		}
+		if !errors.Is(got, context.DeadlineExceeded) || errors.Is(got, ErrNotAcquired) {
+			t.Errorf("TryLock whose deadline passed while its grant waited (taken meanwhile: %v): %v, want "+
+				"DeadlineExceeded alone", taken, got)
+		}
+		var owner string
+		var live bool
+		// FOR UPDATE waits for a grant still running on the row, then reads what it left.
+		if err := obs.QueryRow(ctx, "SELECT owner, expires >= clock_timestamp() FROM "+lease.Table+
+			" WHERE space = 1 AND key = $1 FOR UPDATE", v).Scan(&owner, &live); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err) // (no row: the grant's release deleted it)
+		}
+		if want := map[bool]string{false: "", true: "other"}[taken]; live != taken || taken && owner != want {
+			t.Errorf("after a TryLock whose deadline passed (taken meanwhile: %v), the key's lease: owner %q, live %v",
+				taken, owner, live)
+		}
 	}
 }

@@ -79,11 +79,19 @@ var errQuiet = errors.New("the server was promoted less than one lease length ag
 // error, its bound passed) is undone: whatever it may have granted to this owner is deleted.
 func Take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onEnd session.OnEnd) (*Lease, error) {
 	l, err := take(ctx, pool, id, cfg, onEnd, "")
-	if err == nil && ctx.Err() != nil {
+	if ctx.Err() == nil {
+		return l, err
+	}
+	// The call ran out of time, or was cancelled, while its grant ran: it says so, as a try on a session does,
+	// whatever the grant's answer.
+	switch {
+	case err == nil:
 		_ = l.Release(context.Background(), session.ErrNotHeld)
 		return nil, session.WithContext(ctx, ctx.Err())
+	case errors.Is(err, session.ErrNotAcquired):
+		return nil, session.WithContext(ctx, ctx.Err())
 	}
-	return l, err
+	return nil, session.WithContext(ctx, err)
 }
 
 // take is Take for waiter ("" for a try): see GrantSQL. ctx bounds the wait for a connection; the grant runs to its
@@ -91,9 +99,11 @@ func Take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onE
 func take(ctx context.Context, pool session.Pool, id session.ID, cfg Config, onEnd session.OnEnd, waiter string) (*Lease, error) {
 	owner := newOwner()
 	sent := time.Now()
-	r, err := runWhole(ctx, pool, cfg.Bound, GrantSQL(id, owner, cfg.Holder, cfg.Length, waiter))
+	r, out, err := runWhole(ctx, pool, cfg.Bound, GrantSQL(id, owner, cfg.Holder, cfg.Length, waiter))
 	if err != nil {
-		undo(pool, id, owner, cfg.Bound)
+		if out { // its outcome is unknown
+			undo(pool, id, owner, cfg.Bound)
+		}
 		if code := session.SQLState(err); code == "25006" || code == "55000" { // read-only, or "recovery is in progress": a standby
 			return nil, session.ErrStandby
 		}
@@ -198,23 +208,28 @@ func run(ctx context.Context, pool session.Pool, bound time.Duration, sql string
 	return r, nil
 }
 
-// runWhole is run whose statement, once sent, ctx does not cut (only bound): ctx bounds the wait for a connection.
-func runWhole(ctx context.Context, pool session.Pool, bound time.Duration, sql string) (int64, error) {
+// runWhole is run whose statement, once sent, ctx does not cut (only bound): ctx bounds the wait for a connection,
+// and nothing is sent once it has ended. sent says whether the statement went out.
+func runWhole(ctx context.Context, pool session.Pool, bound time.Duration, sql string) (r int64, sent bool, err error) {
 	actx, cancel := context.WithTimeout(ctx, bound)
 	c, err := pool.Acquire(actx)
 	cancel()
 	if err != nil {
-		return 0, session.WithContext(actx, fmt.Errorf("acquire connection: %w", err))
+		return 0, false, session.WithContext(actx, fmt.Errorf("acquire connection: %w", err))
+	}
+	if err := ctx.Err(); err != nil {
+		c.Release()
+		return 0, false, session.WithContext(ctx, err)
 	}
 	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), bound)
 	defer cancel()
-	r, err := c.QueryInt(qctx, sql)
+	r, err = c.QueryInt(qctx, sql)
 	if err != nil {
 		c.Destroy()
-		return 0, session.WithContext(qctx, err)
+		return 0, true, session.WithContext(qctx, err)
 	}
 	c.Release()
-	return r, nil
+	return r, true, nil
 }
 
 // leave deletes the rows of a wait that ends without a grant, so that it holds back nobody (a row it cannot delete
