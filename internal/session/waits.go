@@ -104,10 +104,11 @@ func (w *Waits) check(ctx context.Context, pool Pool, conn Conn, settings []Sett
 }
 
 // setUp runs set, which takes or checks a connection, and returns what it returns; ran is false when Close had
-// already run (set did not run, the error is ErrClosed). When ctx ends first setUp returns ctx's error at once,
-// and set goes on apart, under a context of its own that Close ends, and that ends VerifyBound after ctx does (a
-// connection that is being made, or answering its checks, is seldom far from done; a driver that ignores its
-// context while it connects, as lib/pq does without connect_timeout, is not cut by either); drop gets the
+// already run (set did not run, the error is ErrClosed). When ctx ends first setUp returns ctx's error at once, and
+// set goes on apart, under a context of its own that Close ends, and that ends ApartGrace after ctx does (a
+// connection that is being made, or answering its checks, on a loaded server is seldom far from done; one that does
+// not answer, in a network that drops packets, is then dropped soon after the call, not held; a driver that ignores
+// its context while it connects, as lib/pq does without connect_timeout, is not cut by either); drop gets the
 // connection that set gives after the call has returned. The error then says so (AfterSetUp), so that what the
 // connection counts against, a session slot, is given back after it. Wait waits for set to end.
 func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, error), drop func(Conn)) (c Conn, err error, ran bool) {
@@ -159,7 +160,7 @@ func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, erro
 		}
 		return r.c, r.err, true
 	case <-ctx.Done():
-		t := time.AfterFunc(VerifyBound, func() { cancel(context.DeadlineExceeded) })
+		t := time.AfterFunc(ApartGrace, func() { cancel(context.DeadlineExceeded) })
 		late.Store(t)
 		if sctx.Err() != nil { // set has ended, and may not have seen the timer
 			t.Stop()
@@ -168,6 +169,9 @@ func (w *Waits) setUp(ctx context.Context, set func(context.Context) (Conn, erro
 		return nil, left, true
 	}
 }
+
+// ApartGrace is how long a connection's set-up goes on after the call that needed it has returned (see setUp).
+const ApartGrace = time.Second
 
 // apartErr is setUp's error for a call that left while its connection was still being set up.
 type apartErr struct {

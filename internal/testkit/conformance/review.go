@@ -231,8 +231,9 @@ func (s *suite) closeWhileAcquiring(t *testing.T) {
 // ended by Close, which returns promptly and only once that check has ended.
 func (s *suite) closeWhileChecking(t *testing.T, obs *pgx.Conn) {
 	var entered, returned atomic.Int32
+	var ended atomic.Pointer[error] // what ended the first hanging check
 	h := s.openURL(t, s.be.URL, WithWrap(func(c session.Conn) session.Conn {
-		return &stuckCheck{Conn: c, entered: &entered, returned: &returned}
+		return &stuckCheck{Conn: c, entered: &entered, returned: &returned, ended: &ended}
 	}))
 	t.Cleanup(h.L.Close)
 	start := time.Now()
@@ -253,6 +254,14 @@ func (s *suite) closeWhileChecking(t *testing.T, obs *pgx.Conn) {
 	if e, r := entered.Load(), returned.Load(); e != r {
 		t.Errorf("Close returned with %d of %d hanging checks still running", e-r, e)
 	}
+	// (With shared sessions the check that hangs is the shared session's open, which Close stops as it is.)
+	if cause := ended.Load(); !s.shared && (cause == nil || !errors.Is(*cause, advlock.ErrClosed)) {
+		what := "nothing"
+		if cause != nil {
+			what = fmt.Sprint(*cause)
+		}
+		t.Errorf("a hanging check was ended by %s, want Close (ErrClosed)", what)
+	}
 	noIdleLocks(t, h, obs)
 }
 
@@ -261,6 +270,7 @@ type stuckCheck struct {
 	session.Conn
 	checked           bool
 	entered, returned *atomic.Int32
+	ended             *atomic.Pointer[error]
 }
 
 func (c *stuckCheck) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
@@ -271,6 +281,8 @@ func (c *stuckCheck) QueryInt(ctx context.Context, sql string, args ...any) (int
 	c.entered.Add(1)
 	defer c.returned.Add(1)
 	<-ctx.Done()
+	cause := context.Cause(ctx)
+	c.ended.CompareAndSwap(nil, &cause)
 	return 0, ctx.Err()
 }
 
