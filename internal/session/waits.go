@@ -32,14 +32,16 @@ func (w *Waits) acquire(ctx context.Context, pool Pool) (Conn, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err // nothing begun
 	}
-	if st := pool.Stats(); pool.DialsInCall() && ctx.Done() != nil && st.Idle == 0 && !st.Exhausted() {
-		// A connection is to be made (none idle, room for one): an idle one is handed out at once, and a wait
-		// for one given back is the caller's to make.
-		c, err, ran := w.setUp(ctx, pool.Acquire, Conn.Release)
-		if !ran {
-			return nil, ErrClosed
+	if pool.DialsInCall() && ctx.Done() != nil {
+		// Only when a connection is to be made (none idle, room for one): an idle one is handed out at once, and a
+		// wait for one given back is the caller's to make.
+		if st := pool.Stats(); st.Idle == 0 && !st.Exhausted() {
+			c, err, ran := w.setUp(ctx, pool.Acquire, Conn.Release)
+			if !ran {
+				return nil, ErrClosed
+			}
+			return c, err
 		}
-		return c, err
 	}
 	actx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
