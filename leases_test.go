@@ -749,12 +749,16 @@ func (f endObserver) LockEnd(e LockEnd)    { f(e) }
 // (seen once in a chaos campaign). That interleaving is not forced here: a grant cut while it waits for a row lock
 // is ended by the server. What this shows is that the grant run to its end is given back.
 func TestLeaseTryCutLeavesNoLease(t *testing.T) {
-	url := pgtest.URL(t)
+	url := pgtest.FreshDB(t, pgtest.URL(t))
 	obs := pgtest.Conn(t, url)
 	ctx := ctxT(t, 30*time.Second)
 	l := New(pgtest.Pool(t, url, nil), WithLeases())
 	defer l.Close()
-	if _, err := l.Inspect(ctx); err != nil { // the lease tables, on a database that has never seen them
+	first, err := l.TryLock(ctx, key(t)) // the lease tables, on a database that has never seen them
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Unlock(ctx); err != nil {
 		t.Fatal(err)
 	}
 	// The row lock's holder lets go of the key's row as it was (the grant then takes it), or gives it to another
