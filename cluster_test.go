@@ -51,6 +51,15 @@ func TestPrivateCluster(t *testing.T) {
 		if len(rows) != 0 {
 			t.Errorf("standby holds advisory locks after refusing: %v", rows)
 		}
+		// A standby of a database that has never seen advlock has neither the fencing sequence nor the lease tables,
+		// and cannot create them: that is said as ErrStandby too, not as the CREATE's error.
+		for name, opt := range map[string]Option{"WithFencing": WithFencing(), "WithLeases": WithLeases()} {
+			l := New(pgtest.Pool(t, s.URL, nil), opt)
+			if _, err := l.TryLock(ctx, k); !errors.Is(err, ErrStandby) {
+				t.Errorf("TryLock %s on a standby of a database without advlock's objects: %v, want ErrStandby", name, err)
+			}
+			l.Close()
+		}
 	})
 
 	t.Run("role default timeouts do not cut a wait", func(t *testing.T) {

@@ -13,22 +13,26 @@ import (
 	"github.com/advlock/advlock/internal/session"
 )
 
-// Lead campaigns for key and runs fn while this process leads: it waits in the server (no polling) until elected,
-// runs fn with a context that is cancelled when leadership is lost (the session ended) or ctx ends, releases
-// leadership when fn returns (also when fn panics: it steps down, then the panic goes on), and campaigns again,
-// until ctx ends (Lead then returns ctx's error) or fn returns an error while its context was still live (Lead
-// returns it: the loss did not cause it), unless that error matches ErrLockLost (fn found out itself that it no
-// longer leads, say a write refused for its fencing token: it campaigns again). What ended a term is judged from fn's context at the moment fn returns:
-// if it had been cancelled because the lock was lost (cause ErrLockLost), fn's error is taken as the loss's doing
-// and this process campaigns again after a short backoff (50 to 150 ms).
+// Lead campaigns for key and runs fn while this process leads: it waits until elected (in the server, with no
+// polling; a Locker of leases polls its table about 5 times a second, see [WithLeases]), runs fn with a context
+// that is cancelled when leadership is lost (the session ended, or the lease) or ctx ends, releases leadership
+// when fn returns (also when fn panics: it steps down, then the panic goes on), and campaigns again, until ctx
+// ends (Lead then returns ctx's error) or fn returns an error while its context was still live (Lead returns it:
+// the loss did not cause it), unless that error matches ErrLockLost (fn found out itself that it no longer leads,
+// say a write refused for its fencing token: it campaigns again). What ended a term is judged from fn's context at
+// the moment fn returns: if it had been cancelled because the lock was lost (cause ErrLockLost), fn's error is
+// taken as the loss's doing and this process campaigns again after a short backoff (50 to 150 ms).
 //
 // A campaign that fails for any other reason (the database down or restarting, a connection terminated, a
 // standby that is not promoted yet, no connection free to check a new one, a full lock table) is tried again with
-// a backoff that grows to 1 s (0.5 to 1.5 s with jitter), logged by [WithLogger] and counted in [Stats] (CampaignRetries). Only what an
-// operator must fix ends Lead: ErrClosed, ErrNoPool (also a pool closed under the Locker), ErrInvalidKey,
-// ErrTxPooling, ErrFencing (which is only ever a missing privilege), the server refusing the role or knowing no
-// such database (SQLSTATE class 28, 3D000), and ErrDeadlock: a campaign run where its caller holds locks (inside
-// Do's fn, or with [Holding]) whose wait closed a cycle of waits gives up, so that its caller can release what it
+// a backoff that grows to 1 s (0.5 to 1.5 s with jitter), logged by [WithLogger] and counted in [Stats]
+// (CampaignRetries). What an operator must fix, and what Lock refuses at once whatever the server's state, ends
+// Lead: ErrClosed, ErrNoPool (also a pool closed under the Locker), ErrInvalidKey, ErrTxPooling, ErrFencing (which
+// is only ever a missing privilege), ErrLeaseTable, errors.ErrUnsupported (a campaign Lock refuses, such as one
+// without a bound on a Locker of leases inside Do's fn), a primary that refuses writes (SQLSTATE 25006,
+// default_transaction_read_only: leases and fencing tokens write), the server refusing the role or knowing no such
+// database (SQLSTATE class 28, 3D000), and ErrDeadlock: a campaign run where its caller holds locks (inside Do's
+// fn, or with [Holding]) whose wait closed a cycle of waits gives up, so that its caller can release what it
 // holds; campaigning again while holding them would close the cycle again.
 //
 // fn is the leader's work: it should run until its ctx ends (or fail), since leadership lasts only while it runs.
@@ -36,10 +40,10 @@ import (
 // Lead back off before it campaigns again, from 50 ms doubling to 1 s (with jitter), so that other processes may
 // lead meanwhile; [WithLogger] says so once per Lead call.
 //
-// fn gets the leader's fencing token through [FenceToken] when the Locker has [WithFencing]: every term's token
-// is greater than the last, so a deposed leader that was paused can be refused by what it writes to. Lead suits
-// "one pod runs the scheduler": the leader's lock is a session lock like any other (advlock ls shows it, and
-// [Leader] reads who leads from any process).
+// fn gets the leader's fencing token through [FenceToken] when the Locker has [WithFencing] (or [WithLeases]):
+// every term's token is greater than the last, so a deposed leader that was paused can be refused by what it
+// writes to. Lead suits "one pod runs the scheduler": the leader's lock is a lock like any other of its Locker (a
+// session lock, or a lease), which advlock ls shows and [Leader] reads from any process.
 func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context) error) error {
 	if l != nil {
 		l.campaigning.Add(1)
@@ -150,10 +154,15 @@ var testHookTermJudged atomic.Pointer[func(lost bool)]
 // about once a second (0.5 to 1.5 s with jitter), so a leader is back soon after the server is.
 const maxCampaignBackoff = time.Second
 
-// leadEnds reports whether a campaign's error is one an operator must fix: trying again cannot help. Besides the
-// sentinels, the server refusing the role or naming no such database (SQLSTATE class 28, 3D000).
+// leadEnds reports whether a campaign's error is one an operator must fix, or one that Lock returns at once
+// whatever the state of the server: trying again cannot help. Besides the sentinels (ErrLeaseTable: the lease
+// tables missing and this role may not create them; errors.ErrUnsupported: a wait Lock refuses, such as one without
+// a bound on a Locker of leases whose caller holds locks), the server refusing the role or naming no such
+// database (SQLSTATE class 28, 3D000), and a primary that refuses writes (25006: read-only by a setting; a lease or
+// a fencing token must write).
 func leadEnds(err error) bool {
-	for _, fatal := range []error{ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, ErrFencing, ErrDeadlock} {
+	for _, fatal := range []error{ErrClosed, ErrNoPool, ErrInvalidKey, ErrTxPooling, ErrFencing, ErrDeadlock,
+		ErrLeaseTable, errors.ErrUnsupported, session.ErrReadOnly} {
 		if errors.Is(err, fatal) {
 			return true
 		}

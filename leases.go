@@ -19,7 +19,7 @@ import (
 const LeaseTableSQL = lease.DDL
 
 // leaseConfig is what the Locker's options make of its leases.
-func leaseConfig(o config.Options) *lease.Config {
+func leaseConfig(o config.Options) lease.Config {
 	c := lease.Defaults()
 	if o.LeaseLength > 0 {
 		c.Length = o.LeaseLength
@@ -33,7 +33,7 @@ func leaseConfig(o config.Options) *lease.Config {
 	if o.LeaseHolder != "" {
 		c.Holder += " " + o.LeaseHolder
 	}
-	return &c
+	return c
 }
 
 // leaseCall refuses what leases cannot do: shared locks, and a wait without a bound whose caller holds locks
@@ -59,7 +59,7 @@ func (l *Locker) takeLease(ctx context.Context, t session.Target, wait bool, onE
 		}
 	}
 	if !wait {
-		h, err := lease.Take(ctx, l.pool, t.ID, *l.leases, onEnd)
+		h, err := l.leases.Take(ctx, t.ID, onEnd)
 		if err != nil {
 			return nil, err
 		}
@@ -69,7 +69,7 @@ func (l *Locker) takeLease(ctx context.Context, t session.Target, wait bool, onE
 	defer cancel(nil)
 	stop := context.AfterFunc(l.closeCtx, func() { cancel(ErrClosed) })
 	defer stop()
-	h, err := lease.Wait(cctx, l.pool, t.ID, alts, *l.leases, onEnd)
+	h, err := l.leases.Wait(cctx, t.ID, alts, onEnd)
 	if err != nil {
 		if ctx.Err() == nil && errors.Is(context.Cause(cctx), ErrClosed) {
 			return nil, ErrClosed

@@ -304,8 +304,8 @@ type lateConn struct {
 	p *lateReplies
 }
 
-func (c *lateConn) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
-	r, err := c.Conn.QueryInt(ctx, sql, args...)
+func (c *lateConn) QueryText(ctx context.Context, sql string) (string, error) {
+	r, err := c.Conn.QueryText(ctx, sql)
 	if c.p.slow.Load() {
 		time.Sleep(c.p.delay)
 	}
@@ -313,10 +313,10 @@ func (c *lateConn) QueryInt(ctx context.Context, sql string, args ...any) (int64
 }
 
 // A holder trusts its lease from when it sent the statement that granted or renewed it, not from when the answer
-// came: the server computed the expiry as it ran the statement. Here a renewal's answer comes 600 ms after the
-// server ran it (more than the 200 ms margin of a 3 s lease), and then the network is cut: counted from the answer,
-// the holder would still trust its lease after the server expired it and granted it to a waiter. Its loss is told
-// before the waiter's grant.
+// came: a taker that saw the record that statement made as soon as the server made it takes over one lease length
+// later. Here a renewal's answer comes 600 ms after the server ran it (more than the 200 ms margin of a 3 s lease),
+// and then the network is cut; a waiter polls all along. Counted from the answer, the holder would still trust its
+// lease when the waiter is granted. Its loss is told before the waiter's grant.
 func TestLeaseTrustCountedFromSend(t *testing.T) {
 	url := pgtest.URL(t)
 	ctx := ctxT(t, 60*time.Second)
@@ -330,10 +330,12 @@ func TestLeaseTrustCountedFromSend(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The waiter watches the key's records from now on: it sees the first renewal's as soon as the server made it.
+	wait := startTakeover(ctx, t, waiter, k, lk, 10*time.Second)
 	p.slow.Store(true) // the first renewal (sent 1 s after the grant) is answered 600 ms late
 	time.Sleep(1900 * time.Millisecond)
 	p.cut.Store(true) // no later statement reaches the server
-	_, told, granted := takeover(ctx, t, waiter, k, lk, 10*time.Second)
+	_, told, granted := wait()
 	t.Logf("the holder stopped trusting its lease %v before the waiter's grant", granted.Sub(told).Round(time.Millisecond))
 }
 
@@ -462,23 +464,42 @@ func TestLeaseLeadAndSemaphore(t *testing.T) {
 // its loss and when the waiter was granted; it fails the test when the waiter was granted first.
 func takeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk *Lock, bound time.Duration) (got *Lock, told, granted time.Time) {
 	t.Helper()
+	return startTakeover(ctx, t, waiter, k, lk, bound)()
+}
+
+// startTakeover is takeover whose waiter starts now, in the background (watching the holder's records from now
+// on): the function it returns waits for the outcome.
+func startTakeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk *Lock, bound time.Duration) func() (got *Lock, told, granted time.Time) {
+	t.Helper()
 	doneAt := make(chan time.Time, 1)
 	go func() { <-lk.Done(); doneAt <- time.Now() }()
-	got, err := waiter.Lock(ctx, k, Wait(bound))
-	granted = time.Now()
-	if err != nil {
-		t.Fatal(err)
+	type result struct {
+		lk  *Lock
+		err error
+		at  time.Time
 	}
-	t.Cleanup(func() { _ = got.Unlock(context.Background()) })
-	select {
-	case told = <-doneAt:
-	default:
-		t.Fatal("the waiter was granted while the holder still trusted its lease")
+	res := make(chan result, 1)
+	go func() {
+		got, err := waiter.Lock(ctx, k, Wait(bound))
+		res <- result{got, err, time.Now()}
+	}()
+	return func() (got *Lock, told, granted time.Time) {
+		t.Helper()
+		r := <-res
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		t.Cleanup(func() { _ = r.lk.Unlock(context.Background()) })
+		select {
+		case told = <-doneAt:
+		default:
+			t.Fatal("the waiter was granted while the holder still trusted its lease")
+		}
+		if !errors.Is(lk.Err(), ErrLockLost) {
+			t.Errorf("the holder's lease ended with %v, want ErrLockLost", lk.Err())
+		}
+		return r.lk, told, r.at
 	}
-	if !errors.Is(lk.Err(), ErrLockLost) {
-		t.Errorf("the holder's lease ended with %v, want ErrLockLost", lk.Err())
-	}
-	return got, told, granted
 }
 
 // Inspect and Leader see leases as the server's rows: a held lease is listed with its term, its holder and the
@@ -742,8 +763,8 @@ func (f endObserver) LockStart(ctx context.Context, _ LockCall) (context.Context
 func (f endObserver) Session(SessionEvent) {}
 func (f endObserver) LockEnd(e LockEnd)    { f(e) }
 
-// A TryLock whose ctx ends while its grant is in the server (here waiting behind a row lock on the key's expired
-// lease) leaves no lease behind: the grant runs to its end, and one that came after the call's deadline is given
+// A TryLock whose ctx ends while its grant is in the server (here a takeover waiting behind a row lock on the key's
+// dead lease) leaves no lease behind: the grant runs to its end, and one that came after the call's deadline is given
 // back. The grant used to be cut (its connection closed) and undone by a delete on another connection, which could
 // run before a grant still executing had committed, find nothing, and leave the lease to nobody for a lease length
 // (seen once in a chaos campaign). That interleaving is not forced here: a grant cut while it waits for a row lock
@@ -752,7 +773,8 @@ func TestLeaseTryCutLeavesNoLease(t *testing.T) {
 	url := pgtest.FreshDB(t, pgtest.URL(t))
 	obs := pgtest.Conn(t, url)
 	ctx := ctxT(t, 30*time.Second)
-	l := New(pgtest.Pool(t, url, nil), WithLeases())
+	const length = time.Second
+	l := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length))
 	defer l.Close()
 	first, err := l.TryLock(ctx, key(t)) // the lease tables, on a database that has never seen them
 	if err != nil {
@@ -770,6 +792,11 @@ func TestLeaseTryCutLeavesNoLease(t *testing.T) {
 			"(1, $1, 'expired', 1, clock_timestamp() - interval '1 hour')", v); err != nil {
 			t.Fatal(err)
 		}
+		// A row is taken over once the Locker has seen it unchanged for a lease length: its next try names it.
+		if _, err := l.TryLock(ctx, k); !errors.Is(err, ErrNotAcquired) {
+			t.Fatalf("TryLock of a key whose dead holder's row was never seen: %v, want ErrNotAcquired", err)
+		}
+		time.Sleep(length + 100*time.Millisecond)
 		blocker := pgtest.Conn(t, url)
 		tx, err := blocker.Begin(ctx)
 		if err != nil {

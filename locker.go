@@ -47,7 +47,7 @@ type Locker struct {
 
 	fenceSem chan struct{} // one fence check at a time (a buffered channel of 1: waiting for it honours ctx)
 	fenceOK  atomic.Bool   // the fencing sequence exists and may be used (and with leases, the lease tables)
-	leases   *lease.Config // WithLeases: locks are leases (leases.go); nil: session locks
+	leases   *lease.Client // WithLeases: locks are leases (leases.go); nil: session locks
 
 	slots       *ownSlots    // sessions of their own, when the pool is the Locker's own or limited (budget.go); nil: no limit
 	appSlots    bool         // slots is a share of the application's pool (New), which nested waits pass by
@@ -130,7 +130,7 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 		}
 	}
 	if o.Leases {
-		l.leases = leaseConfig(o)
+		l.leases = lease.NewClient(pool, leaseConfig(o))
 	}
 	l.closeCtx, l.closeCancel = context.WithCancelCause(context.Background())
 	return l
@@ -344,7 +344,7 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 	defer stop()
 	err := session.EnsureFence(cctx, l.pool, try)
 	if err == nil && l.leases != nil {
-		err = lease.Ensure(cctx, l.pool, l.leases.Bound)
+		err = l.leases.Ensure(cctx)
 	}
 	if err != nil {
 		if ctx.Err() == nil && errors.Is(context.Cause(cctx), ErrClosed) {
@@ -566,6 +566,9 @@ func (l *Locker) Close() {
 	l.detectWG.Wait()
 	if l.shared != nil {
 		l.shared.Close()
+	}
+	if l.leases != nil {
+		l.leases.Close() // after the held leases' releases: a release not confirmed is not tried again
 	}
 	if !wasClosed && l.ownsPool != nil {
 		l.ownsPool.Close()

@@ -88,11 +88,10 @@ func (a *pgxConn) QueryInt(ctx context.Context, sql string, args ...any) (int64,
 	return v, a.Translate(err)
 }
 
-// QueryText runs sql and returns the text in the first column of its one row.
+// QueryText runs sql over the simple protocol and returns the text in the first column of its last statement's
+// first row.
 func (a *pgxConn) QueryText(ctx context.Context, sql string) (string, error) {
-	var v string
-	err := a.c.QueryRow(ctx, sql).Scan(&v)
-	return v, a.Translate(err)
+	return a.ExecText(ctx, sql)
 }
 
 func (a *pgxConn) Ping(ctx context.Context) error { return a.Translate(a.c.Ping(ctx)) }

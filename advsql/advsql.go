@@ -329,6 +329,14 @@ func (a *conn) QueryInt(ctx context.Context, q string, args ...any) (int64, erro
 // QueryText runs q and returns the text in the first column of its one row.
 func (a *conn) QueryText(ctx context.Context, q string) (string, error) {
 	var v string
+	if a.pgx != nil { // over the simple protocol, as QueryInt without arguments
+		err := a.c.Raw(func(any) error {
+			var err error
+			v, err = a.pgx.ExecText(ctx, q)
+			return err
+		})
+		return v, err
+	}
 	_, err := a.bounded(ctx, func(ctx context.Context) (int64, error) {
 		return 0, a.c.QueryRowContext(ctx, q).Scan(&v)
 	})

@@ -91,6 +91,14 @@ func TestMutants(t *testing.T) {
 		// A renewal answered late, then silence: the holder that counts its trust from the answer trusts past
 		// the expiry the server gave, and a waiter is granted while it does.
 		{mutant.LeaseTrustFromReply, "github.com/advlock/advlock", "TestLeaseTrustCountedFromSend"},
+		// A grant answered after the lease's trust window, handed out as held while another Locker holds the key.
+		{mutant.LeaseLateGrantKept, "github.com/advlock/advlock", "TestLeaseLateGrantNotHandedOut"},
+		// The server's clock steps forward: a takeover by the server's expiry while the holder renews.
+		{mutant.LeaseServerExpiry, "github.com/advlock/advlock", "TestLeaseServerClockSteps"},
+		// A grant that reaches the server after its caller gave up and after its undo: a lease held by nobody.
+		{mutant.LeaseGrantNoDeadline, "github.com/advlock/advlock", "TestLeaseLateRequestGrantsNothing"},
+		// A grant whose answer was lost, undone once while the link was down: a lease held by nobody.
+		{mutant.LeaseUndoOnce, "github.com/advlock/advlock", "TestLeaseUndoneOnceTheLinkIsBack"},
 	}
 	covered := map[string]bool{}
 	for _, c := range cases {

@@ -9,12 +9,14 @@ import (
 )
 
 // The tables leases live in, in schema public like the fencing sequence. A lease is a row: the key it excludes
-// (space 1 an int8 key, 2 a pair, as PostgreSQL's two advisory key spaces), who holds it (owner: random per grant),
-// its term (a fencing token, drawn as a session lock's is: one sequence, the timeline above it), when it ends on the
-// server's clock (expires), when it was granted and a description of the holder for people (holder).
+// (space 1 an int8 key, 2 a pair, as PostgreSQL's two advisory key spaces), who holds it (owner: random per grant,
+// with the holder's lease length after a '/'), its term (a fencing token, drawn as a session lock's is: one
+// sequence, the timeline above it), its expiry on the server's clock (expires: a later one at every grant and
+// renewal of the row, whatever the clock does), when it was granted and a description of the holder for people
+// (holder).
 //
 // Timelines remembers, for each timeline after the first, when a grant was first asked for on it: the first lease
-// length of a timeline grants nothing (see GrantSQL).
+// length of a timeline grants nothing (see grantDDL).
 //
 // Waits holds a row for each waiting Lock and key it waits for (waiter: random per wait), refreshed while it waits
 // (seen, at most once a second) and deleted when it is granted or gives up: a key goes to the waiter that has
@@ -29,7 +31,10 @@ const (
 // holding back the key's tries and later waiters that long after its last poll.
 const WaitStale = 3 * time.Second
 
-const stale = "interval '3 seconds'" // WaitStale
+// live is the condition on a wait's row w that it counts: seen within WaitStale on the server's clock, and not
+// more than that ahead of it (a row seen before the server's clock stepped back is seen again, now, at its waiter's
+// next poll; a dead waiter's row does not hold the queue back for as long as the step).
+const live = "w.seen > clock_timestamp() - interval '3 seconds' AND w.seen < clock_timestamp() + interval '3 seconds'"
 
 // The functions that grant, renew and release a lease, beside the tables: each call is one short literal
 // statement (any driver, any pooler), and the server plans the statements inside a function once per server
@@ -37,113 +42,184 @@ const stale = "interval '3 seconds'" // WaitStale
 // (cd bench && go run . -only lease: 2,141 lease cycles/s with the literal statements, 4,812 with the functions).
 //
 // Their names carry a version, made anew whenever a body or its arguments change: a database that has the
-// functions of an earlier version gets those of this one beside them on first use (CREATE OR REPLACE of the same
-// name would leave an older body in place, since first use runs DDL only where something is missing), and the
-// processes of the earlier version go on calling theirs while a deploy rolls.
+// functions of an earlier version gets those of this one beside them on first use, which never replaces a
+// function that exists (it may be another role's), and the processes of the earlier version go on calling theirs
+// while a deploy rolls. Earlier versions: advlock_lease_grant_v1 and _v2 (a takeover decided by the server's clock)
+// and advlock_lease_renew_v1.
 const (
-	grantFunc   = "public.advlock_lease_grant_v2"
-	renewFunc   = "public.advlock_lease_renew_v1"
+	grantFunc   = "public.advlock_lease_grant_v3"
+	renewFunc   = "public.advlock_lease_renew_v2"
 	releaseFunc = "public.advlock_lease_release_v1"
 )
 
 // ddlKey is a fixed advisory key (an int8 with no meaning elsewhere): see DDL.
 const ddlKey = "-4157301190483726771"
 
-// DDL creates the tables and functions where missing. The transaction lock on ddlKey makes two first uses at one
-// moment (each runs DDL as one transaction) write the functions one after the other: two CREATE OR REPLACE
-// FUNCTION at once can fail with "tuple concurrently updated". It blocks no lease statement, and run outside a
-// transaction (psql -f) it is taken and let go at once. Running it again replaces the functions, which only their
-// owner may do.
-const DDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key int8 NOT NULL, owner text NOT NULL, " +
+// tablesDDL creates the tables where missing.
+const tablesDDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL, key int8 NOT NULL, owner text NOT NULL, " +
 	"term int8 NOT NULL, expires timestamptz NOT NULL, granted timestamptz NOT NULL DEFAULT clock_timestamp(), " +
 	"holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key));\n" +
 	"CREATE TABLE IF NOT EXISTS " + Timelines + " (timeline int8 PRIMARY KEY, since timestamptz NOT NULL);\n" +
 	"CREATE TABLE IF NOT EXISTS " + Waits + " (space int2 NOT NULL, key int8 NOT NULL, waiter text NOT NULL, " +
-	"since timestamptz NOT NULL, seen timestamptz NOT NULL, holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key, waiter));\n" +
-	"SELECT pg_advisory_xact_lock(" + ddlKey + ");\n" +
-	grantDDL + renewDDL + releaseDDL
+	"since timestamptz NOT NULL, seen timestamptz NOT NULL, holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key, waiter));\n"
 
-// grantDDL: see GrantSQL. Its parameters: space, key, owner, holder, the length in milliseconds, and the waiter
-// (empty for a try).
+// DDL creates the tables where missing and the functions, replacing them where they exist (which only their owner
+// may do): what a migration runs (advlock.LeaseTableSQL). The transaction lock on ddlKey makes two runs at one
+// moment (each runs as one transaction) write the functions one after the other: two CREATE OR REPLACE FUNCTION
+// at once can fail with "tuple concurrently updated". It blocks no lease statement, and run outside a transaction
+// (psql -f) it is taken and let go at once.
+const DDL = tablesDDL + "SELECT pg_advisory_xact_lock(" + ddlKey + ");\n" +
+	"CREATE OR REPLACE " + grantDDL + "CREATE OR REPLACE " + renewDDL + "CREATE OR REPLACE " + releaseDDL
+
+// createDDL is what first use runs where something is missing: the tables where missing, and each function only
+// where it is missing (never CREATE OR REPLACE: a function of this name that exists may be owned by another role,
+// which only that role may replace, and it is the same function).
+var createDDL = tablesDDL + "SELECT pg_advisory_xact_lock(" + ddlKey + ");\n" + "DO $do$ BEGIN\n" +
+	ifMissing(grantFunc, grantDDL) + ifMissing(renewFunc, renewDDL) + ifMissing(releaseFunc, releaseDDL) + "END $do$;\n"
+
+func ifMissing(name, ddl string) string {
+	return "IF to_regproc('" + name + "') IS NULL THEN EXECUTE $ddl$CREATE " + ddl + "$ddl$; END IF;\n"
+}
+
+// usNow is the server's clock, in microseconds since the Unix epoch: what every answer carries, so that the client
+// knows the server's clock as of its last answer (serverClock). Expiries are read the same way (extract returns
+// numeric: exact).
+const usNow = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
+
+// grantDDL: see GrantSQL. Its parameters: space, key, owner, holder, the length in milliseconds, the waiter (empty
+// for a try), the record the caller has seen unchanged for a whole lease length (seen_term and seen_exp, its term
+// and expiry in microseconds; 0 for none), and until, the latest moment on the server's clock at which the grant
+// may still be made (microseconds since the epoch; 0 for no limit).
+//
+// Its answer is text, a letter and numbers, the last of them always the server's clock (usNow) as the function
+// began: "g TERM" granted; "h TERM EXP LEN LEFT" held: the key's record (its term, its expiry in microseconds, the
+// holder's lease length in milliseconds from its owner, 0 when its owner does not say, and the milliseconds left
+// until its expiry on the server's clock); "w" not granted: live waiters come first, or another grant took it at
+// this instant; "q" the quiet period of a new timeline; "l" too late: the server's clock had passed until; "s" a
+// standby.
+//
+// Which clock decides. A key with a row is held, whatever the row's expiry says on the server's clock: the
+// server's clock may step (an NTP step, a resumed VM) and expire every lease at once while each holder still trusts
+// its own on its monotonic clock. A caller takes over a row only by naming the record it has seen unchanged for a
+// whole lease length on its own monotonic clock (Client.matured): the upsert's condition is that the row is still
+// that record. Every grant and renewal of a row makes its expiry later (greatest), so a record never comes back.
 //
 // The key goes to a try only when no live waiter waits for it, and to a waiter only when no live waiter has waited
 // longer (the earliest since, then the least waiter id): the order a server queue would give. A waiter not granted
 // enters the queue (its row, since now) or refreshes its row (seen, at most once a second: a poll writes nothing
 // in between); granted, its rows are deleted, for every key it waited for.
 //
+// A grant that reaches the server after until grants nothing ("l"): its caller gave up on it at until (a pooler
+// stopped and continued, a link that held the request back), and a lease granted then would be held by nobody. The
+// check runs as the function begins and again on the row's lock for a takeover; a grant's waits for row locks are
+// bounded by lock_timeout (1 s), so that a grant commits at most that long after until (Client.retire counts on it).
+//
 // A promotion can lose the last grants and renewals (asynchronous replication): a holder may trust a lease that
 // the promoted server never heard of, or one whose expiry it knows only from an older renewal. So on a timeline
 // after the first, nothing is granted until one lease length after the first grant was asked for on it (recorded
 // in Timelines): by then every lease granted or renewed before the promotion has ended on its holder's own clock
 // (each trusts its lease for less than one length from sending the statement that granted or renewed it). A row
-// whose since is not visible yet (another grant is recording it at this instant) counts as now.
+// whose since is not visible yet (another grant is recording it at this instant) counts as now, and so does one
+// ahead of the server's clock (the clock stepped back since). This period is measured on the promoted server's
+// clock: the one place a lease relies on a server's clock to measure time.
 //
-// The term is drawn once the row is this grant's (its insert, or the update of an expired row, holds the row's
-// lock until commit): a term drawn before, in the inserted values, could come out of a grant that waited for
-// another grant's insert of the key, which then committed, ran and released, and so be lower than that grant's
-// term. So an insert writes 0 and then draws the term in an update of its own row.
+// The term is drawn once the row is this grant's (its insert, or the update of a takeover, holds the row's lock
+// until commit): a term drawn before, in the inserted values, could come out of a grant that waited for another
+// grant's insert of the key, which then committed, ran and released, and so be lower than that grant's term. So an
+// insert writes 0 and then draws the term in an update of its own row.
 //
-// A key held by a live lease is seen first and not tried at all, so that a try neither locks the holder's row nor
-// draws a token nor writes anything, and a waiter's poll writes only its wait's row, at most once a second (the
-// upsert's own condition decides the race of two grants that both saw none).
-const grantDDL = "CREATE OR REPLACE FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text, len_ms int8, wt text) " +
-	"RETURNS int8 LANGUAGE plpgsql AS $f$\n" +
+// A key held is seen first and not written at all, so that a try neither locks the holder's row nor draws a token
+// nor writes anything, and a waiter's poll writes only its wait's row, at most once a second (the upsert's own
+// condition decides the race of two grants that both saw none).
+const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text, len_ms int8, wt text, " +
+	"seen_term int8, seen_exp int8, until_us int8) RETURNS text LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
-	"  tl int8 := " + timeline + ";\n" +
+	"  now_us int8 := " + usNow + ";\n" +
+	"  tl int8;\n" +
 	"  began timestamptz;\n" +
 	"  mine timestamptz;\n" +
 	"  durable text := " + lazy + ";\n" +
+	"  bounded text := set_config('lock_timeout', '1000', true);\n" +
+	"  r_term int8;\n" +
+	"  r_exp int8;\n" +
+	"  r_len int8;\n" +
+	"  r_left int8;\n" +
+	"  res text;\n" +
 	"  t int8;\n" +
 	"BEGIN\n" +
-	"  IF tl > 1 THEN\n" +
-	"    INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (tl, clock_timestamp()) ON CONFLICT (timeline) DO NOTHING " +
-	"RETURNING x.since INTO began;\n" +
-	"    IF began IS NULL THEN SELECT x.since INTO began FROM " + Timelines + " AS x WHERE x.timeline = tl; END IF;\n" +
-	"    IF coalesce(began, clock_timestamp()) > clock_timestamp() - len_ms * interval '1 millisecond' THEN\n" +
-	"      RETURN -1;\n" +
-	"    END IF;\n" +
-	"  END IF;\n" +
+	"  IF pg_catalog.pg_is_in_recovery() THEN RETURN 's ' || now_us; END IF;\n" +
+	"  IF until_us > 0 AND now_us > until_us THEN RETURN 'l ' || now_us; END IF;\n" +
+	"  tl := " + timeline + ";\n" +
+	quietCheck +
 	"  IF wt <> '' THEN\n" +
 	"    SELECT w.since INTO mine FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter = wt;\n" +
 	"  END IF;\n" +
-	"  IF NOT EXISTS (SELECT 1 FROM " + Table + " AS l WHERE l.space = sp AND l.key = k AND l.expires >= clock_timestamp()) " +
-	"AND NOT EXISTS (SELECT 1 FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter <> wt " +
-	"AND w.seen > clock_timestamp() - " + stale + " AND (mine IS NULL OR w.since < mine OR w.since = mine AND w.waiter < wt)) THEN\n" +
+	"  SELECT l.term, (extract(epoch FROM l.expires) * 1000000)::int8, CASE WHEN l.owner ~ '/[0-9]{1,12}$' THEN substring(l.owner FROM '/([0-9]+)$')::int8 ELSE 0 END, " +
+	"(extract(epoch FROM l.expires - clock_timestamp()) * 1000)::int8 INTO r_term, r_exp, r_len, r_left FROM " + Table +
+	" AS l WHERE l.space = sp AND l.key = k;\n" +
+	"  IF " + heldCheck + " THEN\n" +
+	"    res := 'h ' || r_term || ' ' || r_exp || ' ' || r_len || ' ' || r_left;\n" +
+	"  ELSIF EXISTS (SELECT 1 FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter <> wt AND " + live +
+	" AND (mine IS NULL OR w.since < mine OR w.since = mine AND w.waiter < wt)) THEN\n" +
+	"    res := 'w';\n" +
+	"  ELSE\n" +
 	"    durable := " + durable + ";\n" +
 	"    INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) VALUES (sp, k, own, 0" +
 	", clock_timestamp() + len_ms * interval '1 millisecond', hold) " +
-	"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = " + session.TokenSQL + ", expires = EXCLUDED.expires, " +
-	"granted = clock_timestamp(), holder = EXCLUDED.holder WHERE l.expires < clock_timestamp() RETURNING l.term INTO t;\n" +
+	"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = " + session.TokenSQL + ", " +
+	"expires = greatest(EXCLUDED.expires, l.expires + interval '1 microsecond'), granted = clock_timestamp(), holder = EXCLUDED.holder " +
+	"WHERE " + takeoverCheck + " AND (until_us = 0 OR " + usNow + " <= until_us) RETURNING l.term INTO t;\n" +
 	"    IF t = 0 THEN\n" +
 	"      UPDATE " + Table + " AS l SET term = " + session.TokenSQL + " WHERE l.space = sp AND l.key = k RETURNING l.term INTO t;\n" +
 	"    END IF;\n" +
 	"    IF t IS NOT NULL THEN\n" +
 	"      IF wt <> '' THEN DELETE FROM " + Waits + " AS w WHERE w.waiter = wt; END IF;\n" +
-	"      RETURN t;\n" +
+	"      RETURN 'g ' || t || ' ' || now_us;\n" +
 	"    END IF;\n" +
+	"    res := 'w';\n" +
 	"  END IF;\n" +
 	"  IF wt <> '' THEN\n" +
 	"    INSERT INTO " + Waits + " AS w (space, key, waiter, since, seen, holder) VALUES (sp, k, wt, clock_timestamp(), " +
 	"clock_timestamp(), hold) ON CONFLICT (space, key, waiter) DO UPDATE SET seen = clock_timestamp() " +
-	"WHERE w.seen < clock_timestamp() - interval '1 second';\n" +
+	"WHERE w.seen < clock_timestamp() - interval '1 second' OR w.seen > clock_timestamp();\n" +
 	"  END IF;\n" +
-	"  RETURN 0;\n" +
+	"  RETURN res || ' ' || now_us;\n" +
 	"END $f$;\n"
 
-// renewDDL: see RenewSQL. Its parameters: space, key, owner, term, the length in milliseconds.
-const renewDDL = "CREATE OR REPLACE FUNCTION " + renewFunc + "(sp int, k int8, own text, tm int8, len_ms int8) " +
-	"RETURNS int8 LANGUAGE plpgsql AS $f$\n" +
+// quietCheck is the quiet period of a new timeline in grantDDL.
+const quietCheck = "  IF tl > 1 THEN\n" +
+	"    INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (tl, clock_timestamp()) ON CONFLICT (timeline) DO NOTHING " +
+	"RETURNING x.since INTO began;\n" +
+	"    IF began IS NULL THEN SELECT x.since INTO began FROM " + Timelines + " AS x WHERE x.timeline = tl; END IF;\n" +
+	"    IF coalesce(began, clock_timestamp()) > clock_timestamp() - len_ms * interval '1 millisecond' THEN\n" +
+	"      RETURN 'q ' || now_us;\n" +
+	"    END IF;\n" +
+	"  END IF;\n"
+
+// heldCheck: the key has a row other than the record the caller has seen unchanged for a lease length.
+const heldCheck = "r_term IS NOT NULL AND (r_term <> seen_term OR r_exp <> seen_exp)"
+
+// takeoverCheck: the row found on conflict is the record the caller has seen unchanged for a lease length.
+const takeoverCheck = "l.term = seen_term AND " + "(extract(epoch FROM l.expires) * 1000000)::int8" + " = seen_exp"
+
+// renewDDL: see RenewSQL. Its parameters: space, key, owner, term, the length in milliseconds, and until (as for a
+// grant: the end of the holder's trust on the server's clock as the holder knows it, 0 for no limit). Its answer:
+// "1" renewed, "0" not (the row is gone or another's), "l" too late, each followed by the server's clock.
+const renewDDL = "FUNCTION " + renewFunc + "(sp int, k int8, own text, tm int8, len_ms int8, until_us int8) " +
+	"RETURNS text LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
+	"  now_us int8 := " + usNow + ";\n" +
 	"  durable text := " + durable + ";\n" +
 	"  n int8;\n" +
 	"BEGIN\n" +
-	"  UPDATE " + Table + " AS l SET expires = clock_timestamp() + len_ms * interval '1 millisecond' " +
-	"WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm AND l.expires > clock_timestamp() RETURNING 1 INTO n;\n" +
-	"  RETURN coalesce(n, 0);\n" +
+	"  IF until_us > 0 AND now_us > until_us THEN RETURN 'l ' || now_us; END IF;\n" +
+	"  UPDATE " + Table + " AS l SET expires = greatest(clock_timestamp() + len_ms * interval '1 millisecond', " +
+	"l.expires + interval '1 microsecond') WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm RETURNING 1 INTO n;\n" +
+	"  RETURN coalesce(n, 0) || ' ' || now_us;\n" +
 	"END $f$;\n"
 
 // releaseDDL: see ReleaseSQL. Its parameters: space, key, owner, term.
-const releaseDDL = "CREATE OR REPLACE FUNCTION " + releaseFunc + "(sp int, k int8, own text, tm int8) " +
+const releaseDDL = "FUNCTION " + releaseFunc + "(sp int, k int8, own text, tm int8) " +
 	"RETURNS int8 LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
 	"  lazy text := " + lazy + ";\n" +
@@ -153,26 +229,27 @@ const releaseDDL = "CREATE OR REPLACE FUNCTION " + releaseFunc + "(sp int, k int
 	"  RETURN coalesce(n, 0);\n" +
 	"END $f$;\n"
 
-// CreateSQL runs DDL (a create racing another's can fail with 23505, a duplicate key on pg_type, 42710, its row type
-// exists, or 42P07: the table exists now).
-const CreateSQL = DDL + "SELECT 1"
+// CreateSQL runs createDDL (a create racing another's can fail with 23505, a duplicate key on pg_type, 42710, its
+// row type exists, 42P07: the table exists now, or 42723: the function exists now).
+var CreateSQL = createDDL + "SELECT 1"
 
-// ExistsSQL yields 1 when the tables and the functions exist.
+// ExistsSQL yields "E R NOW": E 1 when the tables and the functions exist, R 1 when the server is in recovery (a
+// standby), and the server's clock.
 const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regclass('" + Timelines + "') IS NOT NULL " +
 	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
-	"AND to_regproc('" + releaseFunc + "') IS NOT NULL)::int"
+	"AND to_regproc('" + releaseFunc + "') IS NOT NULL)::int || ' ' || pg_catalog.pg_is_in_recovery()::int || ' ' || " + usNow
 
 // timeline is the server's timeline (see session.TokenSQL): 1 until the first promotion of the cluster.
 const timeline = "least(('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::bit(32)::int8, 32767)"
 
 // durable makes the statement's commit flush its WAL before it answers (a grant, a renewal: a crash must not take
 // back what a holder was told), without waiting for a synchronous standby: a promotion is covered otherwise (see
-// GrantSQL).
+// grantDDL).
 const durable = "set_config('synchronous_commit', 'local', true)"
 
 // lazy lets the statement's commit answer before its WAL is flushed: for what a crash may take back without harm
-// (a release, whose row then expires; a wait's row, which then goes stale). A grant sets it first and durable once
-// it writes the lease.
+// (a release, whose row a taker then takes over; a wait's row, which then goes stale). A grant sets it first and
+// durable once it writes the lease.
 const lazy = "set_config('synchronous_commit', 'off', true)"
 
 func space(id session.ID) string {
@@ -184,14 +261,21 @@ func space(id session.ID) string {
 
 func ms(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
 
-// quote renders s as an SQL string literal (only printable ASCII is kept: it is a description).
+func i64(v int64) string { return strconv.FormatInt(v, 10) }
+
+// quote renders s as an SQL string literal that reads the same whatever the server's settings: an escape string
+// (E'...'), in which a backslash is an escape under standard_conforming_strings on and off alike, with each
+// backslash and each quote doubled (never \', which backslash_quote may refuse). Only printable ASCII is kept (it
+// is a description, or a hex id), so no client encoding can hide a quote inside a multibyte character.
 func quote(s string) string {
 	var b strings.Builder
-	b.WriteByte('\'')
+	b.WriteString("E'")
 	for _, r := range s {
 		switch {
 		case r == '\'':
 			b.WriteString("''")
+		case r == '\\':
+			b.WriteString(`\\`)
 		case r >= ' ' && r <= '~':
 			b.WriteRune(r)
 		default:
@@ -202,20 +286,20 @@ func quote(s string) string {
 	return b.String()
 }
 
-// Results of GrantSQL (grantDDL writes them as the literals -1 and 0).
-const (
-	resultHeld  = 0  // another lease holds the key, not yet expired
-	resultQuiet = -1 // the timeline is younger than one lease length: nothing is granted yet
-)
+// record is a lease's row as a grant saw it: its term and its expiry in microseconds. A row changes its record at
+// every grant and renewal (terms are never drawn twice; each expiry is later than the one before), so a record seen
+// twice was the row's throughout.
+type record struct{ term, exp int64 }
 
-// GrantSQL takes id's lease for owner, for length on the server's clock, when no lease holds it or the one that does
-// has expired (a takeover, by a conditional upsert: one statement, no lock held between statements), and no live
-// waiter comes first (waiter: this wait's id, empty for a try; see grantDDL). It yields the
-// new term (a fencing token, > 0), resultHeld, or resultQuiet (see grantDDL). Every statement is a literal without
-// parameters, so that any driver sends it over the simple protocol and any pooler, in any mode, carries it.
-func GrantSQL(id session.ID, owner, holder string, length time.Duration, waiter string) string {
-	return "SELECT " + grantFunc + "(" + space(id) + ", " + strconv.FormatInt(id.V, 10) + ", " + quote(owner) + ", " +
-		quote(holder) + ", " + ms(length) + ", " + quote(waiter) + ")"
+// GrantSQL takes id's lease for owner, for length on the server's clock, when no row holds the key or the row is
+// the record seen (which the caller has seen unchanged for a whole lease length), and no live waiter comes first
+// (waiter: this wait's id, empty for a try), unless the server's clock has passed until (microseconds since the
+// epoch, 0 for no limit). See grantDDL for its answer. Every statement is a literal without parameters, so that
+// any driver sends it over the simple protocol and any pooler, in any mode, carries it.
+func GrantSQL(id session.ID, owner, holder string, length time.Duration, waiter string, seen record, until int64) string {
+	return "SELECT " + grantFunc + "(" + space(id) + ", " + i64(id.V) + ", " + quote(owner) + ", " +
+		quote(holder) + ", " + ms(length) + ", " + quote(waiter) + ", " + i64(seen.term) + ", " + i64(seen.exp) + ", " +
+		i64(until) + ")"
 }
 
 // LeaveSQL deletes the rows of a wait that ends without a grant: 1 when it had any.
@@ -223,57 +307,64 @@ func LeaveSQL(waiter string) string {
 	return "WITH d AS (DELETE FROM " + Waits + " WHERE waiter = " + quote(waiter) + " RETURNING 1) SELECT least(count(*), 1) FROM d"
 }
 
-// RenewSQL extends owner's lease of id, of term, to length from now on the server's clock, if it still holds it and
-// it has not expired: 1 when renewed, 0 when not (it expired, or another lease took the key over). Keyed on the
-// owner and the term, a holder that lost its lease can never renew another's.
-func RenewSQL(id session.ID, owner string, term int64, length time.Duration) string {
-	return "SELECT " + renewFunc + "(" + space(id) + ", " + strconv.FormatInt(id.V, 10) + ", " + quote(owner) + ", " +
-		strconv.FormatInt(term, 10) + ", " + ms(length) + ")"
+// RenewSQL extends owner's lease of id, of term, to length from now on the server's clock (and past its expiry so
+// far), if it still holds it, unless the server's clock has passed until: see renewDDL. Keyed on the owner and the
+// term, a holder that lost its lease can never renew another's. The server's clock does not decide whether a lease
+// may be renewed: a row that is still its holder's has not been taken over.
+func RenewSQL(id session.ID, owner string, term int64, length time.Duration, until int64) string {
+	return "SELECT " + renewFunc + "(" + space(id) + ", " + i64(id.V) + ", " + quote(owner) + ", " +
+		i64(term) + ", " + ms(length) + ", " + i64(until) + ")"
 }
 
 // LingerMark ends the holder of a lease held past its work: its holder unlocked it before its minimum hold had
 // passed (see Lease.Confirm). Inspect reads it back.
 const LingerMark = " (held past its work)"
 
-// LingerSQL marks owner's lease of id, of term, as held past its work (LingerMark), if it still holds it and it
-// has not expired on the server's clock: 1 when marked, 0 when not (it expired, or another lease took the key over).
+// LingerSQL marks owner's lease of id, of term, as held past its work (LingerMark), if it still holds it: 1 when
+// marked, 0 when not (another lease took the key over, or it was broken). The holder text is not part of the
+// record, so a taker's watch of it goes on.
 func LingerSQL(id session.ID, owner string, term int64) string {
 	return "WITH m AS (UPDATE " + Table + " SET holder = holder || " + quote(LingerMark) + " WHERE space = " + space(id) +
-		" AND key = " + strconv.FormatInt(id.V, 10) + " AND owner = " + quote(owner) + " AND term = " +
-		strconv.FormatInt(term, 10) + " AND expires > clock_timestamp() RETURNING 1) SELECT count(*) FROM m"
+		" AND key = " + i64(id.V) + " AND owner = " + quote(owner) + " AND term = " + i64(term) +
+		" RETURNING 1) SELECT count(*) FROM m"
 }
 
 // renewUnkeyedSQL is the renewal of mutant.LeaseRenewUnkeyed: keyed on the key alone.
 func renewUnkeyedSQL(id session.ID, length time.Duration) string {
-	return "WITH r AS (UPDATE " + Table + " SET expires = clock_timestamp() + interval '" + ms(length) + " milliseconds' " +
-		"WHERE space = " + space(id) + " AND key = " + strconv.FormatInt(id.V, 10) + " AND expires > clock_timestamp() " +
-		"RETURNING 1) SELECT count(*) FROM r"
+	return "WITH r AS (UPDATE " + Table + " SET expires = greatest(clock_timestamp() + interval '" + ms(length) +
+		" milliseconds', expires + interval '1 microsecond') WHERE space = " + space(id) + " AND key = " + i64(id.V) +
+		" RETURNING 1) SELECT count(*) || ' ' || " + usNow + " FROM r"
 }
 
-// ReleaseSQL ends owner's lease of id, of term: 1 when it held it (expired or not: nobody took it over), 0 when
-// not (another lease took the key over after it expired). It is not flushed before it answers (lazy): a release a
-// crash takes back leaves a row that expires.
+// ReleaseSQL ends owner's lease of id, of term: 1 when it held it (nobody took it over), 0 when not. It is not
+// flushed before it answers (lazy): a release a crash takes back leaves a row that a taker takes over.
 func ReleaseSQL(id session.ID, owner string, term int64) string {
-	return "SELECT " + releaseFunc + "(" + space(id) + ", " + strconv.FormatInt(id.V, 10) + ", " + quote(owner) + ", " +
-		strconv.FormatInt(term, 10) + ")"
+	return "SELECT " + releaseFunc + "(" + space(id) + ", " + i64(id.V) + ", " + quote(owner) + ", " + i64(term) + ")"
 }
 
-// UndoSQL deletes whatever lease of id owner holds, of any term: for a grant whose outcome is unknown.
-func UndoSQL(id session.ID, owner string) string {
-	return "WITH d AS (DELETE FROM " + Table + " WHERE space = " + space(id) + " AND key = " + strconv.FormatInt(id.V, 10) +
-		" AND owner = " + quote(owner) + " RETURNING 1) SELECT count(*) FROM d"
+// RetireSQL deletes whatever lease of ids owner holds, of any term: for a grant whose outcome is unknown, one given
+// back, a release not confirmed, a lease lost. It yields how many it deleted and the server's clock.
+func RetireSQL(ids []session.ID, owner string) string {
+	var in strings.Builder
+	for i, id := range ids {
+		if i > 0 {
+			in.WriteString(", ")
+		}
+		in.WriteString("(" + space(id) + ", " + i64(id.V) + ")")
+	}
+	return "WITH d AS (DELETE FROM " + Table + " WHERE owner = " + quote(owner) + " AND (space, key) IN (" + in.String() +
+		") RETURNING 1) SELECT count(*) || ' ' || " + usNow + " FROM d"
 }
 
-// ListSQL lists the live leases (not expired on the server's clock), then, with waits, the live waits for them (seen
-// within WaitStale), in one statement: granted (false for a wait), space, key, term, holder, granted, expires, the
-// milliseconds left until expires on the server's clock (for a wait: 0, its since, its since, 0). Run it only where
-// ReadableSQL said yes, for waits too.
+// ListSQL lists the live leases (not expired on the server's clock), then, with waits, the live waits for them,
+// in one statement: granted (false for a wait), space, key, term, holder, granted, expires, the milliseconds left
+// until expires on the server's clock (for a wait: 0, its since, its since, 0). Run it only where ReadableSQL said
+// yes, for waits too. The server's clock decides nothing here: it is what advlock ls shows.
 func ListSQL(waits bool) string {
 	q := "SELECT true, space, key, term, holder, granted, expires, " +
 		"(extract(epoch FROM expires - clock_timestamp()) * 1000)::int8 FROM " + Table + " WHERE expires > clock_timestamp()"
 	if waits {
-		q += " UNION ALL SELECT false, space, key, 0, holder, since, since, 0 FROM " + Waits +
-			" WHERE seen > clock_timestamp() - " + stale
+		q += " UNION ALL SELECT false, space, key, 0, holder, since, since, 0 FROM " + Waits + " AS w WHERE " + live
 	}
 	return q + " ORDER BY 1 DESC, 2, 3, 6"
 }
@@ -293,5 +384,5 @@ func readable(table string) string {
 // (released, or taken over by a newer term). Its holder learns at its next renewal.
 func BreakSQL(id session.ID, term int64) string {
 	return "WITH d AS (DELETE FROM " + Table + " WHERE space = " + space(id) + " AND key = " +
-		strconv.FormatInt(id.V, 10) + " AND term = " + strconv.FormatInt(term, 10) + " RETURNING 1) SELECT count(*) FROM d"
+		i64(id.V) + " AND term = " + i64(term) + " RETURNING 1) SELECT count(*) FROM d"
 }

@@ -3,6 +3,7 @@ package lease
 import (
 	"context"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -22,10 +23,50 @@ func one(t *testing.T, c *pgx.Conn, sql string) int64 {
 	return r
 }
 
-// The statements at the moments they race, on a real server: a grant takes a free key and refuses a held one; a
-// renewal, a release and a grant's undo are keyed on the owner and the term, so a holder whose lease expired and
-// was taken over can neither renew nor release the new holder's (a renewal racing expiry fails even with nobody
-// waiting); the takeover's term is greater; an expired lease is taken over, a live one never.
+// ask runs a grant and reads its answer.
+func ask(t *testing.T, c *pgx.Conn, sql string) answer {
+	t.Helper()
+	var s string
+	if err := c.QueryRow(context.Background(), sql).Scan(&s); err != nil {
+		t.Fatalf("%v\n%s", err, sql)
+	}
+	a, err := parseAnswer(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// term runs a grant that must grant, and returns its term.
+func term(t *testing.T, c *pgx.Conn, sql string) int64 {
+	t.Helper()
+	a := ask(t, c, sql)
+	if a.kind != 'g' {
+		t.Fatalf("a grant answered %c, want g\n%s", a.kind, sql)
+	}
+	return a.term
+}
+
+// renewed runs a renewal and returns its first field ("1", "0" or "l").
+func renewed(t *testing.T, c *pgx.Conn, sql string) string {
+	t.Helper()
+	var s string
+	if err := c.QueryRow(context.Background(), sql).Scan(&s); err != nil {
+		t.Fatalf("%v\n%s", err, sql)
+	}
+	return strings.Fields(s)[0]
+}
+
+// retired runs RetireSQL and returns how many leases it deleted.
+func retired(t *testing.T, c *pgx.Conn, sql string) string { return renewed(t, c, sql) }
+
+// The statements at the moments they race, on a real server: a grant takes a free key and refuses a held one,
+// answering with the row's record; a renewal, a release and a grant's undo are keyed on the owner and the term, so
+// a holder whose lease was taken over can neither renew nor release the new holder's; the server's clock decides
+// nothing (a renewal after the row's expiry on the server's clock renews it, and a row is taken over only by naming
+// its record, not because it expired); each renewal makes the record new, so a takeover that names the record seen
+// before it is refused; the takeover's term is greater; a grant or renewal that arrives after its until grants
+// nothing.
 func TestStatements(t *testing.T) {
 	url := pgtest.FreshDB(t, pgtest.URL(t))
 	c := pgtest.Conn(t, url)
@@ -35,53 +76,129 @@ func TestStatements(t *testing.T) {
 	}
 	for _, id := range []session.ID{{V: 42}, {Pair: true, V: 7<<32 | 9}} {
 		length := 300 * time.Millisecond
-		a := one(t, c, GrantSQL(id, "owner-a", "a", length, ""))
-		if a <= 0 {
-			t.Fatalf("grant of a free key: %d", a)
+		a := term(t, c, GrantSQL(id, "owner-a/300", "a", length, "", record{}, 0))
+		held := ask(t, c, GrantSQL(id, "owner-b/300", "b", length, "", record{}, 0))
+		if held.kind != 'h' || held.rec.term != a || held.holderLen != length {
+			t.Fatalf("grant of a held key: %+v, want held by term %d of a 300ms holder", held, a)
 		}
-		if r := one(t, c, GrantSQL(id, "owner-b", "b", length, "")); r != resultHeld {
-			t.Fatalf("grant of a held key: %d, want %d", r, resultHeld)
+		if r := renewed(t, c, RenewSQL(id, "owner-a/300", a, length, 0)); r != "1" {
+			t.Fatalf("renewal by the holder: %s", r)
 		}
-		if r := one(t, c, RenewSQL(id, "owner-a", a, length)); r != 1 {
-			t.Fatalf("renewal by the holder: %d", r)
+		if r := renewed(t, c, RenewSQL(id, "owner-b/300", a, length, 0)); r != "0" {
+			t.Errorf("renewal by another owner: %s", r)
 		}
-		if r := one(t, c, RenewSQL(id, "owner-b", a, length)); r != 0 {
-			t.Errorf("renewal by another owner: %d", r)
+		if r := renewed(t, c, RenewSQL(id, "owner-a/300", a+1, length, 0)); r != "0" {
+			t.Errorf("renewal of another term: %s", r)
 		}
-		if r := one(t, c, RenewSQL(id, "owner-a", a+1, length)); r != 0 {
-			t.Errorf("renewal of another term: %d", r)
+		if r := ask(t, c, GrantSQL(id, "owner-b/300", "b", length, "", held.rec, 0)); r.kind != 'h' || r.rec == held.rec {
+			t.Fatalf("a takeover naming the record before a renewal: %+v, want held by a new record", r)
 		}
 		time.Sleep(length + 50*time.Millisecond)
-		if r := one(t, c, RenewSQL(id, "owner-a", a, length)); r != 0 {
-			t.Errorf("renewal of an expired lease (nobody took it over): %d", r)
+		seen := ask(t, c, GrantSQL(id, "owner-b/300", "b", length, "", record{}, 0))
+		if seen.kind != 'h' || seen.left >= 0 {
+			t.Fatalf("a row expired on the server's clock, named by no taker: %+v, want held, expired", seen)
 		}
-		b := one(t, c, GrantSQL(id, "owner-b", "b", length, ""))
+		if r := renewed(t, c, RenewSQL(id, "owner-a/300", a, length, 0)); r != "1" {
+			t.Errorf("renewal of a row expired on the server's clock, taken over by nobody: %s", r)
+		}
+		if r := ask(t, c, GrantSQL(id, "owner-b/300", "b", length, "", seen.rec, 0)); r.kind != 'h' {
+			t.Fatalf("a takeover naming the record the renewal replaced: %+v", r)
+		}
+		seen = ask(t, c, GrantSQL(id, "owner-b/300", "b", length, "", record{}, 0))
+		if r := ask(t, c, GrantSQL(id, "owner-b/300", "b", length, "", seen.rec, 1)); r.kind != 'l' {
+			t.Errorf("a takeover arriving after its until: %+v, want l", r)
+		}
+		b := term(t, c, GrantSQL(id, "owner-b/300", "b", length, "", seen.rec, 0))
 		if b <= a {
-			t.Fatalf("takeover of an expired lease: %d, want a term greater than %d", b, a)
+			t.Fatalf("takeover: term %d, want a term greater than %d", b, a)
 		}
 		for what, sql := range map[string]string{
-			"renewal": RenewSQL(id, "owner-a", a, length), "release": ReleaseSQL(id, "owner-a", a), "undo": UndoSQL(id, "owner-a"),
+			"renewal": RenewSQL(id, "owner-a/300", a, length, 0), "release": ReleaseSQL(id, "owner-a/300", a),
+			"retire": RetireSQL([]session.ID{id}, "owner-a/300"),
 		} {
-			if r := one(t, c, sql); r != 0 {
-				t.Errorf("%s by the holder whose lease was taken over: %d", what, r)
+			var r string
+			if err := c.QueryRow(ctx, sql).Scan(&r); err != nil {
+				t.Fatal(err)
+			}
+			if f := strings.Fields(r)[0]; f != "0" {
+				t.Errorf("%s by the holder whose lease was taken over: %s", what, r)
 			}
 		}
-		if r := one(t, c, RenewSQL(id, "owner-b", b, length)); r != 1 {
-			t.Errorf("the new holder's renewal after the old holder's tries: %d", r)
+		if r := renewed(t, c, RenewSQL(id, "owner-b/300", b, length, 1)); r != "l" {
+			t.Errorf("a renewal arriving after its until: %s, want l", r)
 		}
-		if r := one(t, c, ReleaseSQL(id, "owner-b", b)); r != 1 {
+		if r := renewed(t, c, RenewSQL(id, "owner-b/300", b, length, 0)); r != "1" {
+			t.Errorf("the new holder's renewal after the old holder's tries: %s", r)
+		}
+		if r := one(t, c, ReleaseSQL(id, "owner-b/300", b)); r != 1 {
 			t.Errorf("release by the holder: %d", r)
 		}
-		if r := one(t, c, ReleaseSQL(id, "owner-b", b)); r != 0 {
+		if r := one(t, c, ReleaseSQL(id, "owner-b/300", b)); r != 0 {
 			t.Errorf("second release: %d", r)
 		}
 	}
 	// The two key spaces never overlap: int8 key 7<<32|9 is not the pair (7, 9).
-	if r := one(t, c, GrantSQL(session.ID{V: 7<<32 | 9}, "x", "x", time.Second, "")); r <= 0 {
-		t.Errorf("int8 key beside a pair of the same bits: %d", r)
+	term(t, c, GrantSQL(session.ID{V: 7<<32 | 9}, "x", "x", time.Second, "", record{}, 0))
+	term(t, c, GrantSQL(session.ID{Pair: true, V: 7<<32 | 9}, "y", "y", time.Second, "", record{}, 0))
+}
+
+// Each grant and renewal of a row makes its record new, whatever the server's clock does: the expiry moves on by at
+// least a microsecond even when clock_timestamp() plus the length is earlier than the expiry so far (a clock that
+// stepped back), so that a taker never sees the same record twice across a change.
+func TestRecordsNeverComeBack(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	c := pgtest.Conn(t, url)
+	ctx := context.Background()
+	if _, err := c.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
+		t.Fatal(err)
 	}
-	if r := one(t, c, GrantSQL(session.ID{Pair: true, V: 7<<32 | 9}, "y", "y", time.Second, "")); r <= 0 {
-		t.Errorf("pair beside an int8 key of the same bits: %d", r)
+	id := session.ID{V: 77}
+	a := term(t, c, GrantSQL(id, "o/1000", "a", time.Second, "", record{}, 0))
+	// As if the server's clock had stepped back an hour since the grant.
+	if _, err := c.Exec(ctx, "UPDATE "+Table+" SET expires = expires + interval '1 hour' WHERE key = 77"); err != nil {
+		t.Fatal(err)
+	}
+	before := ask(t, c, GrantSQL(id, "p/1000", "b", time.Second, "", record{}, 0))
+	if r := renewed(t, c, RenewSQL(id, "o/1000", a, time.Second, 0)); r != "1" {
+		t.Fatal(r)
+	}
+	after := ask(t, c, GrantSQL(id, "p/1000", "b", time.Second, "", record{}, 0))
+	if after.rec.exp != before.rec.exp+1 || after.rec.term != a {
+		t.Errorf("a renewal under a clock behind the expiry: record %+v then %+v, want the expiry a microsecond later", before.rec, after.rec)
+	}
+}
+
+// Text is data: a holder and an owner are carried as escape strings, which read the same under every setting of
+// standard_conforming_strings and backslash_quote, whatever they hold (a trailing backslash, a quote after a
+// backslash, a statement after them).
+func TestQuoteEverySetting(t *testing.T) {
+	c := pgtest.Conn(t, pgtest.URL(t))
+	ctx := context.Background()
+	texts := []string{`pod\`, `a\'b`, `x\'); DELETE FROM ` + Table + `; --`, `'`, `\\'\`, "caf\u00e9\x00\n"}
+	for _, scs := range []string{"on", "off"} {
+		for _, bq := range []string{"on", "off", "safe_encoding"} {
+			if _, err := c.Exec(ctx, "SET standard_conforming_strings = "+scs+"; SET backslash_quote = "+bq); err != nil {
+				t.Fatal(err)
+			}
+			for _, s := range texts {
+				// Over the simple protocol as advlock sends it (pgx's own simple mode refuses to interpolate under
+				// standard_conforming_strings off; a lease statement has nothing to interpolate).
+				res, err := c.PgConn().Exec(ctx, "SELECT "+quote(s)).ReadAll()
+				if err != nil {
+					t.Fatalf("standard_conforming_strings=%s backslash_quote=%s: %q: %v", scs, bq, s, err)
+				}
+				got := string(res[0].Rows[0][0])
+				want := strings.Map(func(r rune) rune {
+					if r < ' ' || r > '~' {
+						return '?'
+					}
+					return r
+				}, s)
+				if got != want {
+					t.Errorf("standard_conforming_strings=%s backslash_quote=%s: %q reads %q, want %q", scs, bq, s, got, want)
+				}
+			}
+		}
 	}
 }
 
@@ -97,10 +214,10 @@ func TestWaitQueue(t *testing.T) {
 	}
 	id := session.ID{V: 42}
 	length := time.Minute
-	a := one(t, c, GrantSQL(id, "a", "a", length, ""))
+	a := term(t, c, GrantSQL(id, "a", "a", length, "", record{}, 0))
 	for _, w := range []string{"w1", "w2", "w3"} {
-		if r := one(t, c, GrantSQL(id, "o-"+w, w, length, w)); r != resultHeld {
-			t.Fatalf("%s's poll of a held key: %d", w, r)
+		if r := ask(t, c, GrantSQL(id, "o-"+w, w, length, w, record{}, 0)); r.kind != 'h' {
+			t.Fatalf("%s's poll of a held key: %+v", w, r)
 		}
 		time.Sleep(5 * time.Millisecond) // distinct since
 	}
@@ -111,13 +228,13 @@ func TestWaitQueue(t *testing.T) {
 	if r := one(t, c, ReleaseSQL(id, "a", a)); r != 1 {
 		t.Fatal("release")
 	}
-	if r := one(t, c, GrantSQL(id, "o-w2", "w2", length, "w2")); r != resultHeld {
-		t.Errorf("the second waiter took the key before the first: %d", r)
+	if r := ask(t, c, GrantSQL(id, "o-w2", "w2", length, "w2", record{}, 0)); r.kind != 'w' {
+		t.Errorf("the second waiter took the key before the first: %+v", r)
 	}
-	if r := one(t, c, GrantSQL(id, "try", "try", length, "")); r != resultHeld {
-		t.Errorf("a try took the key while waiters wait: %d", r)
+	if r := ask(t, c, GrantSQL(id, "try", "try", length, "", record{}, 0)); r.kind != 'w' {
+		t.Errorf("a try took the key while waiters wait: %+v", r)
 	}
-	w1 := one(t, c, GrantSQL(id, "o-w1", "w1", length, "w1"))
+	w1 := term(t, c, GrantSQL(id, "o-w1", "w1", length, "w1", record{}, 0))
 	if w1 <= a {
 		t.Fatalf("the first waiter's poll of the free key: %d", w1)
 	}
@@ -129,20 +246,28 @@ func TestWaitQueue(t *testing.T) {
 	if _, err := c.Exec(ctx, "UPDATE "+Waits+" SET seen = clock_timestamp() - interval '4 seconds' WHERE waiter = 'w2'"); err != nil {
 		t.Fatal(err)
 	}
-	w3 := one(t, c, GrantSQL(id, "o-w3", "w3", length, "w3"))
+	w3 := term(t, c, GrantSQL(id, "o-w3", "w3", length, "w3", record{}, 0))
 	if w3 <= w1 {
 		t.Fatalf("the next live waiter, past a stale one: %d", w3)
 	}
 	one(t, c, ReleaseSQL(id, "o-w3", w3))
-	if r := one(t, c, GrantSQL(id, "o-w4", "w4", length, "w4")); r <= 0 {
-		t.Errorf("a new waiter, with only a stale wait queued: %d", r)
+	if r := ask(t, c, GrantSQL(id, "o-w4", "w4", length, "w4", record{}, 0)); r.kind != 'g' {
+		t.Errorf("a new waiter, with only a stale wait queued: %+v", r)
 	}
-	one(t, c, UndoSQL(id, "o-w4"))
+	retired(t, c, RetireSQL([]session.ID{id}, "o-w4"))
+	// A wait's row seen ahead of the server's clock (it stepped back since) does not hold the queue back.
+	if _, err := c.Exec(ctx, "UPDATE "+Waits+" SET seen = clock_timestamp() + interval '1 hour' WHERE waiter = 'w2'"); err != nil {
+		t.Fatal(err)
+	}
+	if r := ask(t, c, GrantSQL(id, "o-w5", "w5", length, "w5", record{}, 0)); r.kind != 'g' {
+		t.Errorf("a new waiter, with a wait seen ahead of the clock queued: %+v", r)
+	}
+	retired(t, c, RetireSQL([]session.ID{id}, "o-w5"))
 	if r := one(t, c, LeaveSQL("w2")); r != 1 {
 		t.Errorf("LeaveSQL of a queued wait: %d", r)
 	}
-	if r := one(t, c, GrantSQL(id, "try2", "try", length, "")); r <= 0 {
-		t.Errorf("a try with no wait queued: %d", r)
+	if r := ask(t, c, GrantSQL(id, "try2", "try", length, "", record{}, 0)); r.kind != 'g' {
+		t.Errorf("a try with no wait queued: %+v", r)
 	}
 }
 
@@ -163,17 +288,23 @@ func TestGrantTermAfterAWaitedInsert(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	var first int64
-	if err := tx.QueryRow(ctx, GrantSQL(id, "owner-a", "a", time.Minute, "")).Scan(&first); err != nil || first <= 0 {
-		t.Fatalf("the first grant: %d %v", first, err)
+	var txt string
+	if err := tx.QueryRow(ctx, GrantSQL(id, "owner-a", "a", time.Minute, "", record{}, 0)).Scan(&txt); err != nil {
+		t.Fatalf("the first grant: %v", err)
 	}
+	fa, err := parseAnswer(txt)
+	if err != nil || fa.kind != 'g' {
+		t.Fatalf("the first grant: %q %v", txt, err)
+	}
+	first := fa.term
 	second := make(chan int64, 1)
 	go func() {
-		var r int64
-		if err := b.QueryRow(ctx, GrantSQL(id, "owner-b", "b", time.Minute, "")).Scan(&r); err != nil {
+		var r string
+		if err := b.QueryRow(ctx, GrantSQL(id, "owner-b", "b", time.Minute, "", record{}, 0)).Scan(&r); err != nil {
 			t.Error(err)
 		}
-		second <- r
+		a, _ := parseAnswer(r)
+		second <- a.term
 	}()
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		var waiting bool

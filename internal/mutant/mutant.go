@@ -52,13 +52,28 @@ const (
 	// never received the lost primary's last grants and renewals grants those keys again while their holders still
 	// trust them.
 	LeaseNoQuiet = "lease_no_quiet"
+	// LeaseLateGrantKept: a lease's grant is bounded by the statement bound alone (5 s), not by how long the lease
+	// can be trusted, and an answer that comes after its trust window has closed is handed out as held.
+	LeaseLateGrantKept = "lease_late_grant_kept"
+	// LeaseServerExpiry: a lease is taken over once its expiry has passed on the server's clock (as an earlier
+	// version did), not once the taker has seen its record unchanged for a lease length on its own clock: a server
+	// clock that steps forward expires every lease while its holder still trusts it.
+	LeaseServerExpiry = "lease_server_expiry"
+	// LeaseGrantNoDeadline: a lease's grant carries no latest moment at which it may still grant, so a grant held
+	// back on its way (a stopped pooler that forwards it when it continues) reaches the server after its caller gave
+	// up and grants a lease that nobody holds.
+	LeaseGrantNoDeadline = "lease_grant_no_deadline"
+	// LeaseUndoOnce: a lease grant whose outcome is unknown is undone by one delete, not tried again until it can
+	// tell (as an earlier version did): a grant held back on its way (a stopped pooler) arrives after that delete and
+	// grants a lease that nobody holds.
+	LeaseUndoOnce = "lease_undo_once"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
 	TokenNoTimeline, IntentIgnored, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply,
-	LeaseNoQuiet}
+	LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline, LeaseUndoOnce}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

@@ -206,6 +206,16 @@ func (b *Bouncer) Repoint(serverURL string) error {
 	return b.cmd.Process.Signal(syscall.SIGHUP)
 }
 
+// Stall stops PgBouncer (SIGSTOP) while on, and continues it (SIGCONT) when off: stopped, it keeps what clients
+// send in its sockets' buffers and forwards it once continued, also from clients that have closed their sockets
+// since.
+func (b *Bouncer) Stall(on bool) error {
+	if on {
+		return b.cmd.Process.Signal(syscall.SIGSTOP)
+	}
+	return b.cmd.Process.Signal(syscall.SIGCONT)
+}
+
 // Died says, when PgBouncer exited before Stop was called, how (its exit status, what it printed, the end of its
 // log); "" while it runs.
 func (b *Bouncer) Died() string {
@@ -223,6 +233,7 @@ func (b *Bouncer) Died() string {
 
 // Stop stops PgBouncer (SIGINT, then SIGKILL after 10 s). It keeps Dir; remove it when done with the log.
 func (b *Bouncer) Stop() {
+	_ = b.cmd.Process.Signal(syscall.SIGCONT) // a stalled one would never see the SIGINT
 	_ = b.cmd.Process.Signal(syscall.SIGINT)
 	select {
 	case <-b.exited:

@@ -31,7 +31,8 @@ type Cluster struct {
 	URL  string // database postgres, user postgres, trust auth
 	bin  string
 	tmp  string
-	asPG bool // run server commands as the postgres user (we are root)
+	asPG bool     // run server commands as the postgres user (we are root)
+	env  []string // added to the environment of the server's commands (StartFaketime)
 }
 
 // Start initialises and starts a private cluster with extra postgresql.conf lines (name = value). Remove stops it
@@ -43,6 +44,50 @@ func Start(settings ...string) (*Cluster, error) { return startCluster(settings,
 // nothing behind either.
 func StartRemovedWhenGone(pid int, settings ...string) (*Cluster, error) {
 	return startCluster(settings, pid)
+}
+
+// StartFaketime is Start for a cluster whose server runs under libfaketime (Debian's package libfaketime), so that
+// StepClock can step its wall clock (clock_timestamp(), now()) at run time, as an NTP step or a resumed VM would;
+// its monotonic clock is left alone.
+func StartFaketime(settings ...string) (*Cluster, error) {
+	lib, err := faketimeLib()
+	if err != nil {
+		return nil, err
+	}
+	c, err := startCluster(settings, 0)
+	if err != nil {
+		return nil, err
+	}
+	clock := filepath.Join(c.tmp, "faketime")
+	if err := os.WriteFile(clock, []byte("+0\n"), 0o644); err != nil {
+		c.Remove()
+		return nil, err
+	}
+	c.env = []string{"LD_PRELOAD=" + lib, "FAKETIME_TIMESTAMP_FILE=" + clock, "FAKETIME_NO_CACHE=1",
+		"FAKETIME_DONT_FAKE_MONOTONIC=1"}
+	if err := c.Restart("fast"); err != nil {
+		c.Remove()
+		return nil, err
+	}
+	return c, nil
+}
+
+// faketimeLib finds libfaketime.
+func faketimeLib() (string, error) {
+	libs, _ := filepath.Glob("/usr/lib/*/faketime/libfaketime.so.1")
+	if len(libs) == 0 {
+		return "", errors.New("libfaketime not found (/usr/lib/*/faketime/libfaketime.so.1): install Debian's package libfaketime")
+	}
+	return libs[0], nil
+}
+
+// StepClock sets the server's wall clock to offset from the real one, at once (a cluster from StartFaketime):
+// from +0 to +20s is a step forward of 20 s, then to -20s one back of 40 s.
+func (c *Cluster) StepClock(offset time.Duration) error {
+	if c.env == nil {
+		return errors.New("pgcluster: StepClock on a cluster not started with StartFaketime")
+	}
+	return os.WriteFile(filepath.Join(c.tmp, "faketime"), fmt.Appendf(nil, "%+.3f\n", offset.Seconds()), 0o644)
 }
 
 // binDir finds initdb: on PATH, else the newest /usr/lib/postgresql/*/bin.
@@ -281,6 +326,9 @@ func (c *Cluster) run(name string, args ...string) ([]byte, error) {
 		cmd = exec.CommandContext(ctx, path, args...)
 	}
 	cmd.Dir = c.tmp
+	if c.env != nil {
+		cmd.Env = append(os.Environ(), c.env...)
+	}
 	return cmd.CombinedOutput()
 }
 

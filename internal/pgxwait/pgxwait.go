@@ -25,14 +25,24 @@ type Reader struct {
 // ExecInt runs sql (several statements allowed) over the simple protocol and returns the integer in the first
 // column of the last statement's first row.
 func (r *Reader) ExecInt(ctx context.Context, sql string) (int64, error) {
+	s, err := r.ExecText(ctx, sql)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseInt(s, 10, 64)
+}
+
+// ExecText runs sql (several statements allowed) over the simple protocol and returns the text in the first column
+// of the last statement's first row.
+func (r *Reader) ExecText(ctx context.Context, sql string) (string, error) {
 	results, err := r.PC.Exec(ctx, sql).ReadAll()
 	if err != nil {
-		return 0, r.Translate(err)
+		return "", r.Translate(err)
 	}
 	if len(results) == 0 || len(results[len(results)-1].Rows) == 0 || len(results[len(results)-1].Rows[0]) == 0 {
-		return 0, errors.New("advlock: statement returned no row")
+		return "", errors.New("advlock: statement returned no row")
 	}
-	return strconv.ParseInt(string(results[len(results)-1].Rows[0][0]), 10, 64)
+	return string(results[len(results)-1].Rows[0][0]), nil
 }
 
 // Translate maps an error from a statement on the connection: server errors to the sentinels they stand for, and

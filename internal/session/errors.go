@@ -41,6 +41,16 @@ var (
 		"(the next lock call tries again)")
 )
 
+// ErrReadOnly marks a statement that must write refused by a primary that is read-only for this session
+// (default_transaction_read_only, set for the server, the database or the role; SQLSTATE 25006 where the server
+// is not in recovery): leases and fencing tokens write, and a standby is another thing (ErrStandby). It is not
+// re-exported: errors.As finds the server's error, and its SQLSTATE says 25006.
+var ErrReadOnly = errors.New("advlock: the server refuses writes in this session (default_transaction_read_only, or a " +
+	"read-only setting of the database or the role; it is not a standby): advlock needs to write here")
+
+// ReadOnly wraps err, a refusal to write (25006) from a server that is not in recovery, with ErrReadOnly.
+func ReadOnly(err error) error { return &codedError{sentinel: ErrReadOnly, err: err} }
+
 // SQLState returns the SQLSTATE of the server error in err (any driver whose errors have a SQLState method:
 // pgconn.PgError, lib/pq's Error), or "".
 func SQLState(err error) string {

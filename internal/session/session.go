@@ -26,6 +26,9 @@ type Conn interface {
 	// statement with $n placeholders; without, it may hold several statements (simple query protocol).
 	// Server errors come back translated with [Translate].
 	QueryInt(ctx context.Context, sql string, args ...any) (int64, error)
+	// QueryText runs sql (no parameters; several statements allowed, over the simple query protocol, which any
+	// pooler carries) and returns the text in the first column of the last statement's first row.
+	QueryText(ctx context.Context, sql string) (string, error)
 	// Wait blocks reading the idle connection until the server sends something, the connection fails, the
 	// deadline passes or Interrupt is called. It returns ErrWaitTimeout for the last two (the connection stays
 	// usable, with its read deadline still set: the caller clears it with Wait's next call or ClearDeadline),

@@ -504,7 +504,7 @@ func EnsureFence(ctx context.Context, pool Pool, try bool) error {
 
 func ensureFence(ctx context.Context, conn Conn) error {
 	for attempt := 0; ; attempt++ {
-		exists, err := conn.QueryInt(ctx, "SELECT (to_regclass('"+FenceSeq+"') IS NOT NULL)::int")
+		exists, err := conn.QueryInt(ctx, "SELECT (to_regclass('"+FenceSeq+"') IS NOT NULL)::int + 2 * pg_catalog.pg_is_in_recovery()::int")
 		if SQLState(err) == "42501" {
 			return fmt.Errorf("%w: this role may not use schema public, where the sequence %s is; as its owner run: "+
 				"GRANT USAGE ON SCHEMA public TO <role>: %v", ErrFencing, FenceSeq, err)
@@ -512,13 +512,18 @@ func ensureFence(ctx context.Context, conn Conn) error {
 		if err != nil {
 			return fmt.Errorf("check the fencing sequence: %w", err)
 		}
-		if exists == 1 {
+		if exists&1 == 1 {
 			break
+		}
+		if exists&2 == 2 { // a standby of a database that has never seen advlock's fencing: it cannot create it
+			return fmt.Errorf("%w (the fencing sequence %s is not there either: create it on the primary)", ErrStandby, FenceSeq)
 		}
 		// It needs CREATE on schema public.
 		_, err = conn.QueryInt(ctx, "CREATE SEQUENCE IF NOT EXISTS "+FenceSeq+"; SELECT 1")
 		switch code := SQLState(err); {
 		case err == nil:
+		case code == "25006":
+			return fmt.Errorf("create the fencing sequence: %w", ReadOnly(err))
 		case code == "42501":
 			return fmt.Errorf("%w: the sequence %s does not exist and this role may not create it (it needs CREATE on "+
 				"schema public); as a role that may, run: CREATE SEQUENCE %s; GRANT USAGE ON SEQUENCE %s TO <role>: %v",

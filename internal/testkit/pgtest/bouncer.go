@@ -12,6 +12,12 @@ import (
 // Set ADVLOCK_KEEP_BOUNCER_LOG to keep its directory and log.
 func Bouncer(tb testing.TB, serverURL, mode string) string {
 	tb.Helper()
+	return StartBouncer(tb, serverURL, mode).URL
+}
+
+// StartBouncer is Bouncer that returns the PgBouncer itself (to stall it, say).
+func StartBouncer(tb testing.TB, serverURL, mode string) *pgcluster.Bouncer {
+	tb.Helper()
 	b, err := pgcluster.StartBouncer(serverURL, mode)
 	if err != nil {
 		tb.Fatalf("pgtest: %v", err)
@@ -25,7 +31,7 @@ func Bouncer(tb testing.TB, serverURL, mode string) string {
 			os.RemoveAll(b.Dir)
 		}
 	})
-	return b.URL
+	return b
 }
 
 // BouncerVersion returns the installed PgBouncer's major and minor version.

@@ -44,6 +44,19 @@ func StartCluster(tb testing.TB, settings ...string) *pgcluster.Cluster {
 	return c
 }
 
+// StartFaketimeCluster starts a private cluster whose wall clock the test steps (pgcluster.StartFaketime,
+// Cluster.StepClock) and removes it when the test ends. It fails the test where libfaketime is not installed
+// (.ci/run installs it).
+func StartFaketimeCluster(tb testing.TB, settings ...string) *pgcluster.Cluster {
+	tb.Helper()
+	c, err := pgcluster.StartFaketime(settings...)
+	if err != nil {
+		tb.Fatalf("pgtest: start private cluster under libfaketime: %v", err)
+	}
+	tb.Cleanup(c.Remove)
+	return c
+}
+
 // Standby starts a hot standby of c and removes it when the test ends.
 func Standby(tb testing.TB, c *pgcluster.Cluster) *pgcluster.Cluster {
 	tb.Helper()
