@@ -29,7 +29,7 @@ var layers = map[string][]string{
 	"internal/testkit/conformance": {"", "internal/config", "internal/testkit/faults", "internal/testkit/pgtest", "internal/session"},
 	"internal/cli":                 {"", "internal/session", "internal/pgcluster"},
 	"cmd/advlock":                  {"internal/cli"},
-	"chaos":                        {"", "internal/testkit/faults", "internal/mutant", "internal/pgcluster", "internal/session", "internal/config"},
+	"chaos":                        {"", "internal/testkit/faults", "internal/mutant", "internal/pgcluster", "internal/session", "internal/config", "internal/lease"},
 	"advlocktest":                  {"", "internal/pgcluster", "internal/testkit/faults"},
 	"examples/basic":               {""},
 	"examples/http":                {""},

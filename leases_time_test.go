@@ -782,3 +782,82 @@ func (c *lostAnswerConn) QueryText(ctx context.Context, sql string) (string, err
 	}
 	return r, err
 }
+
+// What no retry can mend ends a wait at once, and its cause stays reachable: a Locker whose pool was closed under
+// it (ErrNoPool) fails TryLock, a Lock without a deadline and Lead with ErrNoPool, where a failure to get a
+// connection used to be reported as a statement unanswered within 5 s (its cause lost), and so tried again for
+// ever. A Lock waiting for a connection (the pool's one connection taken by the application) ends as soon as it is
+// cancelled, and Close ends it at once: the wait for a connection is the caller's, not the statement's.
+func TestLeaseWaitEndsOnWhatCannotPass(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 60*time.Second)
+	pool := pgtest.Pool(t, url, nil)
+	l := New(pool, WithLeases(), withLeasePoll(20*time.Millisecond))
+	defer l.Close()
+	warm, err := l.TryLock(ctx, key(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := warm.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pool.Close()
+	if _, err := l.TryLock(ctx, key(t)); !errors.Is(err, ErrNoPool) {
+		t.Errorf("TryLock on a closed pool: %v, want ErrNoPool", err)
+	}
+	nodl, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { _, err := l.Lock(nodl, key(t)); done <- err }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrNoPool) {
+			t.Errorf("Lock on a closed pool: %v, want ErrNoPool", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Error("Lock (no deadline) on a closed pool still polling after 10 s")
+	}
+	lctx, lcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer lcancel()
+	if err := l.Lead(lctx, key(t), func(context.Context) error { return nil }); !errors.Is(err, ErrNoPool) {
+		t.Errorf("Lead on a closed pool: %v, want ErrNoPool at once", err)
+	}
+
+	one := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	w := New(one, WithLeases())
+	if lk, err := w.TryLock(ctx, key(t)); err != nil {
+		t.Fatal(err)
+	} else if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	app, err := one.Acquire(ctx) // the application has the pool's one connection
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer app.Release()
+	cctx, ccancel := context.WithCancel(ctx)
+	go func() { _, err := w.Lock(cctx, key(t)); done <- err }()
+	time.Sleep(200 * time.Millisecond)
+	ccancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("a Lock cancelled while it waited for a connection: %v, want context.Canceled", err)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("a Lock cancelled while it waited for a connection did not return")
+	}
+	go func() { _, err := w.Lock(ctx, key(t)); done <- err }()
+	time.Sleep(200 * time.Millisecond)
+	closed := make(chan struct{})
+	go func() { w.Close(); close(closed) }()
+	select {
+	case <-closed:
+		if err := <-done; !errors.Is(err, ErrClosed) {
+			t.Errorf("a Lock waiting for a connection as its Locker closed: %v, want ErrClosed", err)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("Close with a Lock waiting for a connection did not return")
+	}
+}

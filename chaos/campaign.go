@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net/url"
 	"os"
 	"os/exec"
@@ -23,7 +22,6 @@ import (
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/mutant"
 	"github.com/advlock/advlock/internal/pgcluster"
-	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/jackc/pgx/v5"
 )
@@ -63,30 +61,10 @@ type Options struct {
 	// record of when its lease ended (see checkLeases).
 	Leases      bool
 	LeaseLength time.Duration
-}
-
-// leaseFaultKinds replace the terminates in a lease campaign: a lease's row deleted (advlock break), and a link
-// that slows down (a renewal answered late) and then goes silent past the lease's length, the moment a holder
-// that counted its trust from an answer instead of a send would trust past the expiry the server gave.
-var leaseFaultKinds = []string{"break_lease", "slow_then_silent"}
-
-// Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
-// workers themselves and counted with them, and "failover" is drawn only in a failover campaign.
-var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackhole", "latency", "slow_link", "sigstop",
-	"sigkill", "restart_fast", "restart_immediate", "close_locker"}
-
-// fault is one injected fault: when, what, and which worker it aimed at (-1: all of them).
-type fault struct {
-	Kind   string
-	At     time.Time
-	Until  time.Time
-	Worker int
-	Detail string
-	PID    int32    // the backend it ended (terminate)
-	Term   int64    // the lease it deleted (break_lease)
-	Keys   []string // the advisory locks that backend held just before
-	Held   int      // advisory locks its target (a worker, or every worker) held when it was injected
-	Waits  int      // advisory locks its target waited for then (slow_link, aimed at a worker that waits)
+	// Via, when not empty, is how the workers reach the server, worker i by Via[i%len(Via)] ("direct", "proxy" or
+	// "pgbouncer"; by default the paths take turns): a short campaign aimed at one path's fault puts every worker
+	// on it.
+	Via []string
 }
 
 // via says how a worker reaches the server.
@@ -136,6 +114,16 @@ type campaign struct {
 	// it was rebuilt.
 	lostLeaseLog   []leaseEntry
 	lostLogsUnread int
+	// clockOffset is how far the primary's clock is from the real one (clock_step; the injector's alone).
+	clockOffset time.Duration
+	killedPIDs  map[int32]bool // the workers' processes the injector killed (under mu)
+}
+
+// wasKilled reports whether the injector killed the worker process pid.
+func (c *campaign) wasKilled(pid int32) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.killedPIDs[pid]
 }
 
 // primary is the server the locks are on now.
@@ -191,7 +179,16 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 	if opt.Leases && opt.LeaseLength == 0 {
 		opt.LeaseLength = 2 * time.Second
 	}
+	for _, v := range opt.Via {
+		if v != "direct" && v != "proxy" && v != "pgbouncer" {
+			return nil, fmt.Errorf("chaos: no path %q (there are: direct, proxy, pgbouncer)", v)
+		}
+	}
 	for _, k := range opt.Faults {
+		if k == "clock_step" && opt.Failover {
+			return nil, errors.New("chaos: clock_step is not drawn in a failover campaign (a promoted server's quiet " +
+				"period is measured on its own clock: the one place a lease relies on a server's clock)")
+		}
 		if opt.Leases && strings.HasPrefix(k, "terminate_") {
 			return nil, fmt.Errorf("chaos: fault kind %q has nothing to end in a lease campaign (break_lease is its kind)", k)
 		}
@@ -222,7 +219,14 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		// and a promotion that comes meanwhile may wait for it (5 s by default).
 		settings = append(settings, "wal_retrieve_retry_interval = '200ms'")
 	}
-	if c.cluster, err = pgcluster.Start(settings...); err != nil {
+	if c.stepsClock() {
+		// The primary's wall clock steps (clock_step): it runs under libfaketime, and the ledger, whose clock stamps
+		// the holders' writes, on a server of its own whose clock does not.
+		c.cluster, err = pgcluster.StartFaketime(settings...)
+	} else {
+		c.cluster, err = pgcluster.Start(settings...)
+	}
+	if err != nil {
 		return nil, err
 	}
 	c.servers = []*pgcluster.Cluster{c.cluster}
@@ -231,6 +235,12 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 			s.Remove()
 		}
 	}()
+	if c.stepsClock() {
+		if c.ledgerDB, err = pgcluster.Start("max_connections = 100"); err != nil {
+			return nil, err
+		}
+		defer c.ledgerDB.Remove()
+	}
 	if opt.Failover {
 		if err := c.startFailover(); err != nil {
 			return nil, err
@@ -287,12 +297,20 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		}
 	}()
 	bg.Wait()
+	if c.clockOffset != 0 { // the server's clock back to the real one, for what comes after the run
+		if err := c.stepClock(ctx, 0); err != nil {
+			c.logf("setting the server's clock back: %v", err)
+		}
+	}
 	c.logf("stopping the workers")
 	c.runEnd = time.Now()
 	c.stopAll()
 	leaked := c.leftovers(ctx)
 	c.logf("checking %s of history", time.Since(start).Round(time.Second))
 	r, err := c.report(ctx, leaked)
+	if b, jerr := json.Marshal(c.faults); jerr == nil { // the faults as injected, kept with the histories
+		_ = os.WriteFile(filepath.Join(dir, "faults.json"), b, 0o644)
+	}
 	if err == nil && (!r.OK() || c.opt.Keep) {
 		keep, r.Dir = true, dir // the workers' histories and output, for the examples
 	}
@@ -349,6 +367,9 @@ var leaseLogDDL = "CREATE SEQUENCE IF NOT EXISTS public.advlock_fence; " + advlo
 // server at each failover, as an operator does.
 func (c *campaign) via(i int) (shared bool, path string) {
 	shared, path = via(i)
+	if len(c.opt.Via) > 0 {
+		path = c.opt.Via[i%len(c.opt.Via)]
+	}
 	if c.opt.Failover && !c.opt.Leases && path == "pgbouncer" {
 		path = "proxy"
 	}
@@ -388,8 +409,11 @@ func (c *campaign) newSlot(i int) (*slot, error) {
 	case "pgbouncer":
 		dsn = c.bouncer.URL
 	}
-	if c.opt.Failover {
+	switch {
+	case c.opt.Failover:
 		locks = c.multiHost(nil) // the worker's own look at pg_locks follows the primary
+	case c.ledgerDB != nil:
+		locks = c.cluster.URL // the ledger is on a server of its own
 	}
 	dsn += "&pool_max_conns=10"
 	f, err := os.Create(filepath.Join(c.dir, fmt.Sprintf("w%d.stderr", i)))
@@ -461,6 +485,12 @@ func (c *campaign) signal(s *slot, sig syscall.Signal) {
 	if sig == syscall.SIGKILL {
 		s.killed = true
 		s.kills++
+		c.mu.Lock()
+		if c.killedPIDs == nil {
+			c.killedPIDs = map[int32]bool{}
+		}
+		c.killedPIDs[int32(s.cmd.Process.Pid)] = true
+		c.mu.Unlock()
 	}
 	_ = s.cmd.Process.Signal(sig)
 }
@@ -475,6 +505,7 @@ func (c *campaign) stopAll() {
 		for _, p := range s.proxies {
 			p.Blackhole(false)
 			p.Latency(0)
+			p.AnswerLatency(0)
 		}
 		c.signal(s, syscall.SIGCONT)
 		c.signal(s, syscall.SIGTERM)
@@ -500,547 +531,15 @@ func (c *campaign) stopAll() {
 	}
 }
 
-// sample reads pg_locks every 100 ms.
-func (c *campaign) sample(ctx context.Context) {
-	var conn *pgx.Conn
-	defer func() {
-		if conn != nil {
-			conn.Close(context.Background())
-		}
-	}()
-	t := time.NewTicker(100 * time.Millisecond)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		if conn == nil || conn.IsClosed() {
-			var err error
-			if conn, err = pgx.Connect(qctx, c.primary().URL); err != nil {
-				conn = nil
-				cancel()
-				continue
-			}
-		}
-		s, err := c.read(qctx, conn)
-		cancel()
-		if err != nil {
-			conn.Close(context.Background())
-			conn = nil
-			continue
-		}
-		c.mu.Lock()
-		c.samples = append(c.samples, s)
-		c.mu.Unlock()
-	}
-}
-
-// read samples what holds the workers' keys: pg_locks, or in a lease campaign the lease table.
-func (c *campaign) read(ctx context.Context, conn *pgx.Conn) (Sample, error) {
-	if c.opt.Leases {
-		return readLeases(ctx, conn)
-	}
-	return readLocks(ctx, conn)
-}
-
-// readLeases samples the live leases and the live waits for them, each under the worker it names (its holder
-// text ends with the worker's name), as readLocks samples pg_locks (no pid: a lease has no session).
-func readLeases(ctx context.Context, conn *pgx.Conn) (Sample, error) {
-	rows, err := conn.Query(ctx, `SELECT statement_timestamp(), clock_timestamp(), x.key, x.granted, x.holder, x.term
-		FROM (SELECT 1) one LEFT JOIN (
-			SELECT key, true AS granted, holder, term FROM public.advlock_lease WHERE expires > clock_timestamp()
-			UNION ALL SELECT key, false, holder, 0 FROM public.advlock_lease_wait WHERE seen > clock_timestamp() - interval '3 seconds'
-		) x ON true`)
-	if err != nil {
-		return Sample{}, err
-	}
-	s := Sample{Held: map[string][]Holder{}}
-	for rows.Next() {
-		var at, read time.Time
-		var key *int64
-		var granted *bool
-		var holder *string
-		var term *int64
-		if err := rows.Scan(&at, &read, &key, &granted, &holder, &term); err != nil {
-			return Sample{}, err
-		}
-		if s.At.IsZero() {
-			s.At, s.Read = at, read
-		}
-		if key == nil {
-			continue
-		}
-		app := *holder
-		if i := strings.LastIndexByte(app, ' '); i >= 0 {
-			app = app[i+1:]
-		}
-		k := canon(advlock.Int64Key(*key))
-		s.Held[k] = append(s.Held[k], Holder{App: app, Granted: *granted, Term: *term})
-	}
-	if err := rows.Err(); err != nil {
-		return Sample{}, err
-	}
-	if s.At.IsZero() {
-		return Sample{}, errors.New("lease sample: no row")
-	}
-	return s, nil
-}
-
-func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
-	// pg_lock_status() is read once, as the scan starts; clock_timestamp() in each row comes after it. The outer
-	// join from one row gives a row (of NULLs) when nothing is held, so an empty sample has its window too.
-	rows, err := conn.Query(ctx, `SELECT statement_timestamp(), clock_timestamp(), l.classid, l.objid, l.objsubid,
-			l.granted, coalesce(a.application_name, ''), l.pid
-		FROM (SELECT 1) one LEFT JOIN (pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid)
-			ON l.locktype = 'advisory'`)
-	if err != nil {
-		return Sample{}, err
-	}
-	s := Sample{Held: map[string][]Holder{}}
-	for rows.Next() {
-		var at, read time.Time
-		var classid, objid *uint32
-		var sub *int16
-		var granted *bool
-		var app string
-		var pid *int32
-		if err := rows.Scan(&at, &read, &classid, &objid, &sub, &granted, &app, &pid); err != nil {
-			return Sample{}, err
-		}
-		if s.At.IsZero() {
-			s.At, s.Read = at, read // the first row's: the read came before it
-		}
-		if classid == nil || objid == nil || sub == nil || granted == nil || pid == nil {
-			continue // nothing held
-		}
-		k, _ := advlock.KeyFromPgLocks(*classid, *objid, *sub)
-		s.Held[canon(k)] = append(s.Held[canon(k)], Holder{App: app, PID: *pid, Granted: *granted})
-	}
-	if err := rows.Err(); err != nil {
-		return Sample{}, err
-	}
-	if s.At.IsZero() {
-		return Sample{}, errors.New("pg_locks sample: no row")
-	}
-	foldIntents(s)
-	return s, nil
-}
-
-// intents maps the intent of each key the workers take exclusively to that key. A writer takes the key's intent (a
-// lock on another int8 key) on the session that waits, when it finds the key held in shared mode or has waited a
-// whole slice, and holds it across its wait and then with the key until its unlock (docs/locks.md): no section
-// holds it in the workers' records.
-var intents = func() map[string]string {
-	m := map[string]string{}
-	keys := append(append(slices.Clone(lockKeys), pairKeys...), queueKey, leadKey)
-	for i := range 64 * 64 { // lock_cancel's keys of each worker's own (72000 + worker*64 + i)
-		keys = append(keys, advlock.Int64Key(72000+int64(i)))
-	}
-	for _, k := range keys {
-		n, _ := k.Int64()
-		m[canon(advlock.Int64Key(session.ID{V: n}.Intent().V))] = canon(k)
-	}
-	return m
-}()
-
-// foldIntents drops from a sample each intent held by a backend that also holds or waits for its key there, and
-// names the others "intent of KEY": an intent its writer's session holds without the key, in sample after
-// sample, is a lock left behind (the leak rule), as in Inspect.
-func foldIntents(s Sample) {
-	for ik, key := range intents {
-		rows, ok := s.Held[ik]
-		if !ok {
-			continue
-		}
-		delete(s.Held, ik)
-		for _, r := range rows {
-			if !slices.ContainsFunc(s.Held[key], func(k Holder) bool { return k.PID == r.PID }) {
-				s.Held["intent of "+key] = append(s.Held["intent of "+key], r)
-			}
-		}
-	}
-}
-
-func (c *campaign) record(f fault) {
-	c.mu.Lock()
-	c.faults = append(c.faults, f)
-	c.mu.Unlock()
-	c.logf("fault %s worker %d %s", f.Kind, f.Worker, f.Detail)
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
-// inject draws faults from a deck of every kind, shuffled with the seed, until ctx ends. Each fault aims at what
-// pg_locks shows holding a lock, when something does (a fault that hits nobody tests little), and is counted only
-// once it took effect; the locks its target held then are recorded.
-func (c *campaign) inject(ctx context.Context) {
-	rng := rand.New(rand.NewPCG(c.opt.Seed, 1))
-	var deck []string
-	var proxied []*slot
-	for _, s := range c.slots {
-		if len(s.proxies) > 0 {
-			proxied = append(proxied, s)
-		}
-	}
-	ka := c.opt.Keepalive
-	for sleepCtx(ctx, time.Duration(300+rng.IntN(900))*time.Millisecond) {
-		if len(deck) == 0 {
-			deck = append(deck, c.kinds()...)
-			rng.Shuffle(len(deck), func(i, j int) { deck[i], deck[j] = deck[j], deck[i] })
-		}
-		kind := deck[0]
-		deck = deck[1:]
-		now := c.locksNow(ctx)
-		target := c.pickHolder(now, c.slots, rng)
-		long := 2*ka + time.Duration(rng.Int64N(int64(3*ka))) // past the server's 3-keepalive idle timeout, mostly
-		f := fault{Kind: kind, At: time.Now(), Worker: target.cfg.ID, Held: heldIn(now, target.cfg.Name)}
-		switch kind {
-		case "terminate_holder", "terminate_waiter":
-			// A waiter (or holder) may be there only now and then: look again for a while before giving up, and
-			// then try again later in this round of the deck.
-			done := false
-			for try := 0; try < 10 && !done && ctx.Err() == nil; try++ {
-				if try > 0 {
-					sleepCtx(ctx, 100*time.Millisecond)
-					now = c.locksNow(ctx)
-				}
-				pid, w, keys, ok := pickBackend(now, kind == "terminate_holder", rng)
-				if !ok {
-					continue
-				}
-				f.Worker, f.PID, f.Keys, f.Held, f.Detail = w, pid, keys, len(keys), fmt.Sprintf("pid %d holding %v", pid, keys)
-				f.At = time.Now()
-				// Counted only when it took effect: the backend was still there to be signalled.
-				if n, err := c.execRows(ctx, `SELECT 1 WHERE pg_terminate_backend($1)`, pid); err == nil && n == 1 {
-					c.record(f)
-					done = true
-				}
-			}
-			if !done {
-				deck = append(deck, kind)
-			}
-		case "break_lease":
-			// A live lease of a worker, its row deleted as advlock break does: its holder learns at its next
-			// renewal, and another may take the key meanwhile (docs/leases.md). Looked for again for a while, as a
-			// terminate is.
-			done := false
-			for try := 0; try < 10 && !done && ctx.Err() == nil; try++ {
-				if try > 0 {
-					sleepCtx(ctx, 100*time.Millisecond)
-				}
-				key, term, w, ok := c.breakLease(ctx)
-				if !ok {
-					continue
-				}
-				f.Worker, f.Term, f.Keys, f.Held, f.Detail = w, term, []string{key}, 1, fmt.Sprintf("term %d of %s", term, key)
-				c.record(f)
-				done = true
-			}
-			if !done {
-				deck = append(deck, kind)
-			}
-		case "slow_then_silent":
-			if len(proxied) == 0 {
-				continue
-			}
-			s := c.pickHolder(now, proxied, rng)
-			f.Worker, f.Held = s.cfg.ID, heldIn(now, s.cfg.Name)
-			d := time.Duration(600+rng.IntN(300)) * time.Millisecond
-			silent := c.opt.LeaseLength + time.Second
-			for _, p := range s.proxies {
-				p.Latency(d)
-			}
-			// Long enough that a renewal goes out and is answered (late) before the silence: a renewal period and
-			// a slow round trip.
-			sleepCtx(ctx, c.opt.LeaseLength/3+2*d+300*time.Millisecond)
-			for _, p := range s.proxies {
-				p.Blackhole(true)
-			}
-			sleepCtx(ctx, silent)
-			for _, p := range s.proxies {
-				p.Blackhole(false)
-				p.Latency(0)
-			}
-			f.Until = time.Now()
-			f.Detail = fmt.Sprintf("%v a chunk, then silent for %v, holding %d", d, silent, f.Held)
-			c.record(f)
-		case "cut", "blackhole", "latency", "slow_link":
-			if len(proxied) == 0 {
-				continue
-			}
-			s := c.pickHolder(now, proxied, rng)
-			if kind == "slow_link" {
-				s = c.pickWaiter(now, proxied, rng)
-			}
-			f.Worker, f.Held, f.Waits = s.cfg.ID, heldIn(now, s.cfg.Name), waitingIn(now, s.cfg.Name)
-			switch kind {
-			case "cut":
-				for _, p := range s.proxies {
-					p.Cut()
-				}
-				c.record(f)
-			case "blackhole":
-				for _, p := range s.proxies {
-					p.Blackhole(true)
-				}
-				f.Detail = fmt.Sprintf("%v, holding %d", long, f.Held)
-				sleepCtx(ctx, long)
-				for _, p := range s.proxies {
-					p.Blackhole(false)
-				}
-				f.Until = time.Now()
-				c.record(f)
-			case "latency":
-				d := time.Duration(10+rng.IntN(70)) * time.Millisecond
-				for _, p := range s.proxies {
-					p.Latency(d)
-				}
-				f.Detail = d.String()
-				sleepCtx(ctx, time.Duration(1000+rng.IntN(1000))*time.Millisecond)
-				for _, p := range s.proxies {
-					p.Latency(0)
-				}
-				f.Until = time.Now()
-				c.record(f)
-			case "slow_link":
-				// Slow, not dead: a round trip of 0.4 to 1 s, for 1 to 3 s. A wait through it goes on (a Wait bound
-				// ends not acquired, with no deadline its caller never set); the watcher of a lock held through it
-				// may take it for dead (a keepalive round trip longer than the keepalive interval) and say so.
-				d := time.Duration(200+rng.IntN(300)) * time.Millisecond
-				for _, p := range s.proxies {
-					p.Latency(d)
-				}
-				span := time.Duration(1000+rng.IntN(2000)) * time.Millisecond
-				f.Detail = fmt.Sprintf("%v a chunk for %v, waiting for %d, holding %d", d, span, f.Waits, f.Held)
-				sleepCtx(ctx, span)
-				for _, p := range s.proxies {
-					p.Latency(0)
-				}
-				f.Until = time.Now()
-				c.record(f)
-			}
-		case "sigstop":
-			// Some pauses are far past the bound: a stopped holder is what fencing must stop.
-			long = 3*ka + 200*time.Millisecond + time.Duration(rng.Int64N(int64(2*ka))) // past the idle timeout, always
-			if rng.IntN(3) == 0 {
-				long = 4*(2*ka+time.Second) + time.Duration(rng.Int64N(int64(time.Second)))
-			}
-			f.Detail = fmt.Sprintf("%v, holding %d", long, f.Held)
-			c.signal(target, syscall.SIGSTOP)
-			sleepCtx(ctx, long)
-			c.signal(target, syscall.SIGCONT)
-			f.Until = time.Now()
-			c.record(f)
-			c.mu.Lock()
-			c.pauses = append(c.pauses, Pause{Worker: target.cfg.ID, From: f.At, To: f.Until})
-			c.mu.Unlock()
-		case "sigkill":
-			c.record(f)
-			c.signal(target, syscall.SIGKILL)
-		case "close_locker":
-			if c.opt.Broken {
-				continue
-			}
-			c.record(f)
-			c.signal(target, syscall.SIGUSR1)
-		case "restart_fast", "restart_immediate":
-			// From the stop to the server accepting connections again (a crash recovery on a loaded machine can take
-			// seconds): no Locker can read the server meanwhile.
-			f.Worker, f.Held = -1, heldIn(now, "")
-			p := c.primary()
-			if err := p.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
-				c.logf("restart: %v", err)
-				_ = p.Start()
-			}
-			f.Until = time.Now()
-			f.Detail = fmt.Sprintf("back after %v", f.Until.Sub(f.At).Round(time.Millisecond))
-			c.record(f)
-		case "failover":
-			f.Worker, f.Held = -1, heldIn(now, "")
-			c.failover(ctx, rng, f)
-			// The new primary serves a while before anything else happens to it (a base backup and a crash
-			// recovery aside cost the machine a burst of work, which back-to-back failovers would repeat).
-			sleepCtx(ctx, 3*time.Second)
-		}
-	}
-}
-
-// breakLease deletes one live lease of a worker, picked at random: its key, term and worker.
-func (c *campaign) breakLease(ctx context.Context) (key string, term int64, worker int, ok bool) {
-	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(qctx, c.primary().URL)
-	if err != nil {
-		return "", 0, 0, false
-	}
-	defer conn.Close(context.Background())
-	var k int64
-	var holder string
-	err = conn.QueryRow(qctx, `DELETE FROM public.advlock_lease WHERE (space, key) = (SELECT space, key FROM public.advlock_lease
-			WHERE expires > clock_timestamp() AND holder LIKE '% chaos-w%' ORDER BY random() LIMIT 1)
-		RETURNING key, term, holder`).Scan(&k, &term, &holder)
-	if err != nil {
-		return "", 0, 0, false
-	}
-	if _, err := fmt.Sscanf(holder[strings.LastIndexByte(holder, ' ')+1:], "chaos-w%d", &worker); err != nil {
-		return "", 0, 0, false
-	}
-	return canon(advlock.Int64Key(k)), term, worker, true
-}
-
-// kinds lists the fault kinds this campaign draws from.
-func (c *campaign) kinds() []string {
-	if len(c.opt.Faults) > 0 {
-		return c.opt.Faults
-	}
-	kinds := slices.Clone(faultKinds)
-	if c.opt.Leases {
-		kinds = append(slices.DeleteFunc(kinds, func(k string) bool { return strings.HasPrefix(k, "terminate_") }),
-			leaseFaultKinds...)
-	}
-	if c.opt.Failover {
-		kinds = append(kinds, "failover")
-	}
-	return kinds
-}
-
-// pickHolder picks one of the slots whose sessions pg_locks shows holding a lock, or any of them when none does.
-func (c *campaign) pickHolder(now Sample, slots []*slot, rng *rand.Rand) *slot {
-	var holding []*slot
-	for _, s := range slots {
-		if heldIn(now, s.cfg.Name) > 0 {
-			holding = append(holding, s)
-		}
-	}
-	if len(holding) == 0 {
-		holding = slots
-	}
-	return holding[rng.IntN(len(holding))]
-}
-
-// pickWaiter picks one of the slots whose sessions pg_locks shows waiting for a lock, or else a holder.
-func (c *campaign) pickWaiter(now Sample, slots []*slot, rng *rand.Rand) *slot {
-	var waiting []*slot
-	for _, s := range slots {
-		if waitingIn(now, s.cfg.Name) > 0 {
-			waiting = append(waiting, s)
-		}
-	}
-	if len(waiting) == 0 {
-		return c.pickHolder(now, slots, rng)
-	}
-	return waiting[rng.IntN(len(waiting))]
-}
-
-// waitingIn counts the advisory locks the sessions named app wait for in a sample.
-func waitingIn(s Sample, app string) int {
-	n := 0
-	for _, rows := range s.Held {
-		for _, h := range rows {
-			if !h.Granted && h.App == app {
-				n++
-			}
-		}
-	}
-	return n
-}
-
-// heldIn counts the advisory locks granted to the sessions named app in a sample (every worker's: app "").
-func heldIn(s Sample, app string) int {
-	n := 0
-	for _, rows := range s.Held {
-		for _, h := range rows {
-			if h.Granted && (h.App == app || app == "" && strings.HasPrefix(h.App, "chaos-w")) {
-				n++
-			}
-		}
-	}
-	return n
-}
-
-// pickBackend picks a worker session that holds (or waits for) an advisory lock, one lock drawn at random, and
-// lists the keys it holds.
-func pickBackend(now Sample, holder bool, rng *rand.Rand) (pid int32, worker int, keys []string, ok bool) {
-	type row struct {
-		pid int32
-		app string
-		key string
-	}
-	var list []row // one per lock held (or waited for): a shared session holding many is picked as often
-	held := map[int32][]string{}
-	for key, rows := range now.Held {
-		for _, h := range rows {
-			if !strings.HasPrefix(h.App, "chaos-w") {
-				continue
-			}
-			if h.Granted {
-				held[h.PID] = append(held[h.PID], key)
-			}
-			if h.Granted == holder {
-				list = append(list, row{h.PID, h.App, key})
-			}
-		}
-	}
-	if len(list) == 0 {
-		return 0, 0, nil, false
-	}
-	sort.Slice(list, func(i, j int) bool { // the seed picks in one order
-		return list[i].pid < list[j].pid || list[i].pid == list[j].pid && list[i].key < list[j].key
-	})
-	r := list[rng.IntN(len(list))]
-	_, _ = fmt.Sscanf(r.app, "chaos-w%d", &worker)
-	keys = held[r.pid]
-	sort.Strings(keys)
-	return r.pid, worker, keys, true
-}
-
-// locksNow reads pg_locks on a connection of its own (empty when the server does not answer).
-func (c *campaign) locksNow(ctx context.Context) Sample {
-	qctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(qctx, c.primary().URL)
-	if err != nil {
-		return Sample{}
-	}
-	defer conn.Close(context.Background())
-	s, _ := c.read(qctx, conn)
-	return s
-}
-
-// execRows runs sql on a connection of its own and says how many rows it returned or changed.
-func (c *campaign) execRows(ctx context.Context, sql string, args ...any) (int64, error) {
-	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(qctx, c.primary().URL)
-	if err != nil {
-		return 0, err
-	}
-	defer conn.Close(context.Background())
-	tag, err := conn.Exec(qctx, sql, args...)
-	return tag.RowsAffected(), err
-}
-
 // leftovers lists the advisory locks still in pg_locks after every worker stopped. A session whose client died
 // behind a blackhole ends at the server's idle timeout, so it waits for a while first.
-func (c *campaign) leftovers(ctx context.Context) []string {
+func (c *campaign) leftovers(ctx context.Context) []Leftover {
 	for _, s := range c.slots {
 		for _, p := range s.proxies {
 			p.Cut()
 		}
 	}
-	var out []string
+	var out []Leftover
 	deadline := time.Now().Add(3*c.opt.Keepalive + c.opt.LeaseLength + 10*time.Second)
 	for {
 		out = out[:0]
@@ -1052,16 +551,19 @@ func (c *campaign) leftovers(ctx context.Context) []string {
 			conn.Close(context.Background())
 			for k, rows := range s.Held {
 				for _, r := range rows {
-					out = append(out, fmt.Sprintf("%s held by %q (granted %v) after the workers stopped", k, r.App, r.Granted))
+					if r.Term != 0 && c.wasKilled(r.PID) {
+						continue // a lease stays until taken over: one a killed process held is no leak
+					}
+					out = append(out, Leftover{Key: k, App: r.App, Granted: r.Granted, Term: r.Term, PID: r.PID})
 				}
 			}
 		}
 		cancel()
 		if err != nil {
-			out = append(out, "could not read pg_locks: "+err.Error())
+			out = append(out, Leftover{Key: "could not read pg_locks: " + err.Error()})
 		}
 		if len(out) == 0 || time.Now().After(deadline) {
-			sort.Strings(out)
+			sort.Slice(out, func(i, j int) bool { return out[i].String() < out[j].String() })
 			return out
 		}
 		time.Sleep(200 * time.Millisecond)

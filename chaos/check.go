@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"time"
 )
 
@@ -57,7 +58,8 @@ type Evidence struct {
 // ends reports whether e ends sessions (rather than only slowing or stopping a client).
 func (e Evidence) ends() bool {
 	switch e.Kind {
-	case "sigstop", "blackhole", "latency", "slow_link", "break_lease", "slow_then_silent":
+	case "sigstop", "blackhole", "latency", "slow_link", "break_lease", "slow_then_silent", "break_in_flight",
+		"late_answers", "clock_step", "pgbouncer_stall", "pause_edge", "cut_edge":
 		return false
 	}
 	return true
@@ -107,7 +109,7 @@ type History struct {
 	Samples  []Sample
 	Pauses   []Pause
 	Evidence []Evidence  // faults that took effect, and backend ends from the server's log
-	Leaked   []string    // advisory locks left after the workers stopped
+	Leaked   []Leftover  // advisory locks (or leases) left after the workers stopped
 	Problems []Violation // worker panics, goroutine leaks, hangs, unexpected deaths
 	Bound    time.Duration
 	SemSlots map[string]int // the semaphore's slot keys, numbered, including slots n and above
@@ -150,6 +152,8 @@ const (
 	VPhantom    = "phantom"     // a holder that believed it held while pg_locks showed it did not
 	VSemaphore  = "semaphore"   // a holder of a slot n or above, or more than n holders at once
 	VLeak       = "leak"        // an advisory lock held with no holder believing it, past the release bound
+	VOrphan     = "orphan"      // a lease no holder was ever told of (its caller gave up on it) that stayed
+	VRevived    = "revived"     // a lease renewed more than a lease length after its record before
 	VLateNotice = "late_notice" // a holder told of a loss later than the bound after the server's evidence
 	VNeverTold  = "never_told"  // a holder that stayed in its section past the bound, told of its loss only by Unlock
 	VPanic      = "panic"
@@ -626,6 +630,9 @@ func Check(h *History) []Violation {
 	out = append(out, h.deadlocks()...)
 	out = append(out, h.queue()...)
 	for _, l := range h.Leaked {
+		if l.Term != 0 && h.releasedBeforeCrash(l.Term) {
+			continue
+		}
 		add(VLeak, "%s", l)
 	}
 	return append(out, h.Problems...)
@@ -724,11 +731,21 @@ func (h *History) leaksDuringRun() []Violation {
 					since[hk] = s.At
 					continue
 				}
-				bound := leakBound
+				late := s.At.Sub(first) > leakBound
 				if h.faultNear(w, first.Add(-leakBoundFault), s.At) {
-					bound = leakBoundFault
+					late = s.At.Sub(first) > leakBoundFault
 				}
-				if s.At.Sub(first) > bound && !reported[hk] {
+				if r.Term != 0 {
+					// A lease stays until it is deleted or taken over: one whose worker died, or whose Locker was
+					// closed (which stops its deletes still to do), or whose release a crash took back, is taken
+					// over by another; one its worker lost is deleted by it once the faults on its path have ended.
+					if h.killed(w, first.Add(-leakBoundFault), s.At) || h.closedNear(w, first.Add(-leakBoundFault), s.At) ||
+						h.releasedBeforeCrash(r.Term) {
+						continue
+					}
+					late = s.At.Sub(maxTime(first, h.clearAfter(w, first.Add(-leakBoundFault), s.At))) > orphanBound
+				}
+				if late && !reported[hk] {
 					reported[hk] = true
 					what := fmt.Sprintf("pid %d", r.PID)
 					if r.Term != 0 {
@@ -754,6 +771,91 @@ func (h *History) leaksDuringRun() []Violation {
 func (h *History) failedOverBefore(c *CS, at time.Time) bool {
 	for _, e := range h.Evidence {
 		if e.Kind == "failover" && c.begin().Before(e.At) && !at.Before(e.At) && !at.After(e.Until.Add(h.LeaseLength)) {
+			return true
+		}
+	}
+	return false
+}
+
+// releasedBeforeCrash reports whether the lease of term may have been released just before the server crashed (an
+// immediate stop) or failed over, by its holder, or given back or undone by a caller that was never told of it: a
+// release commits without waiting for its WAL to be written (docs/leases.md), so a crash may take it back, and a
+// failover loses what the standby had not received (the campaign makes it lag first); the lease's row then stays
+// until another takes the key over.
+func (h *History) releasedBeforeCrash(term int64) bool {
+	crashIn := func(from, to time.Time) bool {
+		for _, e := range h.Evidence {
+			switch {
+			case e.Kind == "restart_immediate" && !e.At.Before(from) && !e.At.After(to):
+				return true
+			case e.Kind == "failover" && !e.Until.Before(from) && !e.At.After(to): // lagging from At, promoted at Until
+				return true
+			}
+		}
+		return false
+	}
+	believed := false
+	for _, c := range h.CS {
+		if c.Token != term {
+			continue
+		}
+		believed = true
+		if c.Clean && c.Ended && crashIn(c.End.Add(-faultSlack), c.End.Add(time.Second)) {
+			return true
+		}
+	}
+	if l := h.Leases[term]; l != nil && !believed { // given back, or undone, within its bounds of the grant
+		return crashIn(l.Granted.Add(-faultSlack), l.Granted.Add(3*time.Second))
+	}
+	return false
+}
+
+// Leftover is a lock (or a lease) that a sample showed after the workers had stopped.
+type Leftover struct {
+	Key     string
+	App     string
+	Granted bool
+	Term    int64 // a lease's
+	PID     int32
+}
+
+func (l Leftover) String() string {
+	if l.Term != 0 {
+		return fmt.Sprintf("%s held by %q (term %d, pid %d) after the workers stopped", l.Key, l.App, l.Term, l.PID)
+	}
+	return fmt.Sprintf("%s held by %q (granted %v) after the workers stopped", l.Key, l.App, l.Granted)
+}
+
+// clearAfter is when the last of the faults that touched the worker (or every worker) between from and to ended,
+// or from when none did.
+func (h *History) clearAfter(worker int, from, to time.Time) time.Time {
+	clear := from
+	for _, e := range h.Evidence {
+		if e.Kind == "session_end" || e.Kind == "clock_step" || e.Worker != -1 && e.Worker != worker {
+			continue
+		}
+		end := maxTime(e.At, e.Until)
+		if strings.HasPrefix(e.Kind, "restart_") || e.Kind == "failover" {
+			// PgBouncer refuses logins for its server_login_retry (1 s) after its server came back, and tries again
+			// then: its clients are served a second or two after the server is.
+			end = end.Add(2 * time.Second)
+		}
+		if !e.At.After(to) && !end.Before(from) {
+			clear = maxTime(clear, end)
+		}
+	}
+	for _, p := range h.Pauses {
+		if p.Worker == worker && !p.From.After(to) && !p.To.Before(from) {
+			clear = maxTime(clear, p.To)
+		}
+	}
+	return clear
+}
+
+// closedNear reports whether the worker's Locker was closed between from and to.
+func (h *History) closedNear(worker int, from, to time.Time) bool {
+	for _, e := range h.Evidence {
+		if e.Kind == "close_locker" && e.Worker == worker && !e.At.Before(from) && !e.At.After(to) {
 			return true
 		}
 	}

@@ -165,7 +165,7 @@ func (c *campaign) keepLostLeaseLog(ctx context.Context, p *pgcluster.Cluster) {
 		entries, err := readLeaseLog(ctx, url)
 		if err == nil {
 			c.srvMu.Lock()
-			c.lostLeaseLog = append(c.lostLeaseLog, entries...)
+			c.lostLeaseLog = append(c.lostLeaseLog, correctClock(entries)...)
 			c.srvMu.Unlock()
 		}
 		return err

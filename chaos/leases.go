@@ -14,52 +14,128 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// LeaseLife is what the lease table's log (chaos_lease_log, a trigger's) says of one lease, by its term: when it
-// was granted, the last expiry a grant or renewal gave it, and when its row was deleted (zero: never). Each entry
+// LeaseLife is what the lease table's log (chaos_lease_log, a trigger's) says of one lease, by its term, with the
+// server's clock read back to the real one (see correctClock): when it was granted, when a grant or renewal last
+// made its record, when its row was deleted and when another term took its key over (zero: never). Each entry
 // commits with the change it records: it is what the server holds, crash or not.
 type LeaseLife struct {
-	Key     string
-	Granted time.Time
-	Expires time.Time
-	Deleted time.Time
+	Key      string
+	Worker   int // whose it was, by its holder text (-1: not a worker's)
+	Granted  time.Time
+	Renewed  time.Time
+	Deleted  time.Time
+	Replaced time.Time
+	// Ambiguous: an entry of it was logged while the server's clock stepped, so its times may be off by the step:
+	// no rule times it.
+	Ambiguous bool
+	// Gap is the longest time between two records of it (its grant and a renewal, or two renewals), ending at GapAt.
+	Gap   time.Duration
+	GapAt time.Time
 }
 
-// end is when the lease ended on the server: deleted (released, broken, its Locker closed), or expired.
-func (l *LeaseLife) end() time.Time {
-	if !l.Deleted.IsZero() && l.Deleted.Before(l.Expires) {
+// end is when the lease ended on the server: deleted (released, broken, retired), or one lease length after the
+// grant or renewal that last made its record, when its holder had stopped trusting it (its trust is shorter,
+// counted from a send that came before): a takeover comes later, or the taker broke the rules.
+func (l *LeaseLife) end(length time.Duration) time.Time {
+	e := l.Renewed.Add(length)
+	if !l.Deleted.IsZero() && l.Deleted.Before(e) {
 		return l.Deleted
 	}
-	return l.Expires
+	return e
 }
 
-// leaseEntry is one line of the lease table's log.
+// gone is when the lease's row left the server: deleted, or taken over (zero: never).
+func (l *LeaseLife) gone() time.Time {
+	switch {
+	case l.Deleted.IsZero():
+		return l.Replaced
+	case l.Replaced.IsZero() || l.Deleted.Before(l.Replaced):
+		return l.Deleted
+	}
+	return l.Replaced
+}
+
+// leaseEntry is one line of the lease table's log; the op S and T mark a step of the server's clock (before and
+// after it, the offset in milliseconds in Term).
 type leaseEntry struct {
+	ID          int64
 	At, Expires time.Time
 	Op          string
 	Key, Term   int64
+	Holder      string
+	ambiguous   bool
 }
 
-// readLeaseLog reads the log of the lease table on the server at url.
+// readLeaseLog reads the log of the lease table on the server at url, in the order it was written.
 func readLeaseLog(ctx context.Context, url string) ([]leaseEntry, error) {
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		return nil, err
 	}
 	defer conn.Close(context.Background())
-	rows, err := conn.Query(ctx, "SELECT at, op, key, term, expires FROM chaos_lease_log ORDER BY id")
+	rows, err := conn.Query(ctx, "SELECT id, at, op, key, term, expires, holder FROM chaos_lease_log ORDER BY id")
 	if err != nil {
 		return nil, err
 	}
 	var out []leaseEntry
 	for rows.Next() {
 		var e leaseEntry
-		if err := rows.Scan(&e.At, &e.Op, &e.Key, &e.Term, &e.Expires); err != nil {
+		if err := rows.Scan(&e.ID, &e.At, &e.Op, &e.Key, &e.Term, &e.Expires, &e.Holder); err != nil {
 			return nil, err
 		}
 		e.At, e.Expires = e.At.UTC(), e.Expires.UTC() // comparable as values across servers
 		out = append(out, e)
 	}
 	return out, rows.Err()
+}
+
+// correctClock reads the times of one server's log (in the order written) back to the real clock: an entry logged
+// after a step's T mark is read back by that step's offset. One logged between a step's S and T marks (read with
+// the clock before the step or after it) is read back by whichever offset puts it between the two marks on the
+// real clock; one that either or neither would is marked ambiguous. The marks themselves are dropped.
+func correctClock(entries []leaseEntry) []leaseEntry {
+	const window = 50 * time.Millisecond // a mark's own statement, around its clock reading
+	var out, between []leaseEntry
+	var offset time.Duration
+	var mark leaseEntry // the last S
+	stepping := false
+	for _, e := range entries {
+		switch e.Op {
+		case "S":
+			stepping, mark = true, e
+			continue
+		case "T":
+			next := time.Duration(e.Term) * time.Millisecond
+			from, to := mark.At.Add(-offset).Add(-window), e.At.Add(-next).Add(window)
+			for _, b := range between {
+				before, after := b.At.Add(-offset), b.At.Add(-next)
+				inBefore := !before.Before(from) && !before.After(to)
+				inAfter := !after.Before(from) && !after.After(to)
+				switch {
+				case inBefore && !inAfter:
+					b.At = before
+				case inAfter && !inBefore:
+					b.At = after
+				default:
+					b.At, b.ambiguous = before, true
+				}
+				out = append(out, b)
+			}
+			stepping, offset, between = false, next, between[:0]
+			continue
+		}
+		if stepping {
+			between = append(between, e)
+			continue
+		}
+		e.At = e.At.Add(-offset)
+		out = append(out, e)
+	}
+	for _, b := range between { // a step whose T mark was never written
+		b.At, b.ambiguous = b.At.Add(-offset), true
+		out = append(out, b)
+	}
+	return out
 }
 
 // leaseLog reads the log of the lease table: the primary's now, and in a failover campaign what each primary lost
@@ -71,8 +147,11 @@ func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, error) {
 	if err != nil {
 		return nil, err
 	}
+	if b, err := json.Marshal(entries); err == nil { // as logged, kept with the histories
+		_ = os.WriteFile(filepath.Join(c.dir, "lease_log.json"), b, 0o644)
+	}
 	c.srvMu.Lock()
-	entries = slices.Concat(c.lostLeaseLog, entries)
+	entries = slices.Concat(c.lostLeaseLog, correctClock(entries))
 	c.srvMu.Unlock()
 	return leaseLives(entries), nil
 }
@@ -89,67 +168,116 @@ func (c *campaign) keepLeaseLives(lives map[int64]*LeaseLife) {
 	}
 }
 
-// leaseLives reads entries as the lives of the leases, by term.
+// leaseLives reads entries (each server's read back to the real clock) as the lives of the leases, by term. An
+// entry of a term that makes a new record (its expiry changed) renews it; the first entry of another term for the
+// same key takes it over.
 func leaseLives(entries []leaseEntry) map[int64]*LeaseLife {
 	sort.SliceStable(entries, func(i, j int) bool { return entries[i].At.Before(entries[j].At) })
-	seen := map[leaseEntry]bool{}
+	type seenEntry struct {
+		at, expires time.Time
+		op          string
+		key, term   int64
+	}
+	seen := map[seenEntry]bool{}
 	out := map[int64]*LeaseLife{}
+	current := map[int64]int64{}    // key -> its term now
+	record := map[int64]time.Time{} // term -> the expiry of its record
 	for _, e := range entries {
-		if seen[e] || e.Term == 0 { // a grant's insert writes term 0, then draws its term in an update
+		se := seenEntry{e.At, e.Expires, e.Op, e.Key, e.Term}
+		if seen[se] || e.Term == 0 { // a grant's insert writes term 0, then draws its term in an update
 			continue
 		}
-		seen[e] = true
+		seen[se] = true
 		l := out[e.Term]
 		if l == nil {
-			l = &LeaseLife{Key: canon(advlock.Int64Key(e.Key)), Granted: e.At}
+			l = &LeaseLife{Key: canon(advlock.Int64Key(e.Key)), Granted: e.At, Renewed: e.At, Worker: workerOf(e.Holder)}
 			out[e.Term] = l
+			if prev, ok := current[e.Key]; ok && prev != e.Term && e.Op != "D" {
+				if p := out[prev]; p != nil && p.Replaced.IsZero() && p.Deleted.IsZero() {
+					p.Replaced = e.At
+				}
+			}
 		}
+		l.Ambiguous = l.Ambiguous || e.ambiguous
 		switch e.Op {
 		case "D":
 			if l.Deleted.IsZero() {
 				l.Deleted = e.At
 			}
-		default: // a grant (insert, or the update of a takeover) or a renewal
-			if e.Expires.After(l.Expires) {
-				l.Expires = e.Expires
+			if current[e.Key] == e.Term {
+				delete(current, e.Key)
+			}
+		default: // a grant (insert, or the update of a takeover) or a renewal; or a mark of its holder (no new record)
+			current[e.Key] = e.Term
+			if !e.Expires.Equal(record[e.Term]) {
+				record[e.Term] = e.Expires
+				if e.At.After(l.Renewed) {
+					if gap := e.At.Sub(l.Renewed); gap > l.Gap {
+						l.Gap, l.GapAt = gap, e.At
+					}
+					l.Renewed = e.At
+				}
 			}
 		}
 	}
 	return out
 }
 
+// workerOf is the worker a lease's holder text names (it ends with the worker's name), or -1.
+func workerOf(holder string) int {
+	var w int
+	for i := len(holder) - 1; i >= 0; i-- {
+		if holder[i] == ' ' {
+			if _, err := fmt.Sscanf(holder[i+1:], "chaos-w%d", &w); err == nil {
+				return w
+			}
+			break
+		}
+	}
+	return -1
+}
+
 // Slacks of the lease rules. A holder checks its lease before each write and the ledger stamps the write as it
 // runs it: a loaded machine may put some time between the two. A holder that was stopped, or whose Locker was
-// closed under it, learns of the end within noticeSlack of its resumption or of the close.
+// closed under it, learns of the end within noticeSlack of its resumption or of the close. A lease granted to
+// nobody (its caller gave up on the grant, or gave it back) is gone within orphanBound of the grant, or of the end
+// of the last fault that kept its worker from deleting it (its undo goes on apart until the server answers).
 const (
 	leaseSlack  = 250 * time.Millisecond
 	noticeSlack = time.Second
+	orphanBound = 1500 * time.Millisecond
 )
 
-// checkLeases judges each holder of a lease by the table's log. Exclusion: a holder writes (before it is told of
-// an end) only while its lease lives on the server: a write after the lease ended is a violation (overlap),
-// unless the lease was broken (its holder may write until its next renewal, docs/leases.md: at the latest until the
-// expiry its last renewal gave, when its trust window has closed), or the holder's
-// process was stopped across the end, or its Locker was closed (then it must learn within noticeSlack). Notice: a
-// lease that ended while its holder was in its section (not by its own release) must have been told by then (its
-// trust window closes before the lease expires; for a break, before the expiry it had): later is late_notice; told only
-// by Unlock, or never, while it wrote on past that, is never_told. A holder whose term the log never saw held a
-// lease the server never granted (phantom).
+// checkLeases judges the holders of leases: against each other (belief), and by the lease table's log.
+//
+// Belief: of two holders of one key, the one granted first (the lesser term) stops believing it holds (its last
+// write before it was told of an end) before the other's grant, whatever any clock did: every time compared is
+// on the real clock of this machine (the holders' records, the ledger's stamps on a server of its own when the
+// lock server's clock steps). Excused only where docs/leases.md says a holder may act on: its lease was broken
+// (until the trust of its last renewal, within a lease length of the break), its process was stopped across the
+// other's grant, or its Locker was closed (then within noticeSlack of the resumption or the close).
+//
+// By the log: a holder writes (before it is told of an end) only while its lease lives on the server (see
+// LeaseLife.end), with the same excuses; a lease that ended inside its holder's section, not by its own release,
+// must have been told by then (late_notice; never_told when only Unlock said so while it wrote on); two leases of
+// one key never live at once (a term granted while another term of its key, which a holder was told of, had not
+// ended: a promoted server that grants what the lost primary had granted or renewed past, or a takeover that came
+// too early); a holder whose term the log never saw held a lease the server never granted (phantom); a lease no
+// holder was ever told of is gone soon (orphan).
 func (h *History) checkLeases() []Violation {
 	var out []Violation
 	add := func(kind, f string, a ...any) { out = append(out, Violation{kind, fmt.Sprintf(f, a...)}) }
-	// Two leases of one key at once: the server granted a term while another term of that key, which a holder was
-	// told of, still lived by the logs (a lost primary's included: a promoted server that grants what the old one
-	// had granted or renewed past, before its holder stops trusting it).
 	holders := map[int64]*CS{}
 	for _, id := range sortedKeys(h.CS) {
 		if c := h.CS[id]; c.Token > 0 && !c.begin().IsZero() && holders[c.Token] == nil {
 			holders[c.Token] = c
 		}
 	}
+	out = append(out, h.beliefs(holders)...)
+
 	terms := map[string][]int64{}
 	for t := range holders {
-		if l := h.Leases[t]; l != nil {
+		if l := h.Leases[t]; l != nil && !l.Ambiguous {
 			terms[l.Key] = append(terms[l.Key], t)
 		}
 	}
@@ -159,9 +287,10 @@ func (h *History) checkLeases() []Violation {
 		for i, a := range list {
 			for _, b := range list[i+1:] {
 				la, lb := h.Leases[a], h.Leases[b]
-				if lb.Granted.Before(la.end()) {
+				if lb.Granted.Before(la.end(h.LeaseLength)) {
 					add(VOverlap, "key %s: term %d (%s %s) was granted at %s while term %d (%s %s, granted %s) lived until %s",
-						k, b, holders[b].Op, holders[b].ID, ts(lb.Granted), a, holders[a].Op, holders[a].ID, ts(la.Granted), ts(la.end()))
+						k, b, holders[b].Op, holders[b].ID, ts(lb.Granted), a, holders[a].Op, holders[a].ID, ts(la.Granted),
+						ts(la.end(h.LeaseLength)))
 				}
 			}
 		}
@@ -176,33 +305,19 @@ func (h *History) checkLeases() []Violation {
 			add(VPhantom, "key %s: %s %s held term %d, which the lease table never recorded", c.Key, c.Op, c.ID, c.Token)
 			continue
 		}
-		end := life.end()
-		var broken, closed *Evidence
-		for i, e := range h.Evidence {
-			switch {
-			case e.Kind == "break_lease" && e.Term == c.Token:
-				broken = &h.Evidence[i]
-			case e.Kind == "close_locker" && e.Worker == c.Worker && !e.At.Before(c.begin().Add(-faultSlack)) &&
-				!e.At.After(end.Add(faultSlack)):
-				closed = &h.Evidence[i]
-			}
+		if life.Ambiguous {
+			continue
 		}
+		end := life.end(h.LeaseLength)
+		broken, closed := h.brokenOrClosed(c, end)
 		// The latest moment c may still act, and be told, for an end that is not its own release. A broken lease's
 		// holder learns at its next renewal (a fault on its network may hold that answer back), and at the latest
-		// when its trust window closes, before the expiry its last renewal gave the lease.
+		// when its trust window closes, within a lease length of its last renewal.
 		deadline := end.Add(leaseSlack)
 		if broken != nil {
-			deadline = life.Expires.Add(leaseSlack)
+			deadline = life.Renewed.Add(h.LeaseLength).Add(leaseSlack)
 		}
-		if closed != nil && closed.At.Add(noticeSlack).After(deadline) {
-			deadline = closed.At.Add(noticeSlack)
-		}
-		for _, p := range h.Pauses { // stopped across the end: it learns after it resumes
-			if p.Worker == c.Worker && p.From.Before(end) && p.To.Add(noticeSlack).After(deadline) &&
-				p.To.After(end.Add(-h.LeaseLength)) {
-				deadline = p.To.Add(noticeSlack)
-			}
-		}
+		deadline = h.excused(c, end, deadline, closed)
 		lastW := lastWrite(c)
 		if bw := c.believing(); len(bw) > 0 && bw[len(bw)-1].At.After(deadline) {
 			add(VOverlap, "key %s: %s %s (term %d) wrote at %s, after its lease ended at %s (%s)",
@@ -224,18 +339,144 @@ func (h *History) checkLeases() []Violation {
 		}
 		h.Notices = append(h.Notices, n)
 	}
+	out = append(out, h.revived()...)
+	return append(out, h.orphans(holders)...)
+}
+
+// revived finds the leases whose record changed more than a lease length (and leaseSlack) after the record before
+// it: a renewal (or a grant handed out late and then renewed) that acted after its holder had stopped trusting the
+// lease. Every grant and renewal carries the latest moment it may act, the end of its holder's trust on the
+// server's clock as the holder knows it, so none does; what a step of the server's clock puts in between is not
+// judged (the holder's knowledge of that clock lags the step).
+func (h *History) revived() []Violation {
+	var out []Violation
+	for _, term := range sortedKeys(h.Leases) {
+		l := h.Leases[term]
+		if l.Ambiguous || l.Gap <= h.LeaseLength+leaseSlack {
+			continue
+		}
+		stepped := false
+		for _, e := range h.Evidence {
+			if e.Kind == "clock_step" && !e.At.Before(l.GapAt.Add(-l.Gap)) && !e.At.After(l.GapAt) {
+				stepped = true
+			}
+		}
+		if !stepped {
+			out = append(out, Violation{VRevived, fmt.Sprintf("key %s: term %d (worker %d) was renewed at %s, %v after its "+
+				"record before (a lease length is %v): acted on after its holder had stopped trusting it",
+				l.Key, term, l.Worker, ts(l.GapAt), l.Gap.Round(time.Millisecond), h.LeaseLength)})
+		}
+	}
 	return out
 }
 
-// endKind says how a lease ended: broken, its Locker closed, deleted (released), or expired.
+// brokenOrClosed finds the evidence that c's lease was broken (its term's row deleted by the campaign), or that
+// c's Locker was closed while it held (before end).
+func (h *History) brokenOrClosed(c *CS, end time.Time) (broken, closed *Evidence) {
+	for i, e := range h.Evidence {
+		switch {
+		case (e.Kind == "break_lease" || e.Kind == "break_in_flight") && e.Term == c.Token:
+			broken = &h.Evidence[i]
+		case e.Kind == "close_locker" && e.Worker == c.Worker && !e.At.Before(c.begin().Add(-faultSlack)) &&
+			!e.At.After(end.Add(faultSlack)):
+			closed = &h.Evidence[i]
+		}
+	}
+	return broken, closed
+}
+
+// excused extends deadline, the latest moment c may act for an end at end, by its Locker's close (noticeSlack
+// after it) and by a stop of its process across the end (noticeSlack after it resumed).
+func (h *History) excused(c *CS, end, deadline time.Time, closed *Evidence) time.Time {
+	if closed != nil && closed.At.Add(noticeSlack).After(deadline) {
+		deadline = closed.At.Add(noticeSlack)
+	}
+	for _, p := range h.Pauses { // stopped across the end: it learns after it resumes
+		if p.Worker == c.Worker && p.From.Before(end) && p.To.Add(noticeSlack).After(deadline) &&
+			p.To.After(end.Add(-h.LeaseLength)) {
+			deadline = p.To.Add(noticeSlack)
+		}
+	}
+	return deadline
+}
+
+// beliefs judges every two holders of one key against each other (see checkLeases): the earlier term's holder
+// stops believing before the later one's grant, on this machine's real clock.
+func (h *History) beliefs(holders map[int64]*CS) []Violation {
+	var out []Violation
+	byKey := map[string][]*CS{}
+	for _, c := range holders {
+		byKey[c.Key] = append(byKey[c.Key], c)
+	}
+	for _, k := range sortedKeys(byKey) {
+		list := byKey[k]
+		sort.Slice(list, func(i, j int) bool { return list[i].Token < list[j].Token })
+		for i, a := range list {
+			bw := a.believing()
+			if len(bw) == 0 {
+				continue
+			}
+			until := bw[len(bw)-1].At
+			for _, b := range list[i+1:] {
+				if !b.begin().Before(until) {
+					continue
+				}
+				broken, closed := h.brokenOrClosed(a, b.begin())
+				deadline := b.begin().Add(leaseSlack)
+				if broken != nil {
+					deadline = maxTime(deadline, broken.At.Add(h.LeaseLength).Add(leaseSlack))
+				}
+				if deadline = h.excused(a, b.begin(), deadline, closed); !until.After(deadline) {
+					continue
+				}
+				out = append(out, Violation{VOverlap, fmt.Sprintf("key %s: %s %s (term %d) believed it held until %s, "+
+					"after %s %s (term %d) was granted at %s", k, a.Op, a.ID, a.Token, ts(until), b.Op, b.ID, b.Token, ts(b.begin()))})
+				break // one is enough for a
+			}
+		}
+	}
+	return out
+}
+
+// orphans finds the leases no holder was ever told of (a grant whose caller gave up on it or gave it back) that
+// stayed past orphanBound after their grant, or after the end of the last fault that could keep their worker from
+// deleting them (a fault on its path or its process, or on every worker's). A lease its worker could not delete
+// because the worker died or its Locker was closed (which stops the deletes still to do) is excused, and so is one
+// granted as the workers were stopped.
+func (h *History) orphans(holders map[int64]*CS) []Violation {
+	var out []Violation
+	for _, term := range sortedKeys(h.Leases) {
+		l := h.Leases[term]
+		if holders[term] != nil || l.Ambiguous || l.Worker < 0 || l.Granted.After(h.RunEnd.Add(-2*time.Second)) {
+			continue
+		}
+		gone := l.gone()
+		if gone.IsZero() {
+			gone = h.RunEnd
+		}
+		if h.killed(l.Worker, l.Granted.Add(-faultSlack), gone) || h.closedNear(l.Worker, l.Granted.Add(-time.Second), gone) ||
+			h.releasedBeforeCrash(term) {
+			continue
+		}
+		clear := maxTime(l.Granted, h.clearAfter(l.Worker, l.Granted.Add(-time.Second), gone))
+		if gone.Sub(clear) > orphanBound {
+			out = append(out, Violation{VOrphan, fmt.Sprintf("key %s: term %d of worker %d, which no holder was told of, "+
+				"was granted at %s and stayed until %s, %v after the last fault that could hold its deletion back (%s)",
+				l.Key, term, l.Worker, ts(l.Granted), ts(gone), gone.Sub(clear).Round(time.Millisecond), ts(clear))})
+		}
+	}
+	return out
+}
+
+// endKind says how a lease ended: broken, its Locker closed, deleted (released), or its trust run out.
 func endKind(l *LeaseLife, broken, closed *Evidence) string {
 	switch {
 	case broken != nil:
 		return "broken"
 	case closed != nil:
 		return "Locker closed"
-	case !l.Deleted.IsZero() && l.Deleted.Before(l.Expires):
+	case !l.Deleted.IsZero():
 		return "deleted"
 	}
-	return "expired"
+	return "not renewed"
 }

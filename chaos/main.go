@@ -47,7 +47,8 @@ func mainCampaign() int {
 	faultList := flag.String("faults", "", "inject only these fault kinds (comma-separated; none: no faults; default: every kind)")
 	failover := flag.Bool("failover", false, "run the locks on a primary and a streaming standby, and inject failovers too (the ledger on a server of its own)")
 	waitSlice := flag.Duration("wait-slice", 0, "shorten each statement of a wait in the server (default: the library's 0.9 s)")
-	leases := flag.Bool("leases", false, "hold every lock as a lease (WithLeases), PgBouncer in transaction mode, and break leases as a fault")
+	leases := flag.Bool("leases", false, "hold every lock as a lease (WithLeases), PgBouncer in transaction mode, and a lease's own faults (see leasefaults.go)")
+	viaList := flag.String("via", "", "how the workers reach the server, in turn (comma-separated: direct, proxy, pgbouncer; default: each in turn)")
 	flag.Parse()
 	if flag.NArg() > 0 || *duration <= 0 || *workers < 1 {
 		flag.Usage()
@@ -59,6 +60,9 @@ func mainCampaign() int {
 		WaitSlice: *waitSlice, Leases: *leases}
 	if *opList != "" {
 		opt.Ops = strings.Split(*opList, ",")
+	}
+	if *viaList != "" {
+		opt.Via = strings.Split(*viaList, ",")
 	}
 	switch *faultList {
 	case "":

@@ -1,10 +1,12 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -68,8 +70,14 @@ type Report struct {
 	FirstGrantMS    Percentiles `json:"first_grant_after_promotion_ms"`
 	FirstGrantMaxMS float64     `json:"first_grant_after_promotion_max_ms"`
 	FirstGrantMinMS float64     `json:"first_grant_after_promotion_min_ms"`
-	NotExercised    []string    `json:"not_exercised,omitempty"` // why a run under faults proves nothing
-	Dir             string      `json:"dir,omitempty"`           // kept when something was found
+	// A lease campaign: the terms the lease table granted, those granted to a worker while its answers came late
+	// (late_answers), the steps of the server's clock, and the longest time between two records of a lease.
+	LeaseTerms       int      `json:"lease_terms,omitempty"`
+	LateAnswerGrants int      `json:"late_answer_grants,omitempty"`
+	ClockSteps       int      `json:"clock_steps,omitempty"`
+	LongestGapMS     float64  `json:"longest_record_gap_ms,omitempty"`
+	NotExercised     []string `json:"not_exercised,omitempty"` // why a run under faults proves nothing
+	Dir              string   `json:"dir,omitempty"`           // kept when something was found
 }
 
 // OK is true with zero violations and zero leaks.
@@ -77,7 +85,7 @@ func (r *Report) OK() bool {
 	return r.Violations == 0 && r.LeakedLocks == 0 && len(r.NotExercised) == 0
 }
 
-func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error) {
+func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, error) {
 	css, ops, probs, cancels, err := c.history()
 	if err != nil {
 		return nil, err
@@ -170,7 +178,7 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 	}
 	for _, f := range faults {
 		r.Faults[f.Kind]++
-		if f.Held > 0 || f.Kind == "latency" || f.Kind == "terminate_waiter" || f.Kind == "slow_link" && f.Waits > 0 {
+		if f.Held > 0 || f.Kind == "latency" || f.Kind == "terminate_waiter" || (f.Kind == "slow_link" || f.Kind == "late_answers") && f.Waits > 0 {
 			r.FaultsHit[f.Kind]++
 		}
 	}
@@ -202,6 +210,23 @@ func (c *campaign) report(ctx context.Context, leaked []string) (*Report, error)
 		sort.Float64s(first)
 		r.FirstGrantMS = Percentiles{P50: pct(first, 0.5), P99: pct(first, 0.99), N: len(first)}
 		r.FirstGrantMaxMS, r.FirstGrantMinMS = pct(first, 1), pct(first, 0)
+	}
+	if h.Leases != nil {
+		r.LeaseTerms = len(h.Leases)
+		for _, l := range h.Leases {
+			r.LongestGapMS = max(r.LongestGapMS, float64(l.Gap.Microseconds())/1000)
+			for _, e := range h.Evidence {
+				if e.Kind == "late_answers" && e.Worker == l.Worker && !l.Granted.Before(e.At) && !l.Granted.After(e.Until) {
+					r.LateAnswerGrants++
+					break
+				}
+			}
+		}
+		for _, e := range h.Evidence {
+			if e.Kind == "clock_step" {
+				r.ClockSteps++
+			}
+		}
 	}
 	if c.opt.Failover && !c.opt.NoFaults && r.Failovers == 0 && (len(c.opt.Faults) == 0 || slices.Contains(c.opt.Faults, "failover")) {
 		r.NotExercised = append(r.NotExercised, "no failover took place")
@@ -312,6 +337,10 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(w, "failovers: %d; the standby promoted %.0f ms after the primary stopped (p50; max %.0f ms), the first grant on the new primary %.0f ms after the promotion (p50; max %.0f ms)\n\n",
 			r.Failovers, r.PromoteMS.P50, r.PromoteMS.P99, r.FirstGrantMS.P50, r.FirstGrantMaxMS)
 	}
+	if r.LeaseTerms > 0 {
+		fmt.Fprintf(w, "leases: %d terms granted, %d of them to a worker while its answers came late; %d steps of the server's clock; the longest time between two records of a lease %.0f ms\n\n",
+			r.LeaseTerms, r.LateAnswerGrants, r.ClockSteps, r.LongestGapMS)
+	}
 	if r.Cycles > 0 {
 		fmt.Fprintf(w, "cycles of waits: %d formed; broken by one ErrDeadlock %d (after p50 %.0f ms, p99 %.0f ms, max %.0f ms; bound %v), by a fault, loss or timeout first %d, never %d; past the bound during a fault that kept a Locker from reading %d\n\n",
 			r.Cycles, r.CyclesBroken["deadlock"], r.DeadlockMS.P50, r.DeadlockMS.P99, r.DeadlockMaxMS,
@@ -402,11 +431,6 @@ func (r *Report) WriteJSON(path string) error {
 	return os.WriteFile(path, append(b, '\n'), 0o644)
 }
 
-func sortedKeys[V any](m map[string]V) []string {
-	out := make([]string, 0, len(m))
-	for k := range m {
-		out = append(out, k)
-	}
-	sort.Strings(out)
-	return out
+func sortedKeys[K cmp.Ordered, V any](m map[K]V) []K {
+	return slices.Sorted(maps.Keys(m))
 }

@@ -422,18 +422,10 @@ func (w *worker) heldByMe() []string {
 			}
 			err = r.Err()
 		}
-		if err == nil && w.cfg.LeaseLength > 0 { // and the leases that name this worker (they expire on their own)
-			var r pgx.Rows
-			if r, err = q.Query(ctx, `SELECT key, term, (expires - clock_timestamp())::text FROM public.advlock_lease
-					WHERE holder LIKE '% ' || $1 AND expires > clock_timestamp()`, w.cfg.Name); err == nil {
-				for r.Next() {
-					var key, term int64
-					var left string
-					if r.Scan(&key, &term, &left) == nil {
-						rows = append(rows, fmt.Sprintf("lease of %s, term %d, %s left", canon(advlock.Int64Key(key)), term, left))
-					}
-				}
-				err = r.Err()
+		if err == nil && w.cfg.LeaseLength > 0 { // and the leases this process still renews
+			var renewed []string
+			if renewed, err = w.leasesRenewed(ctx, q); err == nil {
+				rows = append(rows, renewed...)
 			}
 		}
 		if c, ok := q.(*pgx.Conn); ok {
@@ -447,6 +439,47 @@ func (w *worker) heldByMe() []string {
 			return rows
 		}
 	}
+}
+
+// leasesRenewed lists the leases of this process that something renews after its operations ended: read twice, a
+// renewal period apart, their records changed. A lease of this process that is not renewed is no leak of its
+// own: a release a crash took back, or one whose deletion goes on apart (the campaign's rules judge those).
+func (w *worker) leasesRenewed(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}) ([]string, error) {
+	read := func() (map[int64]string, error) {
+		r, err := q.Query(ctx, `SELECT term, expires::text || ' on key ' || key FROM public.advlock_lease
+			WHERE holder LIKE '% pid ' || $1 || ' ' || $2`, fmt.Sprint(os.Getpid()), w.cfg.Name)
+		if err != nil {
+			return nil, err
+		}
+		out := map[int64]string{}
+		for r.Next() {
+			var term int64
+			var rec string
+			if err := r.Scan(&term, &rec); err != nil {
+				return nil, err
+			}
+			out[term] = rec
+		}
+		return out, r.Err()
+	}
+	before, err := read()
+	if err != nil || len(before) == 0 {
+		return nil, err
+	}
+	time.Sleep(w.cfg.LeaseLength/3 + 300*time.Millisecond)
+	after, err := read()
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for term, rec := range after {
+		if b, ok := before[term]; ok && b != rec {
+			out = append(out, fmt.Sprintf("lease of term %d still renewed: expires %s, then %s", term, b, rec))
+		}
+	}
+	return out, nil
 }
 
 func (w *worker) track(name string, planned time.Duration) func() {

@@ -26,17 +26,18 @@ type Client struct {
 	cfg   Config
 	clock serverClock
 
-	mu     sync.Mutex
-	seen   map[session.ID]sighting
-	closed bool
-	bg     sync.WaitGroup // retire jobs
-	bgCtx  context.Context
-	bgStop context.CancelFunc
+	mu      sync.Mutex
+	seen    map[session.ID]sighting
+	closed  bool
+	bg      sync.WaitGroup // retire jobs
+	closing chan struct{}  // closed by Close: each retire job makes one last attempt at once
+	bgCtx   context.Context
+	bgStop  context.CancelFunc
 }
 
 // NewClient makes the Client of a Locker's leases.
 func NewClient(pool session.Pool, cfg Config) *Client {
-	c := &Client{pool: pool, cfg: cfg, seen: map[session.ID]sighting{}}
+	c := &Client{pool: pool, cfg: cfg, seen: map[session.ID]sighting{}, closing: make(chan struct{})}
 	c.bgCtx, c.bgStop = context.WithCancel(context.Background())
 	return c
 }
@@ -44,14 +45,29 @@ func NewClient(pool session.Pool, cfg Config) *Client {
 // Config is the Client's configuration.
 func (c *Client) Config() Config { return c.cfg }
 
-// Close stops the retire jobs (a statement of theirs on the wire is cut) and waits for them. What they had not yet
-// deleted is taken over by another Locker once it has seen it unchanged for a lease length.
+// CloseGrace is how long Close lets the retire jobs make their last attempt.
+const CloseGrace = time.Second
+
+// Close has each retire job make one last attempt at once, stops them after CloseGrace (a statement of theirs on
+// the wire is cut), and waits for them. What they had not deleted is taken over by another Locker once it has
+// seen it unchanged for a lease length.
 func (c *Client) Close() {
 	c.mu.Lock()
-	c.closed = true
+	if !c.closed {
+		c.closed = true
+		close(c.closing)
+	}
 	c.mu.Unlock()
+	done := make(chan struct{})
+	go func() { c.bg.Wait(); close(done) }()
+	t := time.NewTimer(CloseGrace)
+	select {
+	case <-done:
+	case <-t.C:
+	}
+	t.Stop()
 	c.bgStop()
-	c.bg.Wait()
+	<-done
 }
 
 // grantBound bounds a grant's statement: never longer than the lease can be trusted once granted (Length less
@@ -143,8 +159,11 @@ func (c *Client) grant(ctx context.Context, id session.ID, owner, waiter string)
 		until = c.clock.estimate(sent.Add(bound))
 	}
 	txt, out, err := exec(ctx, c.pool, bound, GrantSQL(id, owner, c.cfg.Holder, c.cfg.Length, waiter, seen, until), true)
-	if session.SQLState(err) == "25006" { // the function checks for recovery first: a primary that refuses writes
+	switch session.SQLState(err) {
+	case "25006": // the function checks for recovery first: a primary that refuses writes
 		err = session.ReadOnly(err)
+	case errLateGrant: // it ran past until, and rolled back: nothing granted, as a grant refused as too late
+		return answer{kind: 'l'}, sent, until, true, nil
 	}
 	if err != nil {
 		return a, sent, until, out, err
@@ -173,6 +192,11 @@ func (c *Client) grant(ctx context.Context, id session.ID, owner, waiter string)
 func (c *Client) Take(ctx context.Context, id session.ID, onEnd session.OnEnd) (*Lease, error) {
 	owner := c.newOwner()
 	a, sent, until, out, err := c.grant(ctx, id, owner, "")
+	if err == nil && a.kind == 'l' && ctx.Err() == nil {
+		// Refused as too late at once: the server's clock is ahead of what this client knew (it stepped, or the
+		// last answer is old); the answer told it. Once more (the refused grant wrote nothing).
+		a, sent, until, out, err = c.grant(ctx, id, owner, "")
+	}
 	if err != nil {
 		if out { // its outcome is unknown
 			c.retire([]session.ID{id}, owner, until, true)
@@ -204,7 +228,12 @@ func (c *Client) Take(ctx context.Context, id session.ID, onEnd session.OnEnd) (
 // error says so.
 func (c *Client) granted(id session.ID, owner string, term int64, sent time.Time, onEnd session.OnEnd) (*Lease, error) {
 	l := c.newLease(id, owner, term, sent, onEnd)
-	if !time.Now().Before(l.trustEnd()) && !mutant.On(mutant.LeaseLateGrantKept) {
+	if l.expired(time.Now()) {
+		if mutant.On(mutant.LeaseLateGrantKept) { // handed out, trusted as if granted now
+			now := time.Now()
+			l.trust, l.wall = c.trustFrom(now), c.trustFrom(now.Round(0))
+			return l, nil
+		}
 		l.giveBack()
 		return nil, errLateAnswer
 	}
@@ -226,11 +255,16 @@ func (c *Client) Wait(ctx context.Context, id session.ID, alts []session.ID, onE
 	var last error  // why the last poll did not grant
 	for {
 		for _, id := range ids {
-			a, sent, until, out, err := c.grant(context.WithoutCancel(ctx), id, owner, waiter)
+			// ctx bounds the wait for a connection (a cancel, Close, the deadline); once sent, the grant runs to its
+			// answer or its bound.
+			a, sent, until, out, err := c.grant(ctx, id, owner, waiter)
 			if err != nil {
 				if out { // its outcome is unknown: undone apart, and this owner grants nothing more
 					c.retire([]session.ID{id}, owner, until, false)
 					owner = c.newOwner()
+				}
+				if !out && ctx.Err() != nil {
+					break // the wait ended while it waited for a connection
 				}
 				if Permanent(err) {
 					if queued {
@@ -269,6 +303,9 @@ func (c *Client) Wait(ctx context.Context, id session.ID, alts []session.ID, onE
 		if dl, ok := ctx.Deadline(); ok && time.Until(dl) < d {
 			d = max(time.Until(dl), 0)
 		}
+		if ctx.Err() != nil {
+			d = 0
+		}
 		t := time.NewTimer(d)
 		select {
 		case <-t.C:
@@ -294,7 +331,8 @@ func beforeDeadline(ctx context.Context) bool {
 // to a connection that ended, a statement unanswered, a server restarting or full of connections, a lock or
 // statement timeout, a serialization failure.
 func Permanent(err error) bool {
-	for _, p := range []error{ErrLeaseTable, session.ErrStandby, session.ErrReadOnly, errors.ErrUnsupported} {
+	for _, p := range []error{ErrLeaseTable, session.ErrStandby, session.ErrReadOnly, errors.ErrUnsupported,
+		session.ErrNoPool, session.ErrClosed} {
 		if errors.Is(err, p) {
 			return true
 		}
@@ -349,25 +387,78 @@ func (c *Client) retire(ids []session.ID, owner string, until int64, now bool) {
 	c.mu.Unlock()
 	go func() {
 		defer c.bg.Done()
-		backoff := 50 * time.Millisecond
+		ctx, cancel := context.WithCancel(c.bgCtx)
+		type result struct {
+			ok   bool
+			wait time.Duration
+		}
+		results := make(chan result, retireInflight)
+		inflight := 0
+		defer func() {
+			cancel()
+			for ; inflight > 0; inflight-- {
+				<-results
+			}
+		}()
+		interval, next := 50*time.Millisecond, time.Now()
+		closing := c.closing
+		last := false // Close was called: the attempt on its way (or one now) is the last
 		for {
-			ok, wait := attempt(c.bgCtx, c.cfg.Bound)
-			if ok || c.bgCtx.Err() != nil {
+			if last && inflight == 0 {
 				return
 			}
-			if wait <= 0 { // it failed: try again soon, more slowly each time
-				wait, backoff = backoff, min(2*backoff, time.Second)
+			if !last && inflight < retireInflight && !time.Now().Before(next) {
+				inflight++
+				go func() {
+					ok, wait := attempt(ctx, min(c.cfg.Bound, retireBound))
+					results <- result{ok, wait}
+				}()
+				next, interval = time.Now().Add(interval), min(2*interval, retireEvery)
+				continue
 			}
-			t := time.NewTimer(min(wait, c.cfg.Length))
+			var tick <-chan time.Time
+			t := time.NewTimer(time.Until(next))
+			if inflight < retireInflight && !last {
+				tick = t.C
+			}
 			select {
-			case <-t.C:
-			case <-c.bgCtx.Done():
-				t.Stop()
+			case <-closing:
+				closing, last = nil, true
+				if inflight == 0 { // one last attempt, now
+					inflight++
+					go func() {
+						ok, wait := attempt(ctx, min(c.cfg.Bound, CloseGrace))
+						results <- result{ok, wait}
+					}()
+				}
+			case r := <-results:
+				inflight--
+				if r.ok {
+					t.Stop()
+					return
+				}
+				if r.wait > 0 { // answered, but the server's clock has not passed until yet: nothing to do before
+					next = time.Now().Add(min(r.wait, c.cfg.Length))
+				}
+			case <-tick:
+			case <-ctx.Done():
+			}
+			t.Stop()
+			if ctx.Err() != nil {
 				return
 			}
 		}
 	}()
 }
+
+// A retire job's attempts: one goes out every retireEvery at most (sooner at first), each bounded by retireBound,
+// at most retireInflight at once, so that one stuck on a dead connection does not hold the next back: once the
+// network is back, the lease is deleted within about retireEvery.
+const (
+	retireEvery    = 500 * time.Millisecond
+	retireBound    = 2 * time.Second
+	retireInflight = 4
+)
 
 // retireGrace is how long after until a grant may still commit: its waits for row locks are bounded by 1 s (its
 // lock_timeout), and then it commits.
@@ -394,11 +485,16 @@ func newID() string {
 // connection, and nothing is sent once it has ended (out says whether the statement went out); else ctx cuts it
 // too. A statement its bound cut says so without matching a context error: the caller's ctx did not end.
 func exec(ctx context.Context, pool session.Pool, bound time.Duration, sql string, whole bool) (txt string, out bool, err error) {
+	own := true // the bound ends before ctx's deadline: a timeout is the bound's
+	if dl, ok := ctx.Deadline(); ok && !dl.After(time.Now().Add(bound)) {
+		own = false
+	}
 	actx, cancel := context.WithTimeout(ctx, bound)
 	c, err := pool.Acquire(actx)
+	timedOut := own && errors.Is(actx.Err(), context.DeadlineExceeded) && ctx.Err() == nil
 	cancel()
 	if err != nil {
-		if ctx.Err() == nil && actx.Err() != nil {
+		if timedOut {
 			return "", false, &noAnswer{what: "no connection", bound: bound, cause: err}
 		}
 		return "", false, session.WithContext(ctx, fmt.Errorf("acquire connection: %w", err))
@@ -420,7 +516,7 @@ func exec(ctx context.Context, pool session.Pool, bound time.Duration, sql strin
 		case ctx.Err() != nil && !whole:
 			return "", true, session.WithContext(ctx, errOr(err, ctx.Err()))
 		case qctx.Err() != nil:
-			return "", true, &noAnswer{what: "no answer", bound: bound, cause: errOr(err, qctx.Err())}
+			return "", true, &noAnswer{what: "no answer from the server", bound: bound, cause: errOr(err, qctx.Err())}
 		}
 		return "", true, err
 	}
@@ -443,10 +539,18 @@ type noAnswer struct {
 }
 
 func (e *noAnswer) Error() string {
-	if errors.Is(e.cause, context.DeadlineExceeded) { // the bound's own timer: nothing more to say
-		return fmt.Sprintf("advlock: %s from the server within %v", e.what, e.bound)
+	if e.Unwrap() == nil { // the bound's own timer: nothing more to say
+		return fmt.Sprintf("advlock: %s within %v", e.what, e.bound)
 	}
-	return fmt.Sprintf("advlock: %s from the server within %v (%v)", e.what, e.bound, e.cause)
+	return fmt.Sprintf("advlock: %s within %v (%v)", e.what, e.bound, e.cause)
+}
+
+// Unwrap is the cause, unless it is a context's error (the bound's own timer).
+func (e *noAnswer) Unwrap() error {
+	if errors.Is(e.cause, context.DeadlineExceeded) || errors.Is(e.cause, context.Canceled) {
+		return nil
+	}
+	return e.cause
 }
 
 // serverClock is what a Client knows of the server's clock: its reading in the latest answer, and when that
@@ -486,7 +590,7 @@ type sighting struct {
 }
 
 // maxSightings bounds the records a Client remembers: past it, those not seen for a minute are forgotten, and if
-// that is not enough, all (forgetting only delays a takeover).
+// that is not enough, one at random for each new one (forgetting only delays a takeover).
 const maxSightings = 4096
 
 // observe records that the answer a, which came at recv, showed id held by a.rec. A holder trusts its lease for
@@ -507,14 +611,19 @@ func (c *Client) observe(id session.ID, a answer, recv time.Time) {
 		c.seen[id] = s
 		return
 	}
-	if len(c.seen) >= maxSightings {
+	if !ok && len(c.seen) >= maxSightings {
+		// Full: forget those not seen for a minute, or else one at random (map order), so that the keys a process
+		// keeps trying still get there (forgetting only delays a takeover).
 		for k, s := range c.seen {
 			if recv.Sub(s.last) > time.Minute {
 				delete(c.seen, k)
 			}
 		}
-		if len(c.seen) >= maxSightings {
-			clear(c.seen)
+		for k := range c.seen {
+			if len(c.seen) < maxSightings {
+				break
+			}
+			delete(c.seen, k)
 		}
 	}
 	c.seen[id] = sighting{rec: a.rec, first: recv, need: need, last: recv}

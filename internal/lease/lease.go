@@ -71,6 +71,7 @@ type Lease struct {
 
 	mu    sync.Mutex
 	trust time.Time     // the holder trusts the lease until then (monotonic)
+	wall  time.Time     // and until then on its wall clock (no monotonic reading), whichever comes first
 	rtt   time.Duration // the last confirmed round trip (the grant's, then each renewal's)
 
 	token int64 // what Token reports instead of term, under mutant.LeaseTermReused
@@ -78,7 +79,7 @@ type Lease struct {
 
 // newLease is the lease of a grant of id to owner, of term, sent at sent; its renewer is not started yet (start).
 func (c *Client) newLease(id session.ID, owner string, term int64, sent time.Time, onEnd session.OnEnd) *Lease {
-	l := &Lease{c: c, id: id, owner: owner, term: term, onEnd: onEnd, trust: c.trustFrom(sent), rtt: time.Since(sent),
+	l := &Lease{c: c, id: id, owner: owner, term: term, onEnd: onEnd, trust: c.trustFrom(sent), wall: c.trustFrom(sent.Round(0)), rtt: time.Since(sent),
 		stop: make(chan struct{}), stopped: make(chan struct{})}
 	if mutant.On(mutant.LeaseTermReused) {
 		first, _ := firstTerms.LoadOrStore(id, term)
@@ -96,10 +97,20 @@ func (l *Lease) start() {
 
 func (c *Client) trustFrom(sent time.Time) time.Time { return sent.Add(c.cfg.Length - c.cfg.Margin) }
 
-func (l *Lease) trustEnd() time.Time {
+// expired reports whether the holder has stopped trusting its lease by now: its trust window, counted from the
+// send of the last confirmed grant or renewal, has passed on its monotonic clock, or on its wall clock, which only
+// ever makes it shorter: the monotonic clock stops while the machine sleeps (a suspended laptop or VM), the wall
+// clock does not. A wall clock that steps forward only ends the trust early; one that steps back changes nothing.
+func (l *Lease) expired(now time.Time) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.trust
+	return !now.Before(l.trust) || !now.Round(0).Before(l.wall)
+}
+
+// errTrustEnded is the loss of a lease whose trust window closed without a confirmed renewal.
+func (l *Lease) errTrustEnded() error {
+	return fmt.Errorf("%w: the lease was not renewed within its length (%v less a margin of %v)",
+		session.ErrLockLost, l.c.cfg.Length, l.c.cfg.Margin)
 }
 
 // renew keeps the lease until Release stops it or it is lost: it renews every Renew (from the send of the last
@@ -135,16 +146,19 @@ func (l *Lease) renew(next time.Time) {
 		if mutant.On(mutant.LeaseRenewUnkeyed) {
 			return renewUnkeyedSQL(l.id, cfg.Length)
 		}
-		return RenewSQL(l.id, l.owner, l.term, cfg.Length, l.c.clock.estimate(trust))
+		until := l.c.clock.estimate(trust)
+		if mutant.On(mutant.LeaseRenewNoDeadline) {
+			until = 0
+		}
+		return RenewSQL(l.id, l.owner, l.term, cfg.Length, until)
 	}
 	for {
 		l.mu.Lock()
 		trust, rtt := l.trust, l.rtt
 		l.mu.Unlock()
 		now := time.Now()
-		if !now.Before(trust) {
-			l.finish(fmt.Errorf("%w: the lease was not renewed within its length (%v less a margin of %v)",
-				session.ErrLockLost, cfg.Length, cfg.Margin))
+		if l.expired(now) {
+			l.finish(l.errTrustEnded())
 			l.c.retire([]session.ID{l.id}, l.owner, 0, false) // its row, if the server still has it, frees the key
 			return
 		}
@@ -204,7 +218,7 @@ func (l *Lease) renew(next time.Time) {
 		case r.err == nil && ok == "1":
 			l.mu.Lock()
 			if t := l.c.trustFrom(r.sent); t.After(l.trust) {
-				l.trust, l.rtt = t, r.recv.Sub(r.sent)
+				l.trust, l.wall, l.rtt = t, l.c.trustFrom(r.sent.Round(0)), r.recv.Sub(r.sent)
 			}
 			l.mu.Unlock()
 			if r.round == round {
@@ -257,8 +271,18 @@ func (l *Lease) finish(cause error) {
 // Done is closed when the lease ends: released, or lost (at the latest when its trust window closes).
 func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
 
-// Err is nil while the lease is held; afterwards it says why it ended.
-func (l *Lease) Err() error { return context.Cause(l.ctx) }
+// Err is nil while the lease is held; afterwards it says why it ended. It reads the clock: once the trust window has
+// closed it reports the loss, even before the renewer (a goroutine that a starved machine may run late) has ended
+// the lease and closed Done.
+func (l *Lease) Err() error {
+	if err := context.Cause(l.ctx); err != nil {
+		return err
+	}
+	if l.expired(time.Now()) {
+		return l.errTrustEnded()
+	}
+	return nil
+}
 
 // AfterEnd arranges for f to run once the lease ends; stop cancels that.
 func (l *Lease) AfterEnd(f func()) (stop func() bool) { return context.AfterFunc(l.ctx, f) }
@@ -325,7 +349,13 @@ func (l *Lease) Release(ctx context.Context, after error) error {
 		return session.ErrNotHeld
 	}
 	l.halt()
-	if err := l.Err(); err != nil {
+	if err := context.Cause(l.ctx); err != nil {
+		return err
+	}
+	if l.expired(time.Now()) { // lost as the renewer was stopped: ended here, as the renewer would have
+		err := l.errTrustEnded()
+		l.finish(err)
+		l.c.retire([]session.ID{l.id}, l.owner, 0, false)
 		return err
 	}
 	txt, _, err := exec(ctx, l.c.pool, l.c.cfg.Bound, ReleaseSQL(l.id, l.owner, l.term), false)

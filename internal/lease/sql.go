@@ -31,10 +31,10 @@ const (
 // holding back the key's tries and later waiters that long after its last poll.
 const WaitStale = 3 * time.Second
 
-// live is the condition on a wait's row w that it counts: seen within WaitStale on the server's clock, and not
+// LiveWait is the condition on a wait's row w that it counts: seen within WaitStale on the server's clock, and not
 // more than that ahead of it (a row seen before the server's clock stepped back is seen again, now, at its waiter's
 // next poll; a dead waiter's row does not hold the queue back for as long as the step).
-const live = "w.seen > clock_timestamp() - interval '3 seconds' AND w.seen < clock_timestamp() + interval '3 seconds'"
+const LiveWait = "w.seen > clock_timestamp() - interval '3 seconds' AND w.seen < clock_timestamp() + interval '3 seconds'"
 
 // The functions that grant, renew and release a lease, beside the tables: each call is one short literal
 // statement (any driver, any pooler), and the server plans the statements inside a function once per server
@@ -111,8 +111,10 @@ const usNow = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
 //
 // A grant that reaches the server after until grants nothing ("l"): its caller gave up on it at until (a pooler
 // stopped and continued, a link that held the request back), and a lease granted then would be held by nobody. The
-// check runs as the function begins and again on the row's lock for a takeover; a grant's waits for row locks are
-// bounded by lock_timeout (1 s), so that a grant commits at most that long after until (Client.retire counts on it).
+// check runs as the function begins, again on the row's lock for a takeover, and once more as the grant is about to
+// answer, which then fails (SQLSTATE errLateGrant, its writes rolled back) when the function ran past until (its
+// waits for row locks are bounded by lock_timeout, 1 s): what remains after until is its commit (Client.retire
+// counts on a commit within retireGrace of it).
 //
 // A promotion can lose the last grants and renewals (asynchronous replication): a holder may trust a lease that
 // the promoted server never heard of, or one whose expiry it knows only from an older renewal. So on a timeline
@@ -159,7 +161,7 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	" AS l WHERE l.space = sp AND l.key = k;\n" +
 	"  IF " + heldCheck + " THEN\n" +
 	"    res := 'h ' || r_term || ' ' || r_exp || ' ' || r_len || ' ' || r_left;\n" +
-	"  ELSIF EXISTS (SELECT 1 FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter <> wt AND " + live +
+	"  ELSIF EXISTS (SELECT 1 FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter <> wt AND " + LiveWait +
 	" AND (mine IS NULL OR w.since < mine OR w.since = mine AND w.waiter < wt)) THEN\n" +
 	"    res := 'w';\n" +
 	"  ELSE\n" +
@@ -174,6 +176,9 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"    END IF;\n" +
 	"    IF t IS NOT NULL THEN\n" +
 	"      IF wt <> '' THEN DELETE FROM " + Waits + " AS w WHERE w.waiter = wt; END IF;\n" +
+	"      IF until_us > 0 AND " + usNow + " > until_us THEN\n" +
+	"        RAISE EXCEPTION 'advlock: the grant ran past the latest moment its caller gave it' USING ERRCODE = '" + errLateGrant + "';\n" +
+	"      END IF;\n" +
 	"      RETURN 'g ' || t || ' ' || now_us;\n" +
 	"    END IF;\n" +
 	"    res := 'w';\n" +
@@ -195,6 +200,9 @@ const quietCheck = "  IF tl > 1 THEN\n" +
 	"      RETURN 'q ' || now_us;\n" +
 	"    END IF;\n" +
 	"  END IF;\n"
+
+// errLateGrant is the SQLSTATE of a grant that ran past its until (grantDDL): nothing was granted.
+const errLateGrant = "AL001"
 
 // heldCheck: the key has a row other than the record the caller has seen unchanged for a lease length.
 const heldCheck = "r_term IS NOT NULL AND (r_term <> seen_term OR r_exp <> seen_exp)"
@@ -364,7 +372,7 @@ func ListSQL(waits bool) string {
 	q := "SELECT true, space, key, term, holder, granted, expires, " +
 		"(extract(epoch FROM expires - clock_timestamp()) * 1000)::int8 FROM " + Table + " WHERE expires > clock_timestamp()"
 	if waits {
-		q += " UNION ALL SELECT false, space, key, 0, holder, since, since, 0 FROM " + Waits + " AS w WHERE " + live
+		q += " UNION ALL SELECT false, space, key, 0, holder, since, since, 0 FROM " + Waits + " AS w WHERE " + LiveWait
 	}
 	return q + " ORDER BY 1 DESC, 2, 3, 6"
 }

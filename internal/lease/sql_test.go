@@ -2,6 +2,7 @@ package lease
 
 import (
 	"context"
+	"errors"
 	"os"
 	"strings"
 	"testing"
@@ -333,5 +334,55 @@ func TestGrantTermAfterAWaitedInsert(t *testing.T) {
 	}
 	if seq := got & (1<<48 - 1); seq <= meanwhile {
 		t.Errorf("the second grant drew sequence value %d (term %d), not after %d, drawn while it waited", seq, got, meanwhile)
+	}
+}
+
+// A Client that tries more held keys than it may remember still takes them over: once full, it forgets one record
+// at random for each new one (it used to forget them all, and no record ever stayed long enough). The keys tried
+// again and again are mostly remembered from one round to the next.
+func TestSightingsPastTheirBound(t *testing.T) {
+	c := NewClient(nil, Defaults())
+	defer c.Close()
+	n := maxSightings + maxSightings/20
+	t0 := time.Now()
+	for round := range 3 {
+		at := t0.Add(time.Duration(round) * 10 * time.Second)
+		for k := range n {
+			c.observe(session.ID{V: int64(k)}, answer{kind: 'h', rec: record{int64(k) + 1, 1}, holderLen: time.Second}, at)
+		}
+	}
+	matured := 0
+	for k := range n {
+		if c.matured(session.ID{V: int64(k)}, t0.Add(time.Minute)) != (record{}) {
+			matured++
+		}
+	}
+	if matured < n/2 {
+		t.Errorf("%d of %d keys seen in three rounds could be taken over, want most", matured, n)
+	}
+	if len(c.seen) > maxSightings {
+		t.Errorf("%d records remembered, more than %d", len(c.seen), maxSightings)
+	}
+}
+
+// A holder stops trusting its lease when its trust window has passed on its monotonic clock or on its wall clock
+// (the monotonic clock stops while a machine sleeps), and Err says so at once, whether or not the renewer has run:
+// a starved process's renewer may run late.
+func TestTrustEndsOnEitherClock(t *testing.T) {
+	c := NewClient(nil, Defaults())
+	defer c.Close()
+	window := c.cfg.Length - c.cfg.Margin
+	fresh := c.newLease(session.ID{V: 1}, "o", 1, time.Now(), nil)
+	if err := fresh.Err(); err != nil {
+		t.Fatalf("a lease granted now: %v", err)
+	}
+	old := c.newLease(session.ID{V: 1}, "o", 1, time.Now().Add(-window), nil)
+	if err := old.Err(); !errors.Is(err, session.ErrLockLost) {
+		t.Errorf("a lease whose window passed on the monotonic clock, its renewer never run: %v, want ErrLockLost", err)
+	}
+	slept := c.newLease(session.ID{V: 1}, "o", 1, time.Now(), nil)
+	slept.wall = time.Now().Round(0).Add(-time.Second) // as after a sleep: the wall clock went on, the monotonic did not
+	if err := slept.Err(); !errors.Is(err, session.ErrLockLost) {
+		t.Errorf("a lease whose window passed on the wall clock alone: %v, want ErrLockLost", err)
 	}
 }

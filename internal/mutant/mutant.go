@@ -53,7 +53,8 @@ const (
 	// trust them.
 	LeaseNoQuiet = "lease_no_quiet"
 	// LeaseLateGrantKept: a lease's grant is bounded by the statement bound alone (5 s), not by how long the lease
-	// can be trusted, and an answer that comes after its trust window has closed is handed out as held.
+	// can be trusted, and an answer that comes after its trust window has closed is handed out as held, trusted as
+	// if it had just been granted.
 	LeaseLateGrantKept = "lease_late_grant_kept"
 	// LeaseServerExpiry: a lease is taken over once its expiry has passed on the server's clock (as an earlier
 	// version did), not once the taker has seen its record unchanged for a lease length on its own clock: a server
@@ -67,13 +68,16 @@ const (
 	// tell (as an earlier version did): a grant held back on its way (a stopped pooler) arrives after that delete and
 	// grants a lease that nobody holds.
 	LeaseUndoOnce = "lease_undo_once"
+	// LeaseRenewNoDeadline: a lease's renewal carries no latest moment at which it may still renew, so a renewal
+	// held back on its way (a stopped pooler) renews a lease its holder has stopped trusting.
+	LeaseRenewNoDeadline = "lease_renew_no_deadline"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
 	TokenNoTimeline, IntentIgnored, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply,
-	LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline, LeaseUndoOnce}
+	LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline, LeaseUndoOnce, LeaseRenewNoDeadline}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

@@ -18,6 +18,7 @@ type Proxy struct {
 	blackhole atomic.Bool
 	refuse    atomic.Bool
 	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
+	answers   atomic.Int64 // nanoseconds added before each chunk from the server (AnswerLatency)
 	setup     atomic.Int64 // nanoseconds added before the server's first chunk on each new connection
 	dials     atomic.Int64 // connections accepted
 
@@ -84,19 +85,24 @@ func (p *Proxy) accept() {
 		p.links[c] = s
 		p.mu.Unlock()
 		p.wg.Add(2)
-		go p.pipe(c, s, 0)
-		go p.pipe(s, c, time.Duration(p.setup.Load()))
+		go p.pipe(c, s, 0, nil)
+		go p.pipe(s, c, time.Duration(p.setup.Load()), &p.answers)
 	}
 }
 
-// pipe forwards from's bytes to to; first delays the first chunk (see SetupLatency).
-func (p *Proxy) pipe(from, to net.Conn, first time.Duration) {
+// pipe forwards from's bytes to to; first delays the first chunk (see SetupLatency), and extra, when not nil, each
+// chunk (see AnswerLatency).
+func (p *Proxy) pipe(from, to net.Conn, first time.Duration, extra *atomic.Int64) {
 	defer p.wg.Done()
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := from.Read(buf)
 		if n > 0 && !p.blackhole.Load() {
-			if d := time.Duration(p.latency.Load()) + first; d > 0 {
+			d := time.Duration(p.latency.Load()) + first
+			if extra != nil {
+				d += time.Duration(extra.Load())
+			}
+			if d > 0 {
 				time.Sleep(d)
 			}
 			first = 0
@@ -158,6 +164,10 @@ func (p *Proxy) Refuse(on bool) { p.refuse.Store(on) }
 
 // Latency delays every forwarded chunk by d.
 func (p *Proxy) Latency(d time.Duration) { p.latency.Store(int64(d)) }
+
+// AnswerLatency delays every chunk from the server by d, and nothing the client sends: a request reaches the server
+// at once, its answer d later (a link slow one way, or an answer held up on its way back).
+func (p *Proxy) AnswerLatency(d time.Duration) { p.answers.Store(int64(d)) }
 
 // SetupLatency delays the server's first answer on each connection made from now on by d, as a loaded server
 // is slow to start a session, or a far one to finish a handshake; later bytes flow as usual.
