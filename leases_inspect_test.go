@@ -1,0 +1,154 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+)
+
+// Leases where people look: Inspect, Leader, BreakLease, Stats and the observers.
+
+// Inspect and Leader see leases as the server's rows: a held lease is listed with its term, its holder and the
+// time it has left, a pair key decoded as the pair; Leader finds it, a lease Locker's Leader answers for its
+// leases and a session Locker's for its session locks (a session lock of the same number held beside it is the
+// package Leader's first answer). BreakLease of another term deletes nothing; of the holder's term it deletes the
+// row and the holder is told at its next renewal. A database without the lease table lists none, even inside a
+// transaction that goes on afterwards.
+func TestLeaseInspect(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 60*time.Second)
+	l := New(b.pool, WithLeases(), WithLeaseLength(3*time.Second))
+	defer l.Close()
+	sl := New(b.pool)
+	defer sl.Close()
+	k, pk := key(t), PairKey(int32(time.Now().UnixNano()), -7)
+	lk, err := l.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	plk, err := l.TryLock(ctx, pk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plk.Unlock(ctx)
+	rows, err := Inspect(ctx, b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := map[string]*LeaseInfo{}
+	for _, r := range rows {
+		if r.Lease != nil && (r.Key.Equal(k) || r.Key.Equal(pk)) { // other tests' leases and waits may be listed too
+			if !r.Granted || r.Shared || r.PID != 0 {
+				t.Errorf("a lease row: granted %v, shared %v, pid %d", r.Granted, r.Shared, r.PID)
+			}
+			found[r.Key.String()] = r.Lease
+		}
+	}
+	for _, c := range []struct {
+		k  Key
+		lk *Lock
+	}{{k, lk}, {pk, plk}} {
+		li := found[c.k.String()]
+		switch {
+		case li == nil:
+			t.Fatalf("Inspect did not list the lease of %s: %v", c.k, found)
+		case li.Token != c.lk.Token():
+			t.Errorf("%s: listed term %d, the lock's token is %d", c.k, li.Token, c.lk.Token())
+		case li.Left <= 0 || li.Left > 3*time.Second:
+			t.Errorf("%s: %v left of a 3s lease", c.k, li.Left)
+		case !strings.Contains(li.Holder, " pid "+strconv.Itoa(os.Getpid())):
+			t.Errorf("%s: holder %q does not name this process", c.k, li.Holder)
+		}
+	}
+	who, ok, err := Leader(ctx, b.obs, k)
+	if err != nil || !ok || who.Lease == nil || who.Lease.Token != lk.Token() {
+		t.Fatalf("Leader of a key held as a lease: %+v %v %v", who, ok, err)
+	}
+	slk, err := sl.TryLock(ctx, k) // a session lock of the same number: leases do not exclude it
+	if err != nil {
+		t.Fatalf("a session lock of a number held as a lease: %v", err)
+	}
+	if who, ok, err := Leader(ctx, b.obs, k); err != nil || !ok || who.Lease != nil || who.PID != int32(slk.PID()) {
+		t.Errorf("package Leader with a session lock beside the lease: %+v %v %v, want the session (pid %d)", who, ok, err, slk.PID())
+	}
+	if who, ok, err := l.Leader(ctx, k); err != nil || !ok || who.Lease == nil {
+		t.Errorf("a lease Locker's Leader: %+v %v %v, want the lease", who, ok, err)
+	}
+	_ = slk.Unlock(ctx)
+	if _, ok, err := sl.Leader(ctx, k); err != nil || ok {
+		t.Errorf("a session Locker's Leader of a key held only as a lease: %v %v, want none", ok, err)
+	}
+
+	if gone, err := BreakLease(ctx, b.obs, k, lk.Token()+1); err != nil || gone {
+		t.Fatalf("BreakLease of another term: %v %v", gone, err)
+	}
+	if term, ok := leaseRow(t, b.obs, k); !ok || term != lk.Token() {
+		t.Fatal("BreakLease of another term deleted the lease")
+	}
+	if gone, err := BreakLease(ctx, b.obs, k, lk.Token()); err != nil || !gone {
+		t.Fatalf("BreakLease of the holder's term: %v %v", gone, err)
+	}
+	if _, ok := leaseRow(t, b.obs, k); ok {
+		t.Error("BreakLease left the row")
+	}
+	pgtest.WaitClosed(t, lk.Done(), 3*time.Second, "a broken lease told at the next renewal")
+	if !errors.Is(lk.Err(), ErrLockLost) {
+		t.Errorf("a broken lease: %v", lk.Err())
+	}
+
+	fresh := pgtest.Conn(t, pgtest.FreshDB(t, pgtest.URL(t)))
+	tx, err := fresh.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if rows, err := Inspect(ctx, tx); err != nil || len(rows) != 0 {
+		t.Fatalf("Inspect of a database without the lease table: %v %v", rows, err)
+	}
+	if _, err := tx.Exec(ctx, "SELECT 1"); err != nil {
+		t.Errorf("the transaction Inspect read in: %v", err)
+	}
+}
+
+// A lease holds no session, and says so: Stats counts it in Held and HeldLeases, not in OwnSessions, and the
+// observer's LockEnd names it a lease, with its token and no pid.
+func TestLeaseStatsAndObserver(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	ends := make(chan LockEnd, 1)
+	l := New(b.pool, WithLeases(), WithObserver(endObserver(func(e LockEnd) { ends <- e })))
+	defer l.Close()
+	lk, err := l.TryLock(ctx, key(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := l.Stats(); st.Held != 1 || st.HeldLeases != 1 || st.OwnSessions != 0 || st.HeldShared != 0 {
+		t.Errorf("Stats while a lease is held: %+v", st)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case e := <-ends:
+		if e.Session != "lease" || e.PID != 0 || e.Token != lk.Token() || e.Cause != CauseReleased {
+			t.Errorf("LockEnd of a lease: %+v", e)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no LockEnd")
+	}
+}
+
+// endObserver is an Observer that hands each LockEnd to f.
+type endObserver func(LockEnd)
+
+func (f endObserver) LockStart(ctx context.Context, _ LockCall) (context.Context, func(LockOutcome)) {
+	return ctx, func(LockOutcome) {}
+}
+func (f endObserver) Session(SessionEvent) {}
+func (f endObserver) LockEnd(e LockEnd)    { f(e) }
