@@ -598,3 +598,69 @@ func (c *lostAnswerConn) QueryText(ctx context.Context, sql string) (string, err
 	}
 	return r, err
 }
+
+// A taker waits the holder's lease length, not its own: the holder's length is in its row (after its owner id). A
+// holder of 3 s leases cut off, a taker of 1 s leases polling: the taker is granted only after the holder has
+// stopped trusting its lease (counted from its own 1 s, it was granted two seconds too early).
+func TestLeaseTakeoverWaitsTheHolderLength(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 60*time.Second)
+	proxy, pool := proxiedPool(t, url, 4)
+	holder := New(pool, WithLeases(), WithLeaseLength(3*time.Second))
+	defer holder.Close()
+	taker := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(time.Second), withLeasePoll(5*time.Millisecond))
+	defer taker.Close()
+	k := key(t)
+	lk, err := holder.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wait := startTakeover(ctx, t, taker, k, lk, 20*time.Second)
+	time.Sleep(1200 * time.Millisecond) // a renewal confirmed, then silence
+	proxy.Blackhole(true)
+	defer proxy.Blackhole(false)
+	_, told, granted := wait()
+	t.Logf("the holder stopped trusting %v before the taker's grant", granted.Sub(told).Round(time.Millisecond))
+}
+
+// What its holder lost is deleted once the server answers, and Close makes one last attempt: a lease whose
+// renewals went unanswered (the link down for longer than its trust) has its row deleted soon after the link is
+// back, without waiting for another Locker's watch of it; and a grant in doubt when Close is called (its answer
+// lost, the link back just before) is deleted by Close. Without them each row stayed until a takeover.
+func TestLeaseLostRowsDeleted(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 60*time.Second)
+	link := &lostAnswer{Pool: pgxPool{p: pgtest.Pool(t, url, nil)}, down: 2500 * time.Millisecond}
+	l := New(nil, option(func(o *config.Options) { o.Backend = link }), WithLeases(), WithLeaseLength(time.Second))
+	defer l.Close()
+	k := key(t)
+	lk, err := l.TryLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	link.downUntil.Store(time.Now().Add(link.down).UnixNano()) // every renewal fails from now on, for 2.5 s
+	pgtest.WaitClosed(t, lk.Done(), 5*time.Second, "a lease whose renewals all fail")
+	time.Sleep(time.Until(time.Unix(0, link.downUntil.Load())) + time.Second)
+	if owners := leaseOwners(t, obs, k); len(owners) != 0 {
+		t.Errorf("a second after the link came back, the lost lease's rows: %v", owners)
+	}
+
+	k2 := key(t)
+	link.down = time.Minute
+	link.next.Store(true)
+	if lk, err := l.TryLock(ctx, k2); err == nil {
+		t.Fatalf("a try whose answer was lost was granted (token %d)", lk.Token())
+	}
+	time.Sleep(time.Second) // its undo tried apart, and failing, every half second
+	if owners := leaseOwners(t, obs, k2); len(owners) != 1 {
+		t.Fatalf("the grant whose answer was lost: rows %v, want its lease still there (the test proves nothing otherwise)", owners)
+	}
+	link.downUntil.Store(0) // the link back as Close is called: its last attempt goes through
+	l.Close()
+	if owners := leaseOwners(t, obs, k2); len(owners) != 0 {
+		t.Errorf("after Close, the grant in doubt's rows: %v", owners)
+	}
+}

@@ -432,7 +432,7 @@ func Check(h *History) []Violation {
 	out = append(out, h.deadlocks()...)
 	out = append(out, h.queue()...)
 	for _, l := range h.Leaked {
-		if l.Term != 0 && h.releasedBeforeCrash(l.Term) {
+		if l.Term != 0 && (h.releasedBeforeCrash(l.Term) || h.deletedElsewhere(l.Term, h.RunEnd)) {
 			continue
 		}
 		add(VLeak, "%s", l)

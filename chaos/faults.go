@@ -28,11 +28,12 @@ type fault struct {
 	Until  time.Time
 	Worker int
 	Detail string
-	PID    int32    // the backend it ended (terminate)
-	Term   int64    // the lease it deleted (break_lease)
-	Keys   []string // the advisory locks that backend held just before
-	Held   int      // advisory locks its target (a worker, or every worker) held when it was injected
-	Waits  int      // advisory locks its target waited for then (slow_link, aimed at a worker that waits)
+	PID    int32         // the backend it ended (terminate)
+	Term   int64         // the lease it deleted (break_lease)
+	Keys   []string      // the advisory locks that backend held just before
+	Held   int           // advisory locks its target (a worker, or every worker) held when it was injected
+	Waits  int           // advisory locks its target waited for then (slow_link, aimed at a worker that waits)
+	Delay  time.Duration // late_answers: how late each answer came (Until is the end of its span and this)
 }
 
 func (c *campaign) record(f fault) {

@@ -83,7 +83,7 @@ func (h *History) leaksDuringRun() []Violation {
 					// closed (which stops its deletes still to do), or whose release a crash took back, is taken
 					// over by another; one its worker lost is deleted by it once the faults on its path have ended.
 					if h.killed(w, first.Add(-leakBoundFault), s.At) || h.closedNear(w, first.Add(-leakBoundFault), s.At) ||
-						h.releasedBeforeCrash(r.Term) {
+						h.releasedBeforeCrash(r.Term) || h.deletedElsewhere(r.Term, s.At) {
 						continue
 					}
 					late = s.At.Sub(maxTime(first, h.clearAfter(w, first.Add(-leakBoundFault), s.At))) > orphanBound
@@ -151,6 +151,14 @@ func (h *History) releasedBeforeCrash(term int64) bool {
 		return crashIn(l.Granted.Add(-faultSlack), l.Granted.Add(3*time.Second))
 	}
 	return false
+}
+
+// deletedElsewhere reports whether the lease of term, which a sample showed at at, had been deleted by then by the
+// log of a server that failed over: the promoted server never received the delete (its standby lagged), and the row
+// stays there until another takes the key over.
+func (h *History) deletedElsewhere(term int64, at time.Time) bool {
+	l := h.Leases[term]
+	return l != nil && !l.Deleted.IsZero() && !l.Deleted.After(at)
 }
 
 // Leftover is a lock (or a lease) that a sample showed after the workers had stopped.

@@ -25,12 +25,12 @@ import (
 //     takeover;
 //   - slow_then_silent: a holder's link slowed to 0.6 to 0.9 s a chunk for a renewal period and a round trip, then
 //     silent for a lease length and a second: a renewal answered late, then silence;
-//   - late_answers: the link of a worker next in a key's queue delays every answer 1.125 to 1.375 lease lengths (its requests
+//   - late_answers: the link of a worker next in a key's queue delays every answer 1.15 to 1.3 lease lengths (its requests
 //     reach the server at once) for one to three lease lengths: grants answered past their trust window (cut at it,
 //     and undone; never handed out), renewals confirmed too late, answers that come after their senders gave up;
 //   - clock_step: the server's wall clock steps 3 to 30 s forward or back (libfaketime under the primary), every
 //     lease's expiry with it: the server's clock orders, it never decides;
-//   - pgbouncer_stall: PgBouncer stopped (SIGSTOP) for 1 to 4 s with its workers' statements in it, then continued:
+//   - pgbouncer_stall: PgBouncer stopped (SIGSTOP) for 2 to 4 s with its workers' statements in it, then continued:
 //     it forwards what it buffered, requests whose senders have given up among them;
 //   - pause_edge and cut_edge: a holder stopped (SIGSTOP), or its link silent, for its trust window (the lease
 //     length less a fifteenth) give or take 150 ms: a holder stopped or cut off until just past its trust, or a
@@ -144,7 +144,7 @@ func (c *campaign) injectLease(ctx context.Context, kind string, f fault, rng *r
 		}
 		s, key := c.pickNext(now, proxied, rng)
 		f.Worker, f.Held, f.Waits = s.cfg.ID, heldIn(now, s.cfg.Name), waitingIn(now, s.cfg.Name)
-		d := length + length/8 + time.Duration(rng.Int64N(int64(length/4)))
+		d := length + length*3/20 + time.Duration(rng.Int64N(int64(length/6)))
 		span := length + time.Duration(rng.Int64N(int64(2*length)))
 		for _, p := range s.proxies {
 			p.AnswerLatency(d)
@@ -163,7 +163,7 @@ func (c *campaign) injectLease(ctx context.Context, kind string, f fault, rng *r
 		for _, p := range s.proxies {
 			p.AnswerLatency(0)
 		}
-		f.Until = time.Now().Add(d) // what it held back arrives up to d later
+		f.Until, f.Delay = time.Now().Add(d), d // what it held back arrives up to d later
 		f.Detail = fmt.Sprintf("answers %v late for %v, holding %d, waiting for %d", d, span, f.Held, f.Waits)
 		c.record(f)
 		return true
@@ -190,7 +190,7 @@ func (c *campaign) injectLease(ctx context.Context, kind string, f fault, rng *r
 			return false
 		}
 		f.Worker, f.Held = -1, heldIn(now, "")
-		d := time.Duration(1000+rng.IntN(3000)) * time.Millisecond
+		d := time.Duration(2000+rng.IntN(2000)) * time.Millisecond
 		if err := c.bouncer.Stall(true); err != nil {
 			c.logf("pgbouncer_stall: %v", err)
 			return true

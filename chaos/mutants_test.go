@@ -50,9 +50,12 @@ func TestMutants(t *testing.T) {
 	// clock stepping (a takeover by the server's expiry while the holder renews: two holders), PgBouncer stopped
 	// with renewals in it (a renewal without its latest moment renews a lease its holder has stopped trusting).
 	leaseOps := []string{"hold", "hold_try", "trylock", "lock_deadline"}
-	leasesLate := Options{Leases: true, Via: []string{"proxy"}, Faults: []string{"late_answers"}, Ops: leaseOps}
-	leasesClock := Options{Leases: true, Faults: []string{"clock_step"}, Ops: leaseOps}
-	leasesStall := Options{Leases: true, Via: []string{"pgbouncer"}, Faults: []string{"pgbouncer_stall"}, Ops: []string{"hold", "hold_try", "trylock"}}
+	// Long waits, so that the worker whose answers come late is still first in a key's queue when the key is broken
+	// from under its holder.
+	leasesLate := Options{Leases: true, Via: []string{"proxy"}, Faults: []string{"late_answers"}, Ops: []string{"hold_wait", "hold_try"}}
+	leasesClock := Options{Leases: true, Faults: []string{"clock_step"}, Ops: leaseOps, Duration: 15 * time.Second}
+	leasesStall := Options{Leases: true, Via: []string{"pgbouncer"}, Faults: []string{"pgbouncer_stall"}, Ops: []string{"hold", "hold_try", "trylock"},
+		Duration: 15 * time.Second}
 	// met says, for a mutant whose moment a campaign may miss, whether it met it: one that did not runs again with
 	// the next seed (at most 3 campaigns), and one that met it must catch the mutant. A grant made while its worker's
 	// answers came late: the moment lease_late_grant_kept hands one out late.
@@ -88,7 +91,7 @@ func TestMutants(t *testing.T) {
 		{mutant.LeaseRenewUnkeyed, leasesBroken, []string{VOverlap, VNeverTold, VLateNotice}},
 		{"", leasesFailover, nil},
 		{"", leasesLate, nil},
-		{mutant.LeaseLateGrantKept, leasesLate, []string{VRevived, VOverlap}},
+		{mutant.LeaseLateGrantKept, leasesLate, []string{VRevived, VOverlap, VLateNotice}},
 		{"", leasesClock, nil},
 		{mutant.LeaseServerExpiry, leasesClock, []string{VOverlap}},
 		{"", leasesStall, nil},
@@ -155,11 +158,12 @@ func TestMutants(t *testing.T) {
 			defer func() { <-running }()
 			opt := c.opt
 			opt.Seed, opt.Workers, opt.Mutant, opt.Binary = seed, 2, c.mutant, bin
-			if opt.Duration == 0 {
-				opt.Duration = 10 * time.Second
-			}
-			if c.opt.Faults != nil && c.mutant != "" && !c.opt.Failover { // a failover comes within seconds
+			switch {
+			case opt.Duration != 0: // the case's own
+			case c.opt.Faults != nil && c.mutant != "" && !c.opt.Failover: // a failover comes within seconds
 				opt.Duration = 25 * time.Second // a loss must land early in a long section on the session kind at fault
+			default:
+				opt.Duration = 10 * time.Second
 			}
 			r, err := Run(context.Background(), opt)
 			metMoment := met[c.mutant] // none for a control (no mutant)

@@ -33,6 +33,10 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 		err = w.sessionLock(op, key, "x", 6*time.Second, within(time.Second, func(ctx context.Context) (*advlock.Lock, error) {
 			return l.Lock(ctx, key)
 		}))
+	case "hold_wait": // the same, after a wait of up to 5 s (not in the usual mix: a campaign asks for it)
+		err = w.sessionLock(op, key, "x", 6*time.Second, within(5*time.Second, func(ctx context.Context) (*advlock.Lock, error) {
+			return l.Lock(ctx, key)
+		}))
 	case "hold_try": // the same, taken only when free at once (with shared sessions: on a shared session)
 		err = w.sessionLock(op, key, "x", 6*time.Second, func(ctx context.Context) (*advlock.Lock, error) {
 			return l.TryLock(ctx, key)
@@ -105,11 +109,11 @@ type opWeight struct {
 // opWeights is the workers' mix of operations (percent). A reader's operation is several rounds, seconds in all:
 // 1 percent of the draws keeps about a tenth of the goroutines reading the queue key.
 var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 11}, {"lock_deadline", 15}, {"lock_cancel", 11}, {"rlock", 11}, {"do", 11}, {"dotx", 9},
-	{"semaphore", 7}, {"pair", 10}, {"reader", 1}, {"writer", 1}, {"lead", 8}}
+	{"semaphore", 7}, {"pair", 10}, {"reader", 1}, {"writer", 1}, {"lead", 8}, {"hold_wait", 0}}
 
 // leaseOps are the operations of a lease campaign: those leases offer (no shared mode, no transaction lock, no wait
 // without a bound whose caller holds a lock), each as likely as in the usual mix.
-var leaseOps = []string{"hold", "hold_try", "trylock", "lock_deadline", "lock_cancel", "do", "semaphore", "lead"}
+var leaseOps = []string{"hold", "hold_try", "hold_wait", "trylock", "lock_deadline", "lock_cancel", "do", "semaphore", "lead"}
 
 // pick draws the next operation: from the mix, or evenly from the worker's own list.
 func (w *worker) pick(rng *rand.Rand) string {
@@ -181,7 +185,7 @@ func (w *worker) section(op string, lk *advlock.Lock, mode, cs, wait string, pid
 	told := watchTold(lk.Done())
 	r := rngFor(cs)
 	switch op {
-	case "hold", "hold_try": // 2.5 to 5 s; with leases 5 to 10 s, past the faults that outlast a lease
+	case "hold", "hold_try", "hold_wait": // 2.5 to 5 s; with leases 5 to 10 s, past the faults that outlast a lease
 		gap := 250 * time.Millisecond
 		if w.cfg.LeaseLength > 0 {
 			gap = 500 * time.Millisecond

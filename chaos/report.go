@@ -110,7 +110,8 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 	faults := append([]fault(nil), c.faults...)
 	var ev []Evidence
 	for _, f := range faults {
-		ev = append(ev, Evidence{Kind: f.Kind, At: f.At, Until: f.Until, Worker: f.Worker, PID: f.PID, Keys: f.Keys, Term: f.Term})
+		ev = append(ev, Evidence{Kind: f.Kind, At: f.At, Until: f.Until, Worker: f.Worker, PID: f.PID, Keys: f.Keys, Term: f.Term,
+			Delay: f.Delay})
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
 		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
@@ -216,7 +217,7 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 		for _, l := range h.Leases {
 			r.LongestGapMS = max(r.LongestGapMS, float64(l.Gap.Microseconds())/1000)
 			for _, e := range h.Evidence {
-				if e.Kind == "late_answers" && e.Worker == l.Worker && !l.Granted.Before(e.At) && !l.Granted.After(e.Until) {
+				if e.Kind == "late_answers" && e.Worker == l.Worker && !l.Granted.Before(e.At) && l.Granted.Before(e.Until.Add(-e.Delay)) {
 					r.LateAnswerGrants++
 					break
 				}

@@ -31,13 +31,15 @@ type Client struct {
 	closed  bool
 	bg      sync.WaitGroup // retire jobs
 	closing chan struct{}  // closed by Close: each retire job makes one last attempt at once
+	bgConns chan struct{}  // a token for each connection the retire jobs hold (bgConns at most)
 	bgCtx   context.Context
 	bgStop  context.CancelFunc
 }
 
 // NewClient makes the Client of a Locker's leases.
 func NewClient(pool session.Pool, cfg Config) *Client {
-	c := &Client{pool: pool, cfg: cfg, seen: map[session.ID]sighting{}, closing: make(chan struct{})}
+	c := &Client{pool: pool, cfg: cfg, seen: map[session.ID]sighting{}, closing: make(chan struct{}),
+		bgConns: make(chan struct{}, bgConns)}
 	c.bgCtx, c.bgStop = context.WithCancel(context.Background())
 	return c
 }
@@ -408,12 +410,18 @@ func (c *Client) retire(ids []session.ID, owner string, until int64, now bool) {
 				return
 			}
 			if !last && inflight < retireInflight && !time.Now().Before(next) {
-				inflight++
-				go func() {
-					ok, wait := attempt(ctx, min(c.cfg.Bound, retireBound))
-					results <- result{ok, wait}
-				}()
-				next, interval = time.Now().Add(interval), min(2*interval, retireEvery)
+				select {
+				case c.bgConns <- struct{}{}:
+					inflight++
+					go func() {
+						ok, wait := attempt(ctx, min(c.cfg.Bound, retireBound))
+						<-c.bgConns
+						results <- result{ok, wait}
+					}()
+					next, interval = time.Now().Add(interval), min(2*interval, retireEvery)
+				default: // the Client's retire jobs hold as many connections as they may: a little later
+					next = time.Now().Add(50 * time.Millisecond)
+				}
 				continue
 			}
 			var tick <-chan time.Time
@@ -453,11 +461,14 @@ func (c *Client) retire(ids []session.ID, owner string, until int64, now bool) {
 
 // A retire job's attempts: one goes out every retireEvery at most (sooner at first), each bounded by retireBound,
 // at most retireInflight at once, so that one stuck on a dead connection does not hold the next back: once the
-// network is back, the lease is deleted within about retireEvery.
+// network is back, the lease is deleted within about retireEvery. All the retire jobs of a Client hold at most
+// bgConns connections at once (Client.bgConns), so that a network that swallows statements does not leave the
+// pool's connections to them (a pool of 4 served no call for seconds after a blackhole).
 const (
 	retireEvery    = 500 * time.Millisecond
 	retireBound    = 2 * time.Second
-	retireInflight = 4
+	retireInflight = 2
+	bgConns        = 2
 )
 
 // retireGrace is how long after until a grant may still commit: its waits for row locks are bounded by 1 s (its

@@ -117,7 +117,7 @@ func (l *Lease) errTrustEnded() error {
 // confirmed statement), and ends the lease when the trust window closes without a confirmed renewal, or at once
 // when the server says the lease is no longer this owner's. A renewal unanswered for a third of the trust left at
 // its send (or three of the last round trips, when longer) is sent again on another connection, the first still
-// waiting (at most three at once): one stuck on a dead connection does not spend the trust, and a link that is
+// waiting (at most two at once): one stuck on a dead connection does not spend the trust, and a link that is
 // only slow is not taken for a dead one. The trust is counted from the send of whichever is confirmed.
 func (l *Lease) renew(next time.Time) {
 	defer close(l.stopped)
@@ -168,7 +168,7 @@ func (l *Lease) renew(next time.Time) {
 			send = true
 		case current == 0:
 			wake = earliest(wake, next)
-		case current < 3:
+		case current < 2:
 			again := lastSent.Add(max(trust.Sub(lastSent)/3, 3*rtt))
 			send, wake = !now.Before(again), earliest(wake, again)
 		}
