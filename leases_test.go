@@ -481,7 +481,8 @@ func TestLeaseLeadAndSemaphore(t *testing.T) {
 }
 
 // takeover has waiter take k (Lock, bounded) while lk's holder is cut off, and reports when the holder was told of
-// its loss and when the waiter was granted; it fails the test when the waiter was granted first.
+// its loss (its Done closed) and when the waiter was granted; it fails the test when the holder still trusted its
+// lease (its Err, which reads the clock, was nil) as the waiter was granted.
 func takeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk *Lock, bound time.Duration) (got *Lock, told, granted time.Time) {
 	t.Helper()
 	return startTakeover(ctx, t, waiter, k, lk, bound)()
@@ -499,8 +500,10 @@ func startTakeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk 
 		at  time.Time
 	}
 	res := make(chan result, 1)
+	var trusted atomic.Bool // at the waiter's grant, the holder's Err (which reads its clock) was nil
 	go func() {
 		got, err := waiter.Lock(ctx, k, Wait(bound))
+		trusted.Store(lk.Err() == nil)
 		res <- result{got, err, time.Now()}
 	}()
 	return func() (got *Lock, told, granted time.Time) {
@@ -510,11 +513,10 @@ func startTakeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk 
 			t.Fatal(r.err)
 		}
 		t.Cleanup(func() { _ = r.lk.Unlock(context.Background()) })
-		select {
-		case told = <-doneAt:
-		default:
+		if trusted.Load() {
 			t.Fatal("the waiter was granted while the holder still trusted its lease")
 		}
+		told = <-doneAt // its renewer, a goroutine, closes Done at the end of the trust or soon after
 		if !errors.Is(lk.Err(), ErrLockLost) {
 			t.Errorf("the holder's lease ended with %v, want ErrLockLost", lk.Err())
 		}
