@@ -21,6 +21,26 @@ var (
 	bouncerErr  error
 )
 
+// aptInstall installs Debian's package pkg when we are root, refreshing the package lists once if the first try
+// fails; it says what to install when we are not.
+func aptInstall(pkg string) error {
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("%s is not installed (apt-get install %s)", pkg, pkg)
+	}
+	install := func() error {
+		out, err := exec.Command("apt-get", "install", "-y", "--no-install-recommends", pkg).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("apt-get install %s: %v: %s", pkg, err, out)
+		}
+		return nil
+	}
+	if err := install(); err != nil {
+		_ = exec.Command("apt-get", "update").Run()
+		return install()
+	}
+	return nil
+}
+
 // pgbouncerBin finds pgbouncer, installing Debian's package when it is missing and we are root.
 func pgbouncerBin() (string, error) {
 	bouncerOnce.Do(func() {
@@ -36,23 +56,8 @@ func pgbouncerBin() (string, error) {
 		if bouncerBin = find(); bouncerBin != "" {
 			return
 		}
-		if os.Geteuid() != 0 {
-			bouncerErr = fmt.Errorf("pgbouncer is not installed (apt-get install pgbouncer)")
+		if bouncerErr = aptInstall("pgbouncer"); bouncerErr != nil {
 			return
-		}
-		install := func() error {
-			out, err := exec.Command("apt-get", "install", "-y", "--no-install-recommends", "pgbouncer").CombinedOutput()
-			if err != nil {
-				return fmt.Errorf("apt-get install pgbouncer: %v: %s", err, out)
-			}
-			return nil
-		}
-		if err := install(); err != nil {
-			_ = exec.Command("apt-get", "update").Run()
-			if err := install(); err != nil {
-				bouncerErr = err
-				return
-			}
 		}
 		if bouncerBin = find(); bouncerBin == "" {
 			bouncerErr = fmt.Errorf("pgbouncer installed but not found")

@@ -21,6 +21,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -72,13 +73,33 @@ func StartFaketime(settings ...string) (*Cluster, error) {
 	return c, nil
 }
 
-// faketimeLib finds libfaketime.
+var (
+	faketimeOnce sync.Once
+	faketimePath string
+	faketimeErr  error
+)
+
+// faketimeLib finds libfaketime, installing Debian's package when it is missing and we are root.
 func faketimeLib() (string, error) {
-	libs, _ := filepath.Glob("/usr/lib/*/faketime/libfaketime.so.1")
-	if len(libs) == 0 {
-		return "", errors.New("libfaketime not found (/usr/lib/*/faketime/libfaketime.so.1): install Debian's package libfaketime")
-	}
-	return libs[0], nil
+	faketimeOnce.Do(func() {
+		find := func() string {
+			libs, _ := filepath.Glob("/usr/lib/*/faketime/libfaketime.so.1")
+			if len(libs) == 0 {
+				return ""
+			}
+			return libs[0]
+		}
+		if faketimePath = find(); faketimePath != "" {
+			return
+		}
+		if faketimeErr = aptInstall("libfaketime"); faketimeErr != nil {
+			return
+		}
+		if faketimePath = find(); faketimePath == "" {
+			faketimeErr = errors.New("libfaketime installed but not found (/usr/lib/*/faketime/libfaketime.so.1)")
+		}
+	})
+	return faketimePath, faketimeErr
 }
 
 // StepClock sets the server's wall clock to offset from the real one, at once (a cluster from StartFaketime):
