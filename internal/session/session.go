@@ -391,7 +391,7 @@ func verify(ctx context.Context, pool Pool, conn Conn, settings []Setting) error
 	direct := false
 	if cp := conn.ClientPID(); cp != 0 && int64(cp) == p1 {
 		direct = true
-	} else if err := notTxPooled(ctx, pool, p1); err != nil {
+	} else if err := notTxPooled(ctx, pool, p1, settings); err != nil {
 		return err
 	}
 	if len(settings) > 0 {
@@ -404,7 +404,12 @@ func verify(ctx context.Context, pool Pool, conn Conn, settings []Setting) error
 }
 
 // notTxPooled asks a second connection of pool for its server pid: a transaction-mode pooler hands it p1 again.
-func notTxPooled(ctx context.Context, pool Pool, p1 int64) error {
+// When it does not, the same answer proves the second connection too (each was a server session apart from the
+// other's while both were held): it is marked checked, with settings applied, before it goes back to the pool. So a
+// check never leaves an unchecked connection behind it, which the next call would check in turn with one more new
+// connection: with database/sql's default of 2 idle connections, each such check's extra connection closed another,
+// and every other call made a connection.
+func notTxPooled(ctx context.Context, pool Pool, p1 int64, settings []Setting) error {
 	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	other, err := pool.Acquire(pctx)
@@ -419,10 +424,20 @@ func notTxPooled(ctx context.Context, pool Pool, p1 int64) error {
 		other.Destroy()
 		return fmt.Errorf("check session: %w", err)
 	}
-	other.Release()
 	if p1 == p2 {
+		other.Release()
 		return fmt.Errorf("%w (server pid %d)", ErrTxPooling, p1)
 	}
+	if ok, _ := other.Verified(); !ok {
+		if len(settings) > 0 {
+			if _, err := other.QueryInt(ctx, settingsSQL(settings)); err != nil {
+				other.Destroy() // conn is proven all the same; this one is not, and is not kept unchecked
+				return nil
+			}
+		}
+		other.MarkVerified(false, uint32(p2))
+	}
+	other.Release()
 	return nil
 }
 

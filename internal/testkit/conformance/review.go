@@ -323,6 +323,34 @@ func (s *suite) timedWaitsKeepSessions(t *testing.T) {
 	}
 	if s.shared { // the sessions of their own are made as in the other mode; the shared session's open is not
 		t.Run("slow setup", func(t *testing.T) { s.timedWaitsKeepSessions1(t, true, true) })
+	} else {
+		t.Run("checked connections", s.checkedConnections)
+	}
+}
+
+// checkedConnections: the check of a new connection behind a pooler takes a second connection from the pool (see
+// session.verify) and leaves it checked too, so that the next call uses it as it is, with no third connection
+// made to check it. Two locks held at once make 2 connections on every backend; left unchecked, the second
+// connection made a third behind a pooler, and with database/sql's default of 2 idle connections one of the
+// three was closed when given back, so that under load every other call made a connection.
+func (s *suite) checkedConnections(t *testing.T) {
+	url, p := s.proxyURL(t)
+	h := s.openURL(t, url)
+	t.Cleanup(h.L.Close)
+	ctx := ctxT(t, 20*time.Second)
+	for i := range 2 {
+		lk, err := h.L.TryLock(ctx, Key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() {
+			if err := lk.Unlock(ctx); err != nil {
+				t.Error(err)
+			}
+		}()
+		if n := p.Dials(); n > 2 {
+			t.Errorf("after lock %d of 2 held at once: %d connections made, want at most 2", i+1, n)
+		}
 	}
 }
 
