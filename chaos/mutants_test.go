@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -100,19 +102,19 @@ func TestMutants(t *testing.T) {
 	// Mutants whose moment a short campaign meets too seldom to be sure of it: each is caught by the test written
 	// for that moment, run in the build with the mutants (and passing without one).
 	tests := []struct {
-		mutant, pkg, test string
+		mutant, test string // a test of the root package
 	}{
 		// A renewal answered late, then silence: the holder that counts its trust from the answer trusts past
 		// the expiry the server gave, and a waiter is granted while it does.
-		{mutant.LeaseTrustFromReply, "github.com/advlock/advlock", "TestLeaseTrustCountedFromSend"},
+		{mutant.LeaseTrustFromReply, "TestLeaseTrustCountedFromSend"},
 		// A failover that lost a grant: the promoted server has no row for the key, and grants it at once without
 		// the quiet period while the lost grant's holder still trusts it. (A campaign's failover meets that moment
 		// seldom: a row the promoted server has, even an old one, is taken over only after a lease length's watch.)
-		{mutant.LeaseNoQuiet, "github.com/advlock/advlock", "TestLeaseFailover"},
+		{mutant.LeaseNoQuiet, "TestLeaseFailover"},
 		// A grant that reaches the server after its caller gave up and after its undo: a lease held by nobody.
-		{mutant.LeaseGrantNoDeadline, "github.com/advlock/advlock", "TestLeaseLateRequestGrantsNothing"},
+		{mutant.LeaseGrantNoDeadline, "TestLeaseLateRequestGrantsNothing"},
 		// A grant whose answer was lost, undone once while the link was down: a lease held by nobody.
-		{mutant.LeaseUndoOnce, "github.com/advlock/advlock", "TestLeaseUndoneOnceTheLinkIsBack"},
+		{mutant.LeaseUndoOnce, "TestLeaseUndoneOnceTheLinkIsBack"},
 	}
 	covered := map[string]bool{}
 	for _, c := range cases {
@@ -126,18 +128,36 @@ func TestMutants(t *testing.T) {
 			t.Errorf("mutant %s has no case", m)
 		}
 	}
+	// A few campaigns or tests at a time (lanes); the controls, run the same way, show that the checker finds
+	// nothing in a build without a mutant.
+	// The tests' package is built once with the mutants, beside the campaigns.
+	var build sync.Once
+	var testBin string
+	var buildErr error
 	for _, c := range tests {
 		t.Run(c.mutant+"/"+c.test, func(t *testing.T) {
-			cmd := exec.Command("go", "test", "-tags", "advlock_mutants", "-count=1", "-run", "^"+c.test+"$", c.pkg)
+			t.Parallel()
+			lane(t)
+			build.Do(func() {
+				testBin = filepath.Join(filepath.Dir(bin), "root.mutants")
+				out, err := exec.Command("go", "test", "-c", "-tags", "advlock_mutants", "-o", testBin, "..").CombinedOutput()
+				if err != nil {
+					buildErr = fmt.Errorf("building the root package with the mutants: %v\n%s", err, out)
+				}
+			})
+			if buildErr != nil {
+				t.Fatal(buildErr)
+			}
+			cmd := exec.Command(testBin, "-test.count=1", "-test.run", "^"+c.test+"$")
+			cmd.Dir = ".." // the package's own directory, as go test runs it
 			cmd.Env = append(os.Environ(), mutant.Env+"="+c.mutant)
 			if out, err := cmd.CombinedOutput(); err == nil {
 				t.Errorf("%s passed with mutant %s on: it does not catch it\n%s", c.test, c.mutant, out)
+			} else if !strings.Contains(string(out), "--- FAIL: "+c.test) {
+				t.Errorf("%s with mutant %s on did not fail as a test fails (%v): it proves nothing\n%s", c.test, c.mutant, err, out)
 			}
 		})
 	}
-	// Three campaigns at a time (each its own private cluster and two workers): the machine is mostly idle during
-	// one, and the controls, run the same way, show that the checker finds nothing in a build without a mutant.
-	running := make(chan struct{}, 3)
 	for _, c := range cases {
 		name := c.mutant
 		if name == "" {
@@ -154,8 +174,7 @@ func TestMutants(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			running <- struct{}{}
-			defer func() { <-running }()
+			lane(t)
 			opt := c.opt
 			opt.Seed, opt.Workers, opt.Mutant, opt.Binary = seed, 2, c.mutant, bin
 			switch {
