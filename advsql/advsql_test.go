@@ -95,10 +95,12 @@ func idlePIDs(t *testing.T, db *sql.DB) []uint32 {
 	return pids
 }
 
+// The two drivers' suites run at once: they wait far more than they compute, and each keys its locks apart.
 func TestConformance(t *testing.T) {
 	url := pgtest.URL(t)
 	for _, driver := range []string{"pgx", "postgres"} {
 		t.Run(driver, func(t *testing.T) {
+			t.Parallel()
 			be := Backend(driver, url, url)
 			if driver == "pgx" {
 				// database/sql over pgx's stdlib cancels as pgx does (its 1000 iterations run in the root package);
@@ -262,6 +264,7 @@ func TestPgBouncer(t *testing.T) {
 		burl := pgtest.Bouncer(t, url, "session")
 		for _, driver := range []string{"pgx", "postgres"} {
 			t.Run(driver, func(t *testing.T) {
+				t.Parallel() // as in TestConformance
 				be := Backend(driver, burl, url)
 				be.Pooled = true
 				be.CancelIterations = 300 // the full count runs on the direct backends
