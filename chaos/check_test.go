@@ -571,6 +571,25 @@ func TestChecker(t *testing.T) {
 		if got := kinds(Check(h)); got[VLeak] != 1 {
 			t.Errorf("pid 7 held k for 5 s, no holder of worker 0 held it there: got %v", got)
 		}
+		// A lease whose holder's process was killed stays until it is taken over: no leak, also once the worker's
+		// next process is stopped much later (a pause moves when a row was first seen; the kill stays before it).
+		lease := func(ev ...Evidence) *History {
+			h := evidence(build(csSpec{"a", 0, "x", 1, false, -1, []int{0, 300}, nil}), ev...)
+			for ms := 0; ms <= 60_000; ms += 100 {
+				h.Samples = append(h.Samples, heldAt(ms, Holder{App: "w0", Granted: true, Term: 5}))
+			}
+			return h
+		}
+		h = lease(Evidence{Kind: "sigkill", At: at(350), Worker: 0})
+		h.Pauses = []Pause{{Worker: 0, From: at(50_000), To: at(52_000)}}
+		if got := kinds(Check(h)); got[VLeak] != 0 {
+			t.Errorf("a killed holder's lease, its worker's next process stopped later: got %v", got)
+		}
+		h = lease()
+		h.Pauses = []Pause{{Worker: 0, From: at(50_000), To: at(52_000)}}
+		if got := kinds(Check(h)); got[VLeak] != 1 {
+			t.Errorf("a lease left by a live holder for a minute, its worker stopped at 50 s: got %v", got)
+		}
 	})
 	t.Run("Lead terms matched to their locks", func(t *testing.T) {
 		// Term 1's lock is lost and a sibling's term 2 granted before term 1's fn returns: both ends are recorded.

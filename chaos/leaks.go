@@ -49,6 +49,7 @@ func (h *History) leaksDuringRun() []Violation {
 	}
 	var out []Violation
 	since := map[holding]time.Time{}
+	origin := map[holding]time.Time{} // first seen, never moved (since moves while its worker is paused)
 	reported := map[holding]bool{}
 	for _, s := range h.Samples {
 		seen := map[holding]bool{}
@@ -63,6 +64,9 @@ func (h *History) leaksDuringRun() []Violation {
 					continue
 				}
 				seen[hk] = true
+				if _, ok := origin[hk]; !ok {
+					origin[hk] = s.At
+				}
 				if h.paused(w, s.At.Add(-leakBoundFault), s.At) {
 					// A stopped process records nothing: what it holds (a transaction lock taken just before
 					// the stop, not yet recorded) is judged from a while after it resumes.
@@ -82,7 +86,10 @@ func (h *History) leaksDuringRun() []Violation {
 					// A lease stays until it is deleted or taken over: one whose worker died, or whose Locker was
 					// closed (which stops its deletes still to do), or whose release a crash took back, is taken
 					// over by another; one its worker lost is deleted by it once the faults on its path have ended.
-					if h.killed(w, first.Add(-leakBoundFault), s.At) || h.closedNear(w, first.Add(-leakBoundFault), s.At) ||
+					// The process that held it is judged from when the row was first seen: a later pause of the
+					// worker's next process (which moves since) does not bring a dead one's lease back.
+					o := origin[hk].Add(-leakBoundFault)
+					if h.killed(w, o, s.At) || h.closedNear(w, o, s.At) ||
 						h.releasedBeforeCrash(r.Term) || h.deletedElsewhere(r.Term, s.At) {
 						continue
 					}
