@@ -51,10 +51,26 @@ func TestLeaseErrorsSayWhatHappened(t *testing.T) {
 			l.Close()
 		}
 		readOnly(true)
-		l := New(pgtest.Pool(t, url, nil), WithLeases())
+		pool := pgtest.Pool(t, url, nil)
+		l := New(pool, WithLeases())
 		_, err := l.TryLock(ctx, key(t))
 		if err == nil || errors.Is(err, ErrStandby) || session.SQLState(err) != "25006" || !strings.Contains(err.Error(), "read-only") {
 			t.Errorf("TryLock on a read-only primary (lease tables there: %v): %v, want a read-only error with SQLSTATE 25006, not ErrStandby", tables, err)
+		}
+		if tables {
+			// The server refused each grant, which rolled back: nothing to undo, and the connection is kept. (Each
+			// try left a job retrying a delete the server refused too, until Close, and made two connections.)
+			// (The jobs' attempts take the pool's connections: the count of connections made shows them.)
+			n0 := pool.Stat().NewConnsCount()
+			for range 20 {
+				if _, err := l.TryLock(ctx, key(t)); session.SQLState(err) != "25006" {
+					t.Fatalf("TryLock on a read-only primary: %v, want SQLSTATE 25006", err)
+				}
+			}
+			time.Sleep(300 * time.Millisecond) // a job's next attempts, had the tries left any
+			if n := pool.Stat().NewConnsCount() - n0; n > 1 {
+				t.Errorf("20 tries refused as read-only made %d connections (undoing what the server refused), want at most 1", n)
+			}
 		}
 		if err := lead(l, key(t)); err == nil || errors.Is(err, context.DeadlineExceeded) || session.SQLState(err) != "25006" {
 			t.Errorf("Lead on a read-only primary (lease tables there: %v): %v, want the read-only error at once", tables, err)
@@ -279,4 +295,31 @@ func TestLeaseNotYoursToldAtOnce(t *testing.T) {
 		t.Errorf("the broken lease's loss: %v, want ErrLockLost saying the server no longer has it", lk.Err())
 	}
 	t.Logf("told %v after the break", took.Round(time.Millisecond))
+}
+
+// A wait that ends before any of its polls was answered (no connection free in the pool) says so: its error read
+// "...: %!w(<nil>)".
+func TestLeaseWaitEndedBeforeAnyPoll(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	pool := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	l := New(pool, WithLeases())
+	defer l.Close()
+	ctx := ctxT(t, 30*time.Second)
+	if lk, err := l.TryLock(ctx, key(t)); err != nil {
+		t.Fatal(err)
+	} else if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c, err := pool.Acquire(ctx) // the pool's one connection, taken
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Release()
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	_, err = l.Lock(wctx, key(t))
+	if !errors.Is(err, context.DeadlineExceeded) || strings.Contains(err.Error(), "%!") {
+		t.Errorf("a wait whose deadline came before any poll was answered: %v, want DeadlineExceeded with a readable text", err)
+	}
 }

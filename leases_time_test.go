@@ -664,3 +664,45 @@ func TestLeaseLostRowsDeleted(t *testing.T) {
 		t.Errorf("after Close, the grant in doubt's rows: %v", owners)
 	}
 }
+
+// A try whose grant goes unanswered (a network that swallows it) returns after the grant's bound, 5 s at most,
+// and leaves its undo to go on apart: the undo's first attempt, made in the call, met the same silence and doubled
+// the wait (10 s for a try whose ctx ended after 200 ms). Once the link is back the key is free.
+func TestLeaseTryUnansweredReturnsWithinItsBound(t *testing.T) {
+	t.Parallel()
+	url := pgtest.URL(t)
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 60*time.Second)
+	proxy, pool := proxiedPool(t, url, 4)
+	l := New(pool, WithLeases())
+	defer l.Close()
+	if lk, err := l.TryLock(ctx, key(t)); err != nil { // the tables, the clock, a connection made
+		t.Fatal(err)
+	} else if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	k := key(t)
+	proxy.Blackhole(true)
+	tctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := l.TryLock(tctx, k)
+	took := time.Since(start)
+	proxy.Blackhole(false)
+	if err == nil {
+		t.Fatal("a try through a link that swallows everything was granted")
+	}
+	// The bound is 5 s; 8 s leaves a loaded machine its slack, and fails the doubled wait.
+	if took > 8*time.Second {
+		t.Errorf("a try whose grant went unanswered returned after %v, want the grant's bound (5 s): %v", took, err)
+	}
+	t.Logf("returned after %v: %v", took.Round(time.Millisecond), err)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		if _, held := leaseRow(t, obs, k); !held {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the unanswered grant's row was still there 10 s after the link came back")
+		}
+	}
+}

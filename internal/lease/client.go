@@ -190,7 +190,9 @@ func (c *Client) grant(ctx context.Context, id session.ID, owner, waiter string)
 // Take tries once to take id's lease: ErrNotAcquired when another lease holds it. The grant, once sent, is not cut
 // by ctx (only by its bound): cut, its outcome would be unknown. A grant that ctx's end raced, or whose answer came
 // after the lease could be trusted, is given back, and the call returns ctx's error or ErrNotAcquired. A statement
-// whose outcome is unknown all the same (an error, its bound passed) is undone (retire).
+// whose outcome is unknown all the same (the connection ended, its bound passed) is undone (retire): first in the
+// call, unless the server did not answer within the bound (the undo would meet the same silence: a try returns
+// within one bound), then apart.
 func (c *Client) Take(ctx context.Context, id session.ID, onEnd session.OnEnd) (*Lease, error) {
 	owner := c.newOwner()
 	a, sent, until, out, err := c.grant(ctx, id, owner, "")
@@ -200,8 +202,9 @@ func (c *Client) Take(ctx context.Context, id session.ID, onEnd session.OnEnd) (
 		a, sent, until, out, err = c.grant(ctx, id, owner, "")
 	}
 	if err != nil {
-		if out { // its outcome is unknown
-			c.retire([]session.ID{id}, owner, until, true)
+		if out { // its outcome is unknown: undone, first in the call unless the server stopped answering
+			var na *noAnswer
+			c.retire([]session.ID{id}, owner, until, !errors.As(err, &na))
 		}
 		return nil, session.WithContext(ctx, err)
 	}
@@ -317,6 +320,9 @@ func (c *Client) Wait(ctx context.Context, id session.ID, alts []session.ID, onE
 		if ctx.Err() != nil || !beforeDeadline(ctx) {
 			if queued {
 				c.leave(waiter)
+			}
+			if last == nil { // no poll was answered: the wait ended before its first (a connection, say)
+				return nil, session.WithContext(ctx, errors.New("lease not granted before the wait ended"))
 			}
 			return nil, session.WithContext(ctx, fmt.Errorf("lease not granted before the wait ended: %w", last))
 		}
@@ -521,6 +527,12 @@ func exec(ctx context.Context, pool session.Pool, bound time.Duration, sql strin
 	qctx, cancel = context.WithTimeout(qctx, bound)
 	defer cancel()
 	txt, err = c.QueryText(qctx, sql)
+	if err != nil && qctx.Err() == nil && rolledBack(err) {
+		// The server refused the statement: it ran in a transaction of its own, which rolled back, and the
+		// connection is idle: kept, and nothing the statement did is left to undo.
+		c.Release()
+		return "", false, err
+	}
 	if err != nil || qctx.Err() != nil {
 		c.Destroy()
 		switch {
@@ -533,6 +545,18 @@ func exec(ctx context.Context, pool session.Pool, bound time.Duration, sql strin
 	}
 	c.Release()
 	return txt, true, nil
+}
+
+// rolledBack reports whether err is the server's refusal of a statement, which rolled it back: an error the
+// server sent with its SQLSTATE, other than those a pooler sends for a server connection that ended under a
+// statement (class 08) and the server's own ends of a session (57P01 to 57P05), either of which may come after the
+// statement committed.
+func rolledBack(err error) bool {
+	code := session.SQLState(err)
+	if code == "" || session.Ended(err) {
+		return false
+	}
+	return !strings.HasPrefix(code, "08") && !strings.HasPrefix(code, "57P")
 }
 
 func errOr(err, alt error) error {
