@@ -97,6 +97,9 @@ type campaign struct {
 
 	runEnd time.Time // when the workers were told to stop
 	waits  []*Wait   // read by history: the recorded waits (pairs', readers' and writers')
+	// read by history: when each worker's calls failed to connect (the server, or the pooler in front of it, not
+	// taking connections yet on that worker's path)
+	unreachable map[int][]time.Time
 
 	mu      sync.Mutex
 	faults  []fault
@@ -617,6 +620,7 @@ func logEnds(file string) []Evidence {
 func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Violation, int64, error) {
 	c.errors = map[string]int{}
 	c.waits = nil
+	c.unreachable = map[int][]time.Time{}
 	css := map[string]*CS{}
 	ops := map[string]map[string]int{}
 	var probs []Violation
@@ -645,6 +649,9 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 				ops[e.Op][e.Result]++
 				if e.Result == "error" {
 					c.errors[errClass(e.Err)]++
+				}
+				if strings.Contains(e.Err, "failed to connect") || strings.Contains(e.Err, "server_login_retry") {
+					c.unreachable[e.W] = append(c.unreachable[e.W], time.Unix(0, e.End))
 				}
 				if e.Result == "deadlock" && e.Op != "pair" {
 					probs = append(probs, Violation{VFalseDeadlock, fmt.Sprintf("worker %d: %s, which never waits while holding, ended with ErrDeadlock: %s", e.W, e.Op, e.Err)})

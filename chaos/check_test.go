@@ -590,6 +590,26 @@ func TestChecker(t *testing.T) {
 		if got := kinds(Check(h)); got[VLeak] != 1 {
 			t.Errorf("a lease left by a live holder for a minute, its worker stopped at 50 s: got %v", got)
 		}
+		// Its release failed as the server restarted; its worker's calls failed to connect until 4.5 s (the
+		// restart's end, 1 s, and PgBouncer's retry say 3 s): the lease is deleted within the bound of that.
+		restarted := func(unreachable ...int) *History {
+			h := evidence(build(csSpec{"a", 0, "x", 1, false, -1, []int{0, 300}, nil}),
+				Evidence{Kind: "restart_immediate", At: at(250), Until: at(1000), Worker: -1})
+			for ms := 0; ms <= 5500; ms += 100 {
+				h.Samples = append(h.Samples, heldAt(ms, Holder{App: "w0", Granted: true, Term: 5}))
+			}
+			h.Unreachable = map[int][]time.Time{}
+			for _, ms := range unreachable {
+				h.Unreachable[0] = append(h.Unreachable[0], at(ms))
+			}
+			return h
+		}
+		if got := kinds(Check(restarted(1500, 3000, 4500))); got[VLeak] != 0 {
+			t.Errorf("a lease its worker could not delete, its calls failing to connect until 4.5 s: got %v", got)
+		}
+		if got := kinds(Check(restarted())); got[VLeak] != 1 {
+			t.Errorf("a lease left 2.5 s past the restart's end and PgBouncer's retry, its worker's calls connecting: got %v", got)
+		}
 	})
 	t.Run("Lead terms matched to their locks", func(t *testing.T) {
 		// Term 1's lock is lost and a sibling's term 2 granted before term 1's fn returns: both ends are recorded.

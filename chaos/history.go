@@ -125,6 +125,9 @@ type History struct {
 	Leases      map[int64]*LeaseLife
 	LeaseLength time.Duration
 	LeaseRenew  time.Duration
+	// When each worker's calls failed to connect, by worker: its path to the server was not open yet (a restarted
+	// server's recovery, a pooler's server_login_retry), whatever the faults' own ends say.
+	Unreachable map[int][]time.Time
 
 	// Filled in by Check: how much it compared (a check that compared nothing proves nothing).
 	Confirmed       int             // (sample, holder) pairs where pg_locks showed the believing holder

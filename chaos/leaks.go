@@ -93,7 +93,8 @@ func (h *History) leaksDuringRun() []Violation {
 						h.releasedBeforeCrash(r.Term) || h.deletedElsewhere(r.Term, s.At) {
 						continue
 					}
-					late = s.At.Sub(maxTime(first, h.clearAfter(w, first.Add(-leakBoundFault), s.At))) > orphanBound
+					clear := maxTime(h.clearAfter(w, first.Add(-leakBoundFault), s.At), h.lastUnreachable(w, first.Add(-leakBoundFault), s.At))
+					late = s.At.Sub(maxTime(first, clear)) > orphanBound
 				}
 				if late && !reported[hk] {
 					reported[hk] = true
@@ -208,6 +209,18 @@ func (h *History) clearAfter(worker int, from, to time.Time) time.Time {
 		}
 	}
 	return clear
+}
+
+// lastUnreachable is the last moment between from and to at which a call of the worker failed to connect (the zero
+// time if none did): a lease it has to delete cannot be deleted before its path is open again.
+func (h *History) lastUnreachable(worker int, from, to time.Time) time.Time {
+	var last time.Time
+	for _, at := range h.Unreachable[worker] {
+		if !at.Before(from) && !at.After(to) {
+			last = maxTime(last, at)
+		}
+	}
+	return last
 }
 
 // closedNear reports whether the worker's Locker was closed between from and to.
