@@ -343,6 +343,25 @@ func TestChecker(t *testing.T) {
 		}
 	})
 
+	// A broken lease's holder learns at its next renewal; a holder stopped after the break but before that renewal
+	// learns once it resumes (as told 1 ms after a stop of 8.3 s in a campaign): no late notice; told as late with
+	// no stop, it is one.
+	t.Run("a broken lease's holder stopped before its next renewal", func(t *testing.T) {
+		for _, tc := range []struct {
+			pause []Pause
+			want  int
+		}{{[]Pause{{Worker: 0, From: at(650), To: at(8600)}}, 0}, {nil, 1}} {
+			h := evidence(build(csSpec{"a", 0, "x", 1, false, 8601, []int{10, 200}, nil}),
+				Evidence{Kind: "break_lease", At: at(300), Term: 1, Worker: 0})
+			h.CS["a"].End = at(8602)
+			h.Leases = map[int64]*LeaseLife{1: {Key: "k", Worker: 0, Granted: at(0), Renewed: at(0), Deleted: at(300)}}
+			h.Pauses, h.LeaseLength = tc.pause, 2*time.Second
+			if got := kinds(Check(h)); got[VLateNotice] != tc.want || len(got) != tc.want {
+				t.Errorf("stopped %v: got %v, want %d late notice(s) and nothing else", tc.pause, got, tc.want)
+			}
+		}
+	})
+
 	// A lease no holder was told of (its caller gave up on its grant) is gone within orphanBound of its grant, or of
 	// the end of the last fault that could hold its deletion back; one whose worker died, or whose Locker was
 	// closed, is excused.

@@ -328,7 +328,7 @@ func (h *History) checkLeases() []Violation {
 		if c.Clean || !c.Ended || !end.Before(c.End) || h.killed(c.Worker, c.begin(), c.End) {
 			continue
 		}
-		n := judgeNotice(c, endKind(life, broken, closed), end, deadline)
+		n := judgeNotice(c, endKind(life, broken, closed), end, h.noticeDeadline(c, end, deadline))
 		switch n.Verdict {
 		case VLateNotice:
 			add(VLateNotice, "key %s: %s %s (term %d) told at %s that its lease ended, which it did at %s (%s)",
@@ -394,6 +394,19 @@ func (h *History) excused(c *CS, end, deadline time.Time, closed *Evidence) time
 	for _, p := range h.Pauses { // stopped across the end: it learns after it resumes
 		if p.Worker == c.Worker && p.From.Before(end) && p.To.Add(noticeSlack).After(deadline) &&
 			p.To.After(end.Add(-h.LeaseLength)) {
+			deadline = p.To.Add(noticeSlack)
+		}
+	}
+	return deadline
+}
+
+// noticeDeadline is when c's holder must have been told of its lease's end at end, deadline the latest moment it
+// may act: a process stopped before then (after the end too: the renewal that would have told it had not come yet)
+// learns once it resumes. Only the notice waits for it: a resumed holder does not act on a lease its trust has
+// left (its clock ran while it was stopped).
+func (h *History) noticeDeadline(c *CS, end, deadline time.Time) time.Time {
+	for _, p := range h.Pauses {
+		if p.Worker == c.Worker && p.From.Before(deadline) && p.To.After(end) && p.To.Add(noticeSlack).After(deadline) {
 			deadline = p.To.Add(noticeSlack)
 		}
 	}
