@@ -217,10 +217,9 @@ func (l *Lease) renew(next time.Time) {
 		switch {
 		case r.err == nil && ok == "1" && l.expired(r.recv):
 			// Answered after the trust had ended (the renewer ran late, its timer and the answer ready at once): Err
-			// has said lost since then, and a late answer is not handed out, as for a grant.
-			l.finish(l.errTrustEnded())
-			l.c.retire([]session.ID{l.id}, l.owner, 0, false)
-			return
+			// has said lost since then, and a late answer is not handed out, as for a grant. The loop's first check
+			// ends the lease.
+			continue
 		case r.err == nil && ok == "1":
 			l.mu.Lock()
 			if t := l.c.trustFrom(r.sent); t.After(l.trust) {
