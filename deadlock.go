@@ -210,8 +210,9 @@ type textQuerier interface {
 }
 
 // graphSQL reads, from one snapshot of pg_locks, every advisory wait in this database with the comment its
-// statement carries, and the holders of the keys waited for (and of the keys graphQuery adds). One line per row:
-// pid, objsubid, classid, objid, mode (S or X), g or w, comment.
+// statement carries, the holders of the keys waited for (and of the keys graphQuery adds), and every lock held by a
+// session that waits (a writer's intent, which holds readers back: see session.ID.Intent). One line per row: pid,
+// objsubid, classid, objid, mode (S or X), g or w, comment.
 const graphSQL = `WITH l AS MATERIALIZED (
   SELECT pid, objsubid, classid, objid, mode, granted FROM pg_catalog.pg_locks
   WHERE locktype = 'advisory' AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))
@@ -220,7 +221,7 @@ SELECT coalesce(string_agg(concat_ws(E'\t', l.pid, l.objsubid, l.classid, l.obji
     substring(a.query from '^/\*advlock ([^*]*)\*/')), E'\n'), '')
 FROM l LEFT JOIN pg_catalog.pg_stat_activity a ON NOT l.granted AND a.pid = l.pid
 WHERE NOT l.granted OR EXISTS (SELECT 1 FROM l w WHERE NOT w.granted AND w.objsubid = l.objsubid
-  AND w.classid = l.classid AND w.objid = l.objid)`
+  AND w.classid = l.classid AND w.objid = l.objid) OR EXISTS (SELECT 1 FROM l w WHERE NOT w.granted AND w.pid = l.pid)`
 
 // graphQuery is graphSQL that also returns the holders of keys (those that this Locker's waits on their way to a
 // session of their own wait for: the server sees no wait for them). The keys are numbers written into the text.
@@ -533,12 +534,33 @@ func (l *Locker) localGraph(s string) *graph {
 			owners[holderID{h.PID, h.ID}] = append(owners[holderID{h.PID, h.ID}], n)
 		}
 	}
-	// A wait is blocked by the holders of its key in a conflicting mode; its edges go to the waits whose callers
-	// hold those locks.
+	onPID := map[uint32][]*node{} // the waits in the server, by the session that waits
 	for i, r := range waits {
+		if r.pid != 0 {
+			onPID[r.pid] = append(onPID[r.pid], g.nodes[i])
+		}
+	}
+	// A wait is blocked by the holders of its key in a conflicting mode, and a reader also by a writer that holds
+	// the key's intent (its shared try fails, or its grant is given back, while the intent stands: in PostgreSQL's
+	// own queue it would wait behind that writer). Its edges go to the waits whose callers hold those locks, and to
+	// the waits of the holding sessions themselves: a session that waits (the intent's writer) lets go of nothing
+	// before its own wait ends.
+	for i, r := range waits {
+		block := func(h lockRow, id session.ID) {
+			g.nodes[i].out = append(g.nodes[i].out, owners[holderID{h.pid, id}]...)
+			g.nodes[i].out = append(g.nodes[i].out, onPID[h.pid]...)
+		}
 		for _, h := range holders[r.id] {
 			if h.pid != r.pid && conflicts(r.shared, h.shared) {
-				g.nodes[i].out = append(g.nodes[i].out, owners[holderID{h.pid, r.id}]...)
+				block(h, r.id)
+			}
+		}
+		if r.shared {
+			in := r.id.Intent()
+			for _, h := range holders[in] {
+				if h.pid != r.pid && !h.shared {
+					block(h, in)
+				}
 			}
 		}
 	}

@@ -55,6 +55,8 @@ type LockInfo struct {
 	// pg_locks shows a session's holds of one key in one mode as one row: a key held in shared mode by several
 	// callers of one Locker on one shared session shows Lingering while any of them lingers.
 	Lingering bool
+
+	advlockWait bool // a wait whose statement is advlock's own (its comment says so)
 	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
 	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
@@ -280,6 +282,7 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 			// pg_locks.waitstart is null for a moment after a wait begins: the statement began it.
 			li.WaitStart = queryStart
 		}
+		li.advlockWait = !li.Granted && comment != ""
 		if waited, ok := commentWaited(comment); ok && queryStart != nil && li.WaitStart != nil {
 			if began := queryStart.Add(-waited); began.Before(*li.WaitStart) {
 				li.WaitStart = &began
@@ -316,13 +319,14 @@ type pidLock struct {
 }
 
 // foldIntents drops the intents of writers from out (a waiting writer holds its key's intent, see docs/locks.md,
-// "Waits and the database") and marks the rows of their keys instead: an intent is the exclusive int8 lock, held
-// by the session that also waits for (or holds) a key, that is that key's intent. An intent whose session waits for
-// nothing is listed as the lock it is.
+// "Waits and the database") and marks the rows of their keys instead: an intent is the exclusive lock, held by a
+// session whose wait for a key in exclusive mode is advlock's own statement (its comment says so), that is that
+// key's intent. Any other lock on that number (a session that waits for nothing, or whose wait is not advlock's:
+// psql, another client) is listed as the lock it is.
 func foldIntents(out []LockInfo) []LockInfo {
 	intents := map[pidLock]bool{}
 	for _, li := range out {
-		if !li.Shared {
+		if !li.Shared && !li.Granted && li.advlockWait {
 			intents[pidLock{li.PID, li.Key.id.Intent()}] = true
 		}
 	}
@@ -330,7 +334,7 @@ func foldIntents(out []LockInfo) []LockInfo {
 		return out
 	}
 	isIntent := func(li LockInfo) bool {
-		return li.Granted && !li.Shared && !li.Key.id.Pair && intents[pidLock{li.PID, li.Key.id}]
+		return li.Granted && !li.Shared && intents[pidLock{li.PID, li.Key.id}]
 	}
 	held := map[pidLock]bool{}
 	kept := out[:0]
@@ -343,7 +347,7 @@ func foldIntents(out []LockInfo) []LockInfo {
 	}
 	writers := map[session.ID][]int32{} // key -> pids of the writers that hold its intent
 	for i, li := range kept {
-		if !li.Shared && held[pidLock{li.PID, li.Key.id.Intent()}] {
+		if !li.Shared && !li.Granted && li.advlockWait && held[pidLock{li.PID, li.Key.id.Intent()}] {
 			kept[i].Intent = true
 			writers[li.Key.id] = append(writers[li.Key.id], li.PID)
 		}
@@ -367,7 +371,7 @@ func foldIntents(out []LockInfo) []LockInfo {
 func foldLingering(out []LockInfo) []LockInfo {
 	markers := map[pidLock]bool{}
 	for _, li := range out {
-		if li.Granted && li.Shared && !li.Key.id.Pair {
+		if li.Granted && li.Shared {
 			markers[pidLock{li.PID, li.Key.id}] = true
 		}
 	}

@@ -176,7 +176,11 @@ func HoldAtLeast(d time.Duration) CallOption {
 // Wait bounds how long a call waits for the key, apart from its ctx: when d elapses without a grant the call
 // returns ErrNotAcquired (not a context error), while ctx keeps governing the wait (and, for Do, fn's run: fn's
 // context is not cut when d elapses). Wait(0) or less tries once. The server bounds the wait itself
-// (lock_timeout), so a wait that runs out keeps its session. The last Wait given counts.
+// (lock_timeout), so a wait that runs out keeps its session. The call returns when the server's answer comes:
+// about d after the call on a healthy link; on a link that stalls as d elapses, when the late answer arrives, at
+// most d plus the slowest round trip the wait has seen plus the keepalive bound (WithKeepalive, 5 s by default)
+// after the call, after which the server counts as gone and the session is closed (a 3 s stall ending a Wait(2s)
+// returns after about 4.5 s, with ErrNotAcquired). The last Wait given counts.
 func Wait(d time.Duration) CallOption {
 	return func(c *callOpts) { c.wait, c.waitSet = d, true }
 }

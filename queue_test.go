@@ -3,6 +3,7 @@ package advlock
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -250,7 +251,39 @@ func TestTimedReaderBehindIntent(t *testing.T) {
 		if !errors.Is(err, context.DeadlineExceeded) {
 			t.Errorf("shared sessions=%v: a ctx deadline's end does not match context.DeadlineExceeded", shared)
 		}
+		saysOnce(t, err, "deadline", "cancel")
+		cctx, cancel := context.WithCancel(ctx)
+		time.AfterFunc(300*time.Millisecond, cancel)
+		_, err = l.RLock(cctx, k)
+		t.Logf("shared sessions=%v: RLock(ctx cancelled after 300ms): %v", shared, err)
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("shared sessions=%v: a cancel does not match context.Canceled", shared)
+		}
+		saysOnce(t, err, "cancel", "deadline")
 		l.Close()
+	}
+}
+
+// saysOnce checks that err's text says what ended the wait (want), never what did not (not), and no clause twice
+// (a deadline's error once read "...(the server's lock_timeout): not granted before the deadline (a writer ...)",
+// and said "cancelled" for a deadline).
+func saysOnce(t *testing.T, err error, want, not string) {
+	t.Helper()
+	s := strings.ToLower(err.Error())
+	if !strings.Contains(s, want) || strings.Contains(s, not) {
+		t.Errorf("the error should say %q and not %q: %v", want, not, err)
+	}
+	seen := map[string]bool{}
+	for _, c := range strings.Split(s, ": ") {
+		for _, part := range strings.Split(c, " (") {
+			if part = strings.Trim(part, " ()"); seen[part] {
+				t.Errorf("the error says %q twice: %v", part, err)
+			}
+			seen[part] = true
+		}
+	}
+	if strings.Count(s, "not granted") > 1 {
+		t.Errorf("the error says \"not granted\" twice: %v", err)
 	}
 }
 

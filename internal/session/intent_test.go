@@ -32,7 +32,7 @@ func TestMuxSharedTryRespectsIntent(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if _, err := writer.Exec(ctx, "SELECT pg_advisory_lock("+strconv.FormatInt(k.Intent().V, 10)+")").ReadAll(); err != nil {
+			if _, err := writer.Exec(ctx, "SELECT pg_advisory_lock("+k.Intent().literal()+")").ReadAll(); err != nil {
 				t.Fatal(err)
 			}
 			// Alone in a round trip: refused, on the session that holds it shared and for a key it does not hold.
@@ -73,7 +73,7 @@ func TestMuxSharedTryRespectsIntent(t *testing.T) {
 				}
 			}
 			// Once the intent is given back, readers pass again.
-			if _, err := writer.Exec(ctx, "SELECT pg_advisory_unlock("+strconv.FormatInt(k.Intent().V, 10)+")").ReadAll(); err != nil {
+			if _, err := writer.Exec(ctx, "SELECT pg_advisory_unlock("+k.Intent().literal()+")").ReadAll(); err != nil {
 				t.Fatal(err)
 			}
 			again, err := m.Try(ctx, Target{ID: k, Shared: true}, nil)
@@ -95,21 +95,31 @@ func TestMuxSharedTryRespectsIntent(t *testing.T) {
 	}
 }
 
-// Intent is a bijection of each key space that moves every key: distinct keys of a space get distinct intents (a
-// sample), and no key is its own intent.
+// Intent and Linger are bijections of each key space that move every key: distinct keys of a space get distinct
+// derived keys (a sample), a key's derived keys are of its own space (a pair's never meet an int8 key: the two
+// spaces are apart in pg_locks), and no key is its own intent or marker.
 func TestIntent(t *testing.T) {
-	seen := map[int64]ID{}
-	for i := int64(-1000); i < 1000; i++ {
-		for _, pair := range []bool{false, true} {
-			id := ID{Pair: pair, V: i}
-			in := id.Intent()
-			if in.Pair || (!pair && in.V == id.V) {
-				t.Fatalf("%v -> %v", id, in)
+	for _, derive := range []func(ID) ID{ID.Intent, ID.Linger} {
+		seen := map[ID]ID{}
+		for i := int64(-1000); i < 1000; i++ {
+			for _, pair := range []bool{false, true} {
+				for _, v := range []int64{i, i << 32, i ^ 0x7061697273706163} {
+					id := ID{Pair: pair, V: v}
+					in := derive(id)
+					if in.Pair != pair || in.V == id.V {
+						t.Fatalf("%v -> %v", id, in)
+					}
+					if prev, ok := seen[in]; ok && prev != id {
+						t.Fatalf("%v and %v share the derived key %v", prev, id, in)
+					}
+					seen[in] = id
+				}
 			}
-			if prev, ok := seen[in.V]; ok {
-				t.Fatalf("%v and %v share the intent %d", prev, id, in.V)
-			}
-			seen[in.V] = id
 		}
+	}
+	// The pair (a, b) once shared its intent with the int8 key (a<<32|b) xor "pairspac".
+	p := ID{Pair: true, V: 7<<32 | 9}
+	if i, j := p.Intent(), (ID{V: p.V ^ 0x7061697273706163}).Intent(); i == j || !i.Pair || j.Pair {
+		t.Fatalf("the pair's intent %v, the int8 key's %v", i, j)
 	}
 }

@@ -402,7 +402,7 @@ func (h *Held) Confirm(context.Context) error {
 	if err := h.Err(); err != nil {
 		return err
 	}
-	r := &req{op: opLinger, key: h.target.ID.Linger().V}
+	r := &req{op: lingerOp(h.target.ID.Pair), key: h.target.ID.Linger().V}
 	h.mux.do(r)
 	if r.err == nil && r.res == 1 {
 		h.mu.Lock()
@@ -410,7 +410,7 @@ func (h *Held) Confirm(context.Context) error {
 		h.marked = !late
 		h.mu.Unlock()
 		if late {
-			h.mux.do(&req{op: opUnlockShared, key: r.key})
+			h.mux.do(&req{op: unlockSharedOp(h.target.ID.Pair), key: r.key})
 		}
 	}
 	if err := h.Err(); err != nil {
@@ -439,7 +439,7 @@ func (h *Held) Release(ctx context.Context, after error) error {
 		return err
 	}
 	if marked { // first the marker, so that the key is never shown held past its work once released
-		h.mux.do(&req{op: opUnlockShared, key: h.target.ID.Linger().V})
+		h.mux.do(&req{op: unlockSharedOp(h.target.ID.Pair), key: h.target.ID.Linger().V})
 	}
 	if mutant.On(mutant.UnlockSkippedShared) { // the lock stays on the shared session, which the caller no longer knows
 		m := h.mux

@@ -157,7 +157,7 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 			r.res = results[i]
 		case failed >= 0:
 			retry = append(retry, r)
-		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && (isTry(r.op) || r.op == opLinger):
+		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && (isTry(r.op) || r.op >= opLinger):
 			r.err, failed = batchErr, i // no lock-table space for this try
 			if isSharedTry(r.op) && !m.fenced {
 				// Its key was granted before its test of the key's intent found no space (sharedTry): undone

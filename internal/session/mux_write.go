@@ -19,17 +19,35 @@ const (
 	opUnlockShared
 	opPair = 4
 	// opLinger takes a lock's marker (a shared try of ID.Linger, its key): Confirm's round trip, whose answer also
-	// proves the session still there. Not a try of the caller's key: its failure ends no lock.
-	opLinger = 2*opPair + 1
+	// proves the session still there. Not a try of the caller's key: its failure ends no lock. opLingerPair takes
+	// a pair's marker (a pair too).
+	opLinger     = 2*opPair + 1
+	opLingerPair = opLinger + 1
 )
 
 // isTry reports whether op takes a caller's lock (the others release one, or take a marker).
 func isTry(op int16) bool { return op < opLinger && (op-1)%opPair < opUnlock-1 }
 
+// lingerOp is the operation that takes the marker of a key of t's space.
+func lingerOp(pair bool) int16 {
+	if pair {
+		return opLingerPair
+	}
+	return opLinger
+}
+
+// unlockSharedOp is the operation that gives back a shared hold of a key of a space (a marker's, or a reader's).
+func unlockSharedOp(pair bool) int16 {
+	if pair {
+		return opUnlockShared + opPair
+	}
+	return opUnlockShared
+}
+
 // undoOf is the request that gives back what r may have taken: an unlock of its key in its mode.
 func undoOf(r *req) *req {
-	if r.op == opLinger {
-		return &req{op: opUnlockShared, key: r.key}
+	if r.op >= opLinger {
+		return &req{op: unlockSharedOp(r.op == opLingerPair), key: r.key}
 	}
 	return &req{op: r.op + opUnlock - opTry, key: r.key}
 }
@@ -42,8 +60,8 @@ func undoOf(r *req) *req {
 var (
 	muxStmt    = [2]string{"advlock_mux_1", "advlock_muxf_1"}
 	muxSQL     [2]string
-	singleSQL  [2][opLinger]string // by op-1
-	singleStmt [2][opLinger]string
+	singleSQL  [2][opLingerPair]string // by op-1
+	singleStmt [2][opLingerPair]string
 )
 
 func init() {
@@ -64,20 +82,22 @@ func init() {
 				}
 				return "CASE WHEN " + lockFn(true, false, args) + " THEN " + grant(fenced) + " ELSE 0 END"
 			}
-			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair], "t.x"))
-			singleSQL[f][op-1] = "SELECT " + call(single[pair], "$2::int8")
+			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair], derivedArgs(pair == 1, "t.x")))
+			singleSQL[f][op-1] = "SELECT " + call(single[pair], derivedArgs(pair == 1, "$2::int8"))
 			singleStmt[f][op-1] = fmt.Sprintf("%s_%d", muxStmt[f], op)
 		}
-		fmt.Fprintf(&cases, " WHEN %d THEN pg_try_advisory_lock_shared(t.k)::int\n", opLinger)
-		singleSQL[f][opLinger-1] = "SELECT pg_try_advisory_lock_shared($1::int8)::int"
-		singleStmt[f][opLinger-1] = fmt.Sprintf("%s_%d", muxStmt[f], opLinger)
+		for pair, op := range []int16{opLinger, opLingerPair} {
+			fmt.Fprintf(&cases, " WHEN %d THEN pg_try_advisory_lock_shared(%s)::int\n", op, keys[pair])
+			singleSQL[f][op-1] = LingerSQL(pair == 1)
+			singleStmt[f][op-1] = fmt.Sprintf("%s_%d", muxStmt[f], op)
+		}
 		muxSQL[f] = "SELECT t.i, CASE t.op\n" + cases.String() +
 			" END FROM unnest($1::int2[], $2::int8[], $3::int8[]) WITH ORDINALITY AS t(op, k, x, i)"
 	}
 }
 
 // isSharedTry reports whether op is a shared try, whose statement also takes the key's intent as an argument.
-func isSharedTry(op int16) bool { return (op-1)%opPair == opTryShared-1 }
+func isSharedTry(op int16) bool { return op < opLinger && (op-1)%opPair == opTryShared-1 }
 
 func unlockFn(shared bool, args string) string {
 	if shared {

@@ -305,9 +305,13 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	}
 	switch {
 	case errors.Is(err, ErrClosed):
-	case errors.Is(err, errBouncedAtDeadline), timed && SQLState(err) == "55P03":
-		// The server ended the wait at its deadline (or it was given back to a writer as the deadline came): it
-		// was not granted, though a grant may have raced the timeout. The session is settled and kept.
+	case errors.Is(err, errBouncedAtDeadline):
+		// Given back to a writer as the deadline came: not granted. The session is settled and kept.
+		settle(ctx, conn, t, w.intent, w.idle)
+		return nil, WithContext(ctx, err)
+	case timed && SQLState(err) == "55P03":
+		// The server ended the wait at its deadline: it was not granted, though a grant may have raced the
+		// timeout. The session is settled and kept.
 		settle(ctx, conn, t, w.intent, w.idle)
 		return nil, WithContext(ctx, fmt.Errorf("not granted before the deadline (the server's lock_timeout): %w", err))
 	case errors.Is(err, errPausedCancelled):
@@ -522,7 +526,7 @@ func (s *Session) watch() {
 			marked := false
 			if mark {
 				var r int64
-				r, err = s.conn.QueryInt(ctx, LingerSQL, s.target.ID.Linger().V)
+				r, err = s.conn.QueryInt(ctx, LingerSQL(s.target.ID.Pair), s.target.ID.Linger().V)
 				marked = err == nil && r == 1
 				if errors.Is(err, ErrLockTableFull) {
 					err = nil // answered: the session is there, only the marker found no room

@@ -135,53 +135,67 @@ var keyArgs = [2]string{"$1::int8", "$1::int4, $2::int4"} // by pair
 var trySQL, waitFirstSQL [2][2][2]string
 
 // Intent is the lock a writer (an exclusive wait) holds while it waits for a key that readers hold, so that new
-// readers wait behind it across its slices (see WaitSQL): an int8 key derived from the key by a fixed bijection of
-// each key space (the splitmix64 finalizer of the key xor a constant per space), so that no two keys of one space
-// share an intent and a user's key is the intent of another only by a 64-bit coincidence. Readers test it without
-// waiting (noIntent); writers take it only with a try, in a statement that waits for nothing else, so that whether
-// a session holds it is always known.
+// readers wait behind it across its slices (see WaitSQL): a key derived from the key by a fixed bijection of its
+// own key space (the splitmix64 finalizer of the key xor a constant), so that no two keys share an intent, an int8
+// key's intent is an int8 key and a pair's a pair (the two spaces never meet in pg_locks), and a user's key is the
+// intent of another only by a 64-bit coincidence. Readers test it without waiting (noIntent); writers take it only
+// with a try, in a statement that waits for nothing else, so that whether a session holds it is always known.
 func (id ID) Intent() ID { return id.derived(0x6164766c6f636b49) } // "advlockI"
 
-// derived maps id to an int8 key: the splitmix64 finalizer of the key xor c (and a constant for pairs).
+// derived maps id to a key of its own space: the splitmix64 finalizer of the key xor c.
 func (id ID) derived(c uint64) ID {
 	x := uint64(id.V) ^ c
-	if id.Pair {
-		x ^= 0x7061697273706163 // "pairspac"
-	}
 	x ^= x >> 30
 	x *= 0xbf58476d1ce4e5b9
 	x ^= x >> 27
 	x *= 0x94d049bb133111eb
 	x ^= x >> 31
-	if !id.Pair && int64(x) == id.V {
+	if int64(x) == id.V {
 		x ^= 1 // a key that would be its own image (a fixed point of the bijection) takes its neighbour's
 	}
-	return ID{V: int64(x)}
+	return ID{Pair: id.Pair, V: int64(x)}
+}
+
+// derivedArgs renders a derived key that travels as one int8 (e, an SQL expression: a parameter or a column) as
+// the arguments of an advisory-lock function of its space: e itself, or for a pair its high and low 32 bits, each
+// a signed int4 (the shifts are arithmetic).
+func derivedArgs(pair bool, e string) string {
+	if pair {
+		return "(" + e + " >> 32)::int4, (" + e + " << 32 >> 32)::int4"
+	}
+	return e
 }
 
 // Linger is the marker of a lock held past its work (an Unlock before the lock's minimum hold had passed): the
-// session that holds the key holds this int8 key in shared mode too, until it releases the key, so that a reader
-// of pg_locks (Inspect, advlock ls) can tell. Derived as Intent is, with another constant. Nobody takes it
-// exclusively, so a shared try of it is granted (but for a 64-bit coincidence with a user's key held exclusively).
+// session that holds the key holds this key (of the key's space) in shared mode too, until it releases the key, so
+// that a reader of pg_locks (Inspect, advlock ls) can tell. Derived as Intent is, with another constant. Nobody
+// takes it exclusively, so a shared try of it is granted (but for a 64-bit coincidence with a user's key held
+// exclusively).
 func (id ID) Linger() ID { return id.derived(0x6164766c6f636b4c) } // "advlockL"
 
-// LingerSQL takes a marker (see Linger), its one argument: 1 when granted. Its text is the same for every key, so
-// that a driver that prepares statements prepares it once.
-const LingerSQL = "SELECT pg_try_advisory_lock_shared($1::int8)::int"
+// LingerSQL takes a marker (see Linger), its one argument (an int8; for a pair's marker, the pair packed as ID.V
+// is): 1 when granted. Its text is the same for every key of a space, so that a driver that prepares statements
+// prepares it once per space.
+func LingerSQL(pair bool) string {
+	return "SELECT pg_try_advisory_lock_shared(" + derivedArgs(pair, "$1::int8") + ")::int"
+}
 
 // UnlockLingeringSQL is UnlockSQL for a lock whose marker (that of held, the key it holds) this session holds:
 // the marker goes too, and the statement answers the key's unlock.
 func UnlockLingeringSQL(t Target, held ID) (string, []any) {
 	sql, args := UnlockSQL(t)
-	return sql + " + 0 * pg_advisory_unlock_shared($" + strconv.Itoa(len(args)+1) + "::int8)::int", append(args, held.Linger().V)
+	m := held.Linger()
+	return sql + " + 0 * pg_advisory_unlock_shared(" + derivedArgs(m.Pair, "$"+strconv.Itoa(len(args)+1)+"::int8") + ")::int",
+		append(args, m.V)
 }
 
-// noIntent is an SQL condition: true when no session holds the intent i (an int8 expression) exclusively, tested
+// noIntent is an SQL condition: true when no session holds the intent i (the arguments of a lock function, see
+// derivedArgs) exclusively, tested
 // with a shared try that is undone at once, so that it leaves nothing held. Writers never wait for an intent (they
 // only try), so a shared try of it fails exactly when a writer holds it.
 func noIntent(i string) string {
 	if mutant.On(mutant.IntentIgnored) {
-		return "(" + i + " IS NOT NULL)" // always true; i stays an argument of the statement
+		return "(ROW(" + i + ") IS NOT NULL)" // always true; i stays an argument of the statement
 	}
 	return "CASE WHEN pg_try_advisory_lock_shared(" + i + ") THEN pg_advisory_unlock_shared(" + i + ") ELSE false END"
 }
@@ -239,12 +253,12 @@ func init() {
 					" THEN " + grant(fenced) + " ELSE 0 END"
 				if shared {
 					trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE " +
-						sharedTry(fenced, args, "$"+strconv.Itoa(p+2)+"::int8") + " END"
+						sharedTry(fenced, args, derivedArgs(p == 1, "$"+strconv.Itoa(p+2)+"::int8")) + " END"
 				}
 				ms := "$" + strconv.Itoa(p+2)
 				first := "SELECT CASE WHEN pg_is_in_recovery() THEN -1"
 				if shared {
-					intent := "$" + strconv.Itoa(p+3) + "::int8"
+					intent := derivedArgs(p == 1, "$"+strconv.Itoa(p+3)+"::int8")
 					first += " WHEN CASE WHEN " + noIntent(intent) + " THEN " + lockFn(true, true, args) + " ELSE false END THEN " +
 						grant(fenced)
 					first += " WHEN " + timeoutsSet + " THEN -2 WHEN set_config('lock_timeout', " + ms + "::text, true) IS NULL THEN -2" +
@@ -285,15 +299,18 @@ func intentIdle(ms string) string {
 		"0 * length(set_config('idle_session_timeout', " + ms + ", false)) + 1 ELSE 0 END"
 }
 
-// IntentSQL takes a key's intent ($1) if no other session holds it, and gives the session an idle_session_timeout
-// of $2 ms when it has none (intentIdle): 0 when not taken, 1 when taken, 2 when taken with the timeout set. It
-// never waits. (The session must not hold the intent already: a second grant would need two unlocks.)
-var IntentSQL = "SELECT CASE WHEN pg_try_advisory_lock($1::int8) THEN 1 + " + intentIdle("$2::text") + " ELSE 0 END"
+// IntentSQL takes a key's intent ($1, an int8; a pair's packed as ID.V is) if no other session holds it, and gives
+// the session an idle_session_timeout of $2 ms when it has none (intentIdle): 0 when not taken, 1 when taken, 2
+// when taken with the timeout set. It never waits. (The session must not hold the intent already: a second grant
+// would need two unlocks.)
+func IntentSQL(pair bool) string {
+	return "SELECT CASE WHEN pg_try_advisory_lock(" + derivedArgs(pair, "$1::int8") + ") THEN 1 + " + intentIdle("$2::text") + " ELSE 0 END"
+}
 
 // ReleaseIntentSQL gives back the intent of a writer whose wait was granted, and restores the session's
 // idle_session_timeout when taking it set one (idle): 1 when released.
 func ReleaseIntentSQL(intent ID, idle bool) string {
-	s := "SELECT pg_advisory_unlock(" + strconv.FormatInt(intent.V, 10) + ")::int"
+	s := "SELECT pg_advisory_unlock(" + intent.literal() + ")::int"
 	if idle {
 		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"
 	}
@@ -380,7 +397,7 @@ func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
 var TokenGrantSQL = "SELECT " + grant(true)
 
 func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool, idleMS int64) string {
-	key, ik := t.ID.literal(), strconv.FormatInt(t.ID.Intent().V, 10)
+	key, ik := t.ID.literal(), t.ID.Intent().literal()
 	after := afterGrant(t.Shared, fenced, key, ik)
 	wait := "length(" + lockFn(false, t.Shared, key) + "::text) + " + after
 	var b strings.Builder
@@ -425,7 +442,7 @@ func SettleSQL(t Target, intent, idle bool) string {
 	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
 		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
 	if intent && !t.Shared {
-		s += " * " + unlockFn(false, strconv.FormatInt(t.ID.Intent().V, 10)) + "::int"
+		s += " * " + unlockFn(false, t.ID.Intent().literal()) + "::int"
 	}
 	if idle {
 		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"

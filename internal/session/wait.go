@@ -165,7 +165,7 @@ func WithYield(ctx context.Context, yield func() bool) context.Context {
 // errBouncedAtDeadline ends a timed wait that was granted past a writer's intent and gave the key back, and whose
 // deadline has come since: the session holds nothing (the statement said so), and the wait was not granted in
 // time.
-var errBouncedAtDeadline = errors.New("not granted before the deadline (a writer waits for the key)")
+var errBouncedAtDeadline = errors.New("not granted before the deadline: a writer waits for the key, and the wait gave it back to that writer")
 
 // pause waits d before a shared wait is sent again; nothing is on the wire, and the session holds nothing. A
 // deadline that passes meanwhile ends the wait as the server would (not granted); a cancel ends it too.
@@ -178,6 +178,9 @@ func (w *serverWait) pause(d time.Duration) error {
 	select {
 	case <-t.C:
 	case <-w.ctx.Done():
+		if errors.Is(w.ctx.Err(), context.DeadlineExceeded) {
+			return errBouncedAtDeadline // the deadline, not a cancel, ended the pause
+		}
 		return WithContext(w.ctx, errPausedCancelled)
 	}
 	if dl, ok := w.ctx.Deadline(); ok && !time.Now().Before(dl) {
@@ -186,7 +189,7 @@ func (w *serverWait) pause(d time.Duration) error {
 	return nil
 }
 
-var errPausedCancelled = errors.New("wait cancelled while a writer waited for the key")
+var errPausedCancelled = errors.New("the wait stood behind a writer that waits for the key")
 
 // comment is what a slice's statement carries in front of it: how long the wait has waited so far (the server's
 // query_start less this is when the wait began, on the server's clock) and, for a published wait, what its caller
@@ -236,7 +239,7 @@ func (w *serverWait) between(what, sql string, args ...any) (int64, error) {
 // either way, and its next slice that finds the key held in shared mode tries again.
 func (w *serverWait) takeIntent() error {
 	start := time.Now()
-	r, err := w.between("take the key's intent", IntentSQL, w.t.ID.Intent().V, strconv.FormatInt(w.idleMS(), 10))
+	r, err := w.between("take the key's intent", IntentSQL(w.t.ID.Pair), w.t.ID.Intent().V, strconv.FormatInt(w.idleMS(), 10))
 	if err != nil {
 		return err
 	}

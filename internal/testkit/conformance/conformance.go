@@ -119,6 +119,7 @@ func (s *suite) run(t *testing.T) {
 		{"Deadlock", s.deadlock},
 		{"SlowLink", s.slowLink},
 		{"WriterBehindReaders", s.writerBehindReaders},
+		{"KeysApart", s.keysApart},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

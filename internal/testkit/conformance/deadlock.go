@@ -203,6 +203,10 @@ func (s *suite) deadlock(t *testing.T) {
 		noneHeld(t, obs, ks...)
 	})
 
+	// A cycle through a writer's intent (a reader held back by a writer that waits), across Lockers and within one.
+	t.Run("through an intent", func(t *testing.T) { t.Parallel(); s.cycleThroughIntent(t, false) })
+	t.Run("through an intent, one locker", func(t *testing.T) { t.Parallel(); s.cycleThroughIntent(t, true) })
+
 	t.Run("no readings without a wait", func(t *testing.T) {
 		t.Parallel()
 		h, obs := s.open(t), s.observer(t)
