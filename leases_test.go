@@ -527,6 +527,18 @@ func startTakeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk 
 // Waits for a lease keep a queue: three Lockers that wait in turn are listed by Inspect as lease waits, oldest
 // first, and are granted in the order they began once the holder lets go, each after the one before it unlocks (a
 // try meanwhile is refused); a wait that gives up leaves the queue as Lock returns.
+// warmLeases makes l's first call, which checks the lease tables and functions: on a loaded machine that outlasted
+// the 100 ms between TestLeaseWaitersQueue's arrivals (they then queued out of order), so it is done before a wait
+// is timed.
+func warmLeases(ctx context.Context, t *testing.T, l *Locker) {
+	t.Helper()
+	if w, err := l.TryLock(ctx, key(t)); err != nil {
+		t.Fatal(err)
+	} else if err := w.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestLeaseWaitersQueue(t *testing.T) {
 	b := setup(t)
 	ctx := ctxT(t, 60*time.Second)
@@ -539,6 +551,7 @@ func TestLeaseWaitersQueue(t *testing.T) {
 	}
 	quitter := New(b.pool, WithLeases(), withLeasePoll(5*time.Millisecond), WithLeaseHolder("quitter"))
 	defer quitter.Close()
+	warmLeases(ctx, t, quitter)
 	qctx, quit := context.WithCancel(ctx)
 	qdone := make(chan error, 1)
 	go func() { _, err := quitter.Lock(qctx, k); qdone <- err }()
@@ -547,13 +560,7 @@ func TestLeaseWaitersQueue(t *testing.T) {
 	for i := range 3 {
 		l := New(b.pool, WithLeases(), withLeasePoll(5*time.Millisecond), WithLeaseHolder("waiter-"+strconv.Itoa(i)))
 		defer l.Close()
-		// A new Locker's first call checks the lease tables and functions, which on a loaded machine outlasted the
-		// 100 ms between the waiters (they then queued out of order): done before its wait is timed.
-		if w, err := l.TryLock(ctx, key(t)); err != nil {
-			t.Fatal(err)
-		} else if err := w.Unlock(ctx); err != nil {
-			t.Fatal(err)
-		}
+		warmLeases(ctx, t, l)
 		time.Sleep(100 * time.Millisecond)
 		wg.Add(1)
 		go func() {
