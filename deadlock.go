@@ -220,8 +220,8 @@ SELECT coalesce(string_agg(concat_ws(E'\t', l.pid, l.objsubid, l.classid, l.obji
     CASE WHEN l.mode = 'ShareLock' THEN 'S' ELSE 'X' END, CASE WHEN l.granted THEN 'g' ELSE 'w' END,
     substring(a.query from '^/\*advlock ([^*]*)\*/')), E'\n'), '')
 FROM l LEFT JOIN pg_catalog.pg_stat_activity a ON NOT l.granted AND a.pid = l.pid
-WHERE NOT l.granted OR EXISTS (SELECT 1 FROM l w WHERE NOT w.granted AND w.objsubid = l.objsubid
-  AND w.classid = l.classid AND w.objid = l.objid) OR EXISTS (SELECT 1 FROM l w WHERE NOT w.granted AND w.pid = l.pid)`
+WHERE NOT l.granted OR (l.objsubid, l.classid, l.objid) IN (SELECT objsubid, classid, objid FROM l WHERE NOT granted)
+  OR l.pid IN (SELECT pid FROM l WHERE NOT granted)`
 
 // graphQuery is graphSQL that also returns the holders of keys (those that this Locker's waits on their way to a
 // session of their own wait for: the server sees no wait for them). The keys are numbers written into the text.

@@ -57,6 +57,7 @@ type LockInfo struct {
 	Lingering bool
 
 	advlockWait bool // a wait whose statement is advlock's own (its comment says so)
+	queryHidden bool // the reading role may not see the session's statement (pg_read_all_stats)
 	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
 	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
@@ -99,6 +100,7 @@ SELECT l.classid::text::int8, l.objid::text::int8, l.objsubid, l.mode = 'ShareLo
        l.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'), a.backend_start,
        coalesce(a.state, ''), a.pid IS NOT NULL,
        coalesce(CASE WHEN NOT l.granted THEN substring(a.query from '^/\*advlock ([^*]*)\*/') END, ''),
+       coalesce(a.query = '<insufficient privilege>', false),
        CASE WHEN NOT l.granted THEN a.query_start END
 FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid`
@@ -272,7 +274,7 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		var comment string
 		var queryStart *time.Time
 		if err := r.Scan(&cls, &obj, &sub, &li.Shared, &li.Granted, &li.WaitStart, &li.BlockedBy, &li.PID,
-			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment, &queryStart); err != nil {
+			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment, &li.queryHidden, &queryStart); err != nil {
 			return li, err
 		}
 		// A wait of advlock is sent again every slice (pg_locks.waitstart is the current slice's start); each of
@@ -322,11 +324,12 @@ type pidLock struct {
 // "Waits and the database") and marks the rows of their keys instead: an intent is the exclusive lock, held by a
 // session whose wait for a key in exclusive mode is advlock's own statement (its comment says so), that is that
 // key's intent. Any other lock on that number (a session that waits for nothing, or whose wait is not advlock's:
-// psql, another client) is listed as the lock it is.
+// psql, another client) is listed as the lock it is. A role that may not read another role's statements
+// (pg_read_all_stats) cannot tell: for it, an exclusive wait's session that holds the key's intent is a writer's.
 func foldIntents(out []LockInfo) []LockInfo {
 	intents := map[pidLock]bool{}
 	for _, li := range out {
-		if !li.Shared && !li.Granted && li.advlockWait {
+		if !li.Shared && !li.Granted && (li.advlockWait || li.queryHidden) {
 			intents[pidLock{li.PID, li.Key.id.Intent()}] = true
 		}
 	}
@@ -347,7 +350,7 @@ func foldIntents(out []LockInfo) []LockInfo {
 	}
 	writers := map[session.ID][]int32{} // key -> pids of the writers that hold its intent
 	for i, li := range kept {
-		if !li.Shared && !li.Granted && li.advlockWait && held[pidLock{li.PID, li.Key.id.Intent()}] {
+		if !li.Shared && !li.Granted && (li.advlockWait || li.queryHidden) && held[pidLock{li.PID, li.Key.id.Intent()}] {
 			kept[i].Intent = true
 			writers[li.Key.id] = append(writers[li.Key.id], li.PID)
 		}
@@ -365,7 +368,7 @@ func foldIntents(out []LockInfo) []LockInfo {
 	return kept
 }
 
-// foldLingering drops the markers of locks held past their work (the shared int8 lock a session holds beside a
+// foldLingering drops the markers of locks held past their work (the shared lock a session holds beside a
 // key it holds, that is that key's marker: see Lock.Unlock under HoldAtLeast) and marks the rows of their keys
 // instead. A marker whose session holds no such key is listed as the lock it is.
 func foldLingering(out []LockInfo) []LockInfo {
@@ -429,9 +432,14 @@ func markCycles(out []LockInfo) {
 		if w.Granted {
 			continue
 		}
-		for _, h := range out {
+		for j, h := range out {
 			if h.Granted && h.PID != w.PID && h.Key.Equal(w.Key) && conflicts(w.Shared, h.Shared) {
 				next[i] = append(next[i], owners[hk{h.PID, keyOf(h.Key.id)}]...)
+			}
+			// A reader waits behind the writer whose wait holds its key's intent (foldIntents marked that wait), as
+			// the deadlock detection links them.
+			if w.Shared && !h.Granted && h.Intent && h.PID != w.PID && h.Key.Equal(w.Key) {
+				next[i] = append(next[i], j)
 			}
 		}
 	}

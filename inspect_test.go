@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"net/url"
 	"slices"
 	"sync"
 	"testing"
@@ -372,6 +373,14 @@ func TestMarkCycles(t *testing.T) {
 			held(10, ka, true), held(20, kb, false),
 			wait(11, kb, true, HeldLock{10, ka, true}), wait(21, ka, false, HeldLock{20, kb, false}),
 		}, []bool{false, false, true, true}},
+		// X holds ka and waits to write kb (holding kb's intent: foldIntents marked its wait), which Y reads; Y holds
+		// kb and waits for kc; Z holds kc and waits to read kb, held back by X's intent. Before, Z's wait had no
+		// edge (Y's shared hold does not conflict with it) and no row was marked.
+		{"through a writer's intent", []LockInfo{
+			held(10, ka, false), held(20, kb, true), held(30, kc, false),
+			{Key: kb, PID: 11, Intent: true, CallerHolds: []HeldLock{{10, ka, false}}},
+			wait(21, kc, false, HeldLock{20, kb, true}), wait(31, kb, true, HeldLock{30, kc, false}),
+		}, []bool{false, false, false, true, true, true}},
 		{"a cycle beside a bystander", []LockInfo{
 			held(10, ka, false), held(20, kb, false), held(40, kd, false),
 			wait(11, kb, false, HeldLock{10, ka, false}), wait(21, ka, false, HeldLock{20, kb, false}),
@@ -386,5 +395,81 @@ func TestMarkCycles(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A role that may not read other roles' statements (no pg_read_all_stats) sees no comment on a wait: Inspect still
+// folds a waiting writer's intent into its wait (as it did before it read the comment), instead of listing it as
+// a lock of its own on an odd key.
+func TestInspectIntentHiddenStatements(t *testing.T) {
+	b := setup(t)
+	ctx := ctxT(t, 30*time.Second)
+	if _, err := b.obs.Exec(ctx, `DO $$ BEGIN CREATE ROLE advlock_inspect_plain LOGIN;
+		EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL; END $$`); err != nil {
+		t.Fatal(err)
+	}
+	u, err := url.Parse(b.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User("advlock_inspect_plain")
+	plain := pgtest.Conn(t, u.String())
+	k := key(t)
+	reader := New(b.pool, WithSharedSessions(0))
+	defer reader.Close()
+	r, err := reader.RLock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writer := New(b.pool, WithSharedSessions(0))
+	defer writer.Close()
+	wctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _, _ = writer.Lock(wctx, k) }()
+	defer func() { cancel(); <-done; _ = r.Unlock(ctx) }()
+	iv := k.id.Intent().V
+	var wpid uint32
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if pids, err := pgtest.Holders(ctx, b.obs, iv); err != nil {
+			t.Fatal(err)
+		} else if len(pids) == 1 {
+			wpid = pids[0]
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the writer never took the key's intent")
+		}
+	}
+	var hidden string
+	if err := plain.QueryRow(ctx, "SELECT coalesce(query, '') FROM pg_stat_activity WHERE pid = $1", int32(wpid)).Scan(&hidden); err != nil {
+		t.Fatal(err)
+	}
+	if hidden != "<insufficient privilege>" {
+		t.Fatalf("the plain role reads the writer's statement (%q): the test proves nothing", hidden)
+	}
+	for try := 0; ; try++ {
+		rows, err := Inspect(ctx, plain)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var writerRow *LockInfo
+		for i, row := range rows {
+			if row.Key.Equal(Int64Key(iv)) {
+				t.Fatalf("Inspect lists the writer's intent as a lock of its own: %+v", row)
+			}
+			if row.Key.Equal(k) && !row.Granted && !row.Shared {
+				writerRow = &rows[i]
+			}
+		}
+		if writerRow != nil {
+			if !writerRow.Intent {
+				t.Errorf("the waiting writer's row is not marked Intent: %+v", writerRow)
+			}
+			return
+		}
+		if try == 50 {
+			t.Fatal("Inspect never showed the writer waiting")
+		}
+		time.Sleep(10 * time.Millisecond) // between two slices
 	}
 }

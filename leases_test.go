@@ -524,9 +524,6 @@ func startTakeover(ctx context.Context, t *testing.T, waiter *Locker, k Key, lk 
 	}
 }
 
-// Waits for a lease keep a queue: three Lockers that wait in turn are listed by Inspect as lease waits, oldest
-// first, and are granted in the order they began once the holder lets go, each after the one before it unlocks (a
-// try meanwhile is refused); a wait that gives up leaves the queue as Lock returns.
 // warmLeases makes l's first call, which checks the lease tables and functions: on a loaded machine that outlasted
 // the 100 ms between TestLeaseWaitersQueue's arrivals (they then queued out of order), so it is done before a wait
 // is timed.
@@ -539,6 +536,9 @@ func warmLeases(ctx context.Context, t *testing.T, l *Locker) {
 	}
 }
 
+// Waits for a lease keep a queue: three Lockers that wait in turn are listed by Inspect as lease waits, oldest
+// first, and are granted in the order they began once the holder lets go, each after the one before it unlocks (a
+// try meanwhile is refused); a wait that gives up leaves the queue as Lock returns.
 func TestLeaseWaitersQueue(t *testing.T) {
 	b := setup(t)
 	ctx := ctxT(t, 60*time.Second)

@@ -357,9 +357,16 @@ func TestInspectWaitStartAcrossSlices(t *testing.T) {
 			}()
 			defer func() { cancel(); <-done }()
 			time.Sleep(800 * time.Millisecond)
-			rows, err := Inspect(ctx, b.obs)
-			if err != nil {
-				t.Fatal(err)
+			var rows []LockInfo
+			for try := 0; try < 20; try++ { // a reading between two slices (one round trip each) shows no wait
+				var err error
+				if rows, err = Inspect(ctx, b.obs); err != nil {
+					t.Fatal(err)
+				}
+				if slices.ContainsFunc(rows, func(r LockInfo) bool { return r.Key.Equal(k) && !r.Granted }) {
+					break
+				}
+				time.Sleep(5 * time.Millisecond)
 			}
 			var now time.Time
 			if err := b.obs.QueryRow(ctx, "SELECT clock_timestamp()").Scan(&now); err != nil {
