@@ -112,11 +112,11 @@ ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST
 // (pg_read_all_stats).
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
-// waiting (its wait ended between the two reads) or a session is gone, Inspect reads both again (up to 3 times),
+// waiting (its wait ended between the two reads) or a session is gone, Inspect reads both again (up to 10 times),
 // so that what it returns is one consistent picture.
 func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 	var out []LockInfo
-	for range 3 {
+	for range 10 {
 		var consistent bool
 		var err error
 		out, consistent, err = inspectOnce(ctx, q)
