@@ -124,8 +124,9 @@ func TestCampaignNotExercised(t *testing.T) {
 
 // lanes bounds the short campaigns and the mutants' tests run at once (each campaign its own private cluster and
 // two workers), beside the bounded campaign: the machine is mostly idle during one. (Four at a time once delayed
-// the bounded campaign's deadlock detection past its bound.)
-var lanes = make(chan struct{}, 3)
+// the bounded campaign's deadlock detection past its bound, and three did on a slower day: 3.8 s and 4.2 s against
+// 3 s, in two of four runs.)
+var lanes = make(chan struct{}, 2)
 
 // lane takes one of lanes until t ends.
 func lane(t *testing.T) {
