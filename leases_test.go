@@ -555,13 +555,29 @@ func TestLeaseWaitersQueue(t *testing.T) {
 	qctx, quit := context.WithCancel(ctx)
 	qdone := make(chan error, 1)
 	go func() { _, err := quitter.Lock(qctx, k); qdone <- err }()
+	v, _ := k.Int64()
+	queued := func(name string) { // each arrives once the one before it has its row: a loaded machine may delay a start
+		t.Helper()
+		for {
+			var n int
+			if err := b.obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Waits+" WHERE key = $1 AND holder LIKE '%'||$2", v, name).Scan(&n); err != nil {
+				t.Fatal(err)
+			} else if n > 0 {
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
 	order := make(chan int, 3)
 	var wg sync.WaitGroup
+	prev := "quitter"
 	for i := range 3 {
 		l := New(b.pool, WithLeases(), withLeasePoll(5*time.Millisecond), WithLeaseHolder("waiter-"+strconv.Itoa(i)))
 		defer l.Close()
 		warmLeases(ctx, t, l)
-		time.Sleep(100 * time.Millisecond)
+		queued(" " + prev)
+		time.Sleep(20 * time.Millisecond) // apart in the table's clock too
+		prev = "waiter-" + strconv.Itoa(i)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -575,7 +591,7 @@ func TestLeaseWaitersQueue(t *testing.T) {
 			_ = got.Unlock(ctx)
 		}()
 	}
-	time.Sleep(100 * time.Millisecond)
+	queued(" " + prev)
 	rows, err := Inspect(ctx, b.obs)
 	if err != nil {
 		t.Fatal(err)
@@ -594,7 +610,6 @@ func TestLeaseWaitersQueue(t *testing.T) {
 	if err := <-qdone; !errors.Is(err, context.Canceled) {
 		t.Errorf("the quitter's wait: %v", err)
 	}
-	v, _ := k.Int64()
 	var n int
 	if err := b.obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Waits+" WHERE key = $1 AND holder LIKE '%quitter'", v).Scan(&n); err != nil || n != 0 {
 		t.Errorf("the quitter's wait rows after Lock returned: %d %v", n, err)

@@ -534,6 +534,10 @@ func (s *Session) watch() {
 			} else {
 				err = s.conn.Ping(ctx)
 			}
+			if err != nil && ctx.Err() != nil {
+				// said as a shared session's keepalive says it, whatever the driver made of the deadline
+				err = fmt.Errorf("no answer within %v: %w", s.keepalive, context.DeadlineExceeded)
+			}
 			cancel()
 			s.watchMu.Lock()
 			s.pinging = false
