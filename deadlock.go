@@ -210,8 +210,9 @@ type textQuerier interface {
 }
 
 // graphSQL reads, from one snapshot of pg_locks, every advisory wait in this database with the comment its
-// statement carries, the holders of the keys waited for (and of the keys graphQuery adds), and every lock held by a
-// session that waits (a writer's intent, which holds readers back: see session.ID.Intent). One line per row: pid,
+// statement carries, the holders of the keys waited for (and of the keys graphQuery adds, and of those that waits'
+// comments name: a wait in its key's line waits for a ticket, not for the key), and every lock held by a session
+// that waits (a writer's intent, which holds readers back: see session.ID.Intent; a ticket of a key's line). One line per row: pid,
 // objsubid, classid, objid, mode (S or X), g or w, comment.
 const graphSQL = `WITH l AS MATERIALIZED (
   SELECT pid, objsubid, classid, objid, mode, granted FROM pg_catalog.pg_locks
@@ -221,7 +222,10 @@ SELECT coalesce(string_agg(concat_ws(E'\t', l.pid, l.objsubid, l.classid, l.obji
     substring(a.query from '^/\*advlock ([^*]*)\*/')), E'\n'), '')
 FROM l LEFT JOIN pg_catalog.pg_stat_activity a ON NOT l.granted AND a.pid = l.pid
 WHERE NOT l.granted OR (l.objsubid, l.classid, l.objid) IN (SELECT objsubid, classid, objid FROM l WHERE NOT granted)
-  OR l.pid IN (SELECT pid FROM l WHERE NOT granted)`
+  OR l.pid IN (SELECT pid FROM l WHERE NOT granted)
+  OR (l.objsubid::text, l.classid::text, l.objid::text) IN (SELECT m[1], m[2], m[3] FROM (
+    SELECT regexp_match(q.query, '^/\*advlock [^*]*\m[wk]=([12])\.([0-9]+)\.([0-9]+)\.') AS m
+    FROM pg_catalog.pg_stat_activity q WHERE q.query LIKE '/*advlock %') c WHERE m IS NOT NULL)`
 
 // graphQuery is graphSQL that also returns the holders of keys (those that this Locker's waits on their way to a
 // session of their own wait for: the server sees no wait for them). The keys are numbers written into the text.
@@ -397,6 +401,15 @@ type lockRow struct {
 	waitFor session.Ref // from the comment: the lock it says it waits for (PID 0)
 	held    []session.Ref
 	tagged  bool
+	line    *session.Ref // a wait for a ticket of this key's line (its comment names the key): a wait for that key
+}
+
+// key is the key and mode a wait row waits for: its own, or for a wait in a key's line that key's.
+func (r lockRow) key() (session.ID, bool) {
+	if r.line != nil {
+		return r.line.ID, r.line.Shared
+	}
+	return r.id, r.shared
 }
 
 func parseGraph(s string) []lockRow {
@@ -413,6 +426,11 @@ func parseGraph(s string) []lockRow {
 		r := lockRow{pid: ref.PID, id: ref.ID, shared: ref.Shared, granted: f[5] == "g"}
 		if len(f) > 6 {
 			r.waitFor, r.held, r.tagged = parseComment(f[6])
+			if k, ok := commentKey(f[6]); ok && !r.granted {
+				if _, in := k.ID.InLine(r.id); in {
+					r.line = &k
+				}
+			}
 		}
 		rows = append(rows, r)
 	}
@@ -442,6 +460,23 @@ func parseComment(s string) (wait session.Ref, held []session.Ref, ok bool) {
 	return session.Ref{ID: id, Shared: shared}, held, true
 }
 
+// commentKey reads the key and mode a wait's comment says it waits for ("w=LOCK", or for a wait that publishes
+// nothing else, "k=LOCK"): a lock of its session that is a ticket of that key's line is its place in that line.
+func commentKey(s string) (session.Ref, bool) {
+	for f := range strings.FieldsSeq(s) {
+		if v, ok := strings.CutPrefix(f, "w="); ok {
+			s = v
+		} else if v, ok := strings.CutPrefix(f, "k="); ok {
+			s = v
+		} else {
+			continue
+		}
+		id, shared, ok := session.ParseLock(s)
+		return session.Ref{ID: id, Shared: shared}, ok
+	}
+	return session.Ref{}, false
+}
+
 // commentWaited reads how long a wait had waited when it sent its current statement ("q=MS", the start of what
 // every wait's statement says in its comment).
 func commentWaited(s string) (time.Duration, bool) {
@@ -467,10 +502,13 @@ type node struct {
 	// The least in a cycle gives up: a wait for a pool connection (negative: -seq, the youngest first; only its
 	// own Locker sees it), else the wait on the lowest pid.
 	rank int64
-	held []session.Ref
-	out  []*node
-	w    *waiter // this Locker's, or nil
-	desc string
+	// tagged: a wait that a Locker watches (its comment publishes what its caller holds, or it is this Locker's):
+	// only such a wait can be ended, and only such a wait is chosen to give up.
+	tagged bool
+	held   []session.Ref
+	out    []*node
+	w      *waiter // this Locker's, or nil
+	desc   string
 }
 
 type holderID struct {
@@ -508,12 +546,18 @@ func (l *Locker) localGraph(s string) *graph {
 		if r.granted {
 			continue
 		}
-		n := &node{rank: int64(r.pid), desc: fmt.Sprintf("pid %d waiting for %s", r.pid, keyOf(r.id))}
-		if w := byPID[r.pid]; w != nil && w.t.ID == r.id && w.t.Shared == r.shared {
-			n.w, n.held = w, w.held
+		if w := byPID[r.pid]; w != nil && r.line == nil {
+			if _, in := w.t.ID.InLine(r.id); in { // its comment cut short: this Locker knows its key all the same
+				r.line = &session.Ref{ID: w.t.ID, Shared: w.t.Shared}
+			}
+		}
+		id, shared := r.key()
+		n := &node{rank: int64(r.pid), desc: fmt.Sprintf("pid %d waiting for %s", r.pid, keyOf(id))}
+		if w := byPID[r.pid]; w != nil && w.t.ID == id && w.t.Shared == shared {
+			n.w, n.held, n.tagged = w, w.held, true
 			n.desc = fmt.Sprintf("this wait for %s (pid %d)", w.key, r.pid)
-		} else if r.tagged && r.waitFor.ID == r.id && r.waitFor.Shared == r.shared {
-			n.held = r.held
+		} else if r.tagged && r.waitFor.ID == id && r.waitFor.Shared == shared {
+			n.held, n.tagged = r.held, true
 		}
 		g.nodes = append(g.nodes, n)
 		waits = append(waits, r)
@@ -550,13 +594,21 @@ func (l *Locker) localGraph(s string) *graph {
 			g.nodes[i].out = append(g.nodes[i].out, owners[holderID{h.pid, id}]...)
 			g.nodes[i].out = append(g.nodes[i].out, onPID[h.pid]...)
 		}
-		for _, h := range holders[r.id] {
-			if h.pid != r.pid && conflicts(r.shared, h.shared) {
-				block(h, r.id)
+		id, shared := r.key()
+		for _, h := range holders[id] {
+			if h.pid != r.pid && conflicts(shared, h.shared) {
+				block(h, id)
 			}
 		}
-		if r.shared {
-			in := r.id.Intent()
+		if r.line != nil { // and by the member in front of it in the line, whose ticket it waits for
+			for _, h := range holders[r.id] {
+				if h.pid != r.pid && conflicts(r.shared, h.shared) {
+					block(h, r.id)
+				}
+			}
+		}
+		if shared {
+			in := id.Intent()
 			for _, h := range holders[in] {
 				if h.pid != r.pid && !h.shared {
 					block(h, in)
@@ -578,13 +630,16 @@ func (l *Locker) localGraph(s string) *graph {
 // cycle, that is its least wait, as before.
 func (g *graph) victims() map[*node]bool {
 	out := map[*node]bool{}
-	visible := map[*node]bool{}
+	visible, watched := map[*node]bool{}, map[*node]bool{}
 	for _, n := range g.nodes {
 		if n.rank >= 0 {
 			visible[n] = true
+			if n.tagged {
+				watched[n] = true
+			}
 		}
 	}
-	g.greedy(visible, visible, out)
+	g.greedy(visible, watched, out)
 	alive := map[*node]bool{}
 	local := map[*node]bool{}
 	for _, n := range g.nodes {

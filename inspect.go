@@ -56,8 +56,9 @@ type LockInfo struct {
 	// callers of one Locker on one shared session shows Lingering while any of them lingers.
 	Lingering bool
 
-	advlockWait bool // a wait whose statement is advlock's own (its comment says so)
-	queryHidden bool // the reading role may not see the session's statement (pg_read_all_stats)
+	advlockWait bool         // a wait whose statement is advlock's own (its comment says so)
+	line        *session.Ref // the key and mode of the line this row's lock is a ticket of (its session's comment says so)
+	queryHidden bool         // the reading role may not see the session's statement (pg_read_all_stats)
 	// ClientSessions is how many server sessions of this row's client (the same ClientAddr and ApplicationName:
 	// one process, when each process names its sessions) hold or wait for advisory locks in this database, as the
 	// listing shows: a Locker from [Open] uses at most [DefaultOpenConns], its shared sessions included.
@@ -99,7 +100,7 @@ SELECT l.classid::text::int8, l.objid::text::int8, l.objsubid, l.mode = 'ShareLo
            AND (h.granted OR h.waitstart < l.waitstart) ORDER BY h.pid) END,
        l.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'), a.backend_start,
        coalesce(a.state, ''), a.pid IS NOT NULL,
-       coalesce(CASE WHEN NOT l.granted THEN substring(a.query from '^/\*advlock ([^*]*)\*/') END, ''),
+       coalesce(substring(a.query from '^/\*advlock ([^*]*)\*/'), ''),
        coalesce(a.query = '<insufficient privilege>', false),
        CASE WHEN NOT l.granted THEN a.query_start END
 FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
@@ -113,7 +114,8 @@ ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
 // waiting (its wait ended between the two reads) or a session is gone, Inspect reads both again (up to 10 times),
-// so that what it returns is one consistent picture.
+// so that what it returns is one consistent picture; so it does when a wait in its key's line is between two of
+// its statements (a wait in a line is listed as a wait for its key; the locks that hold its place are not listed).
 func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 	var out []LockInfo
 	for range 10 {
@@ -290,14 +292,19 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 				li.WaitStart = &began
 			}
 		}
-		if wait, held, ok := parseComment(comment); ok && wait.ID == session.LockID(sub == 2, uint32(cls), uint32(obj)) &&
-			wait.Shared == li.Shared {
+		id := session.LockID(sub == 2, uint32(cls), uint32(obj))
+		if k, ok := commentKey(comment); ok {
+			if _, in := k.ID.InLine(id); in {
+				li.line = &k // a ticket of k's line: see foldLines
+			}
+		}
+		if wait, held, ok := parseComment(comment); ok && !li.Granted && (wait.ID == id && wait.Shared == li.Shared || li.line != nil) {
 			for _, h := range held {
 				li.CallerHolds = append(li.CallerHolds, HeldLock{PID: int32(h.PID), Key: keyOf(h.ID), Shared: h.Shared})
 			}
 		}
-		if !live || !li.Granted && li.State != "active" {
-			consistent = false
+		if !live || !li.Granted && li.State != "active" || li.line != nil && li.State != "active" {
+			consistent = false // a member of a line between two of its statements is read again, waiting
 		}
 		if start != nil {
 			li.BackendStart = *start
@@ -307,7 +314,7 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		return li, err
 	})
 	if err == nil {
-		out = foldLingering(foldIntents(out))
+		out = foldLingering(foldIntents(foldLines(out)))
 	}
 	markCycles(out)
 	countClients(out)
@@ -318,6 +325,71 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 type pidLock struct {
 	pid int32
 	id  session.ID
+}
+
+// foldLines drops the tickets that waits hold in their keys' lines (see "Waits and the database" in docs/locks.md)
+// and lists a wait for the ticket of the member in front of it as the wait for its key that it is, blocked by that
+// member and by the key's holders in a conflicting mode. A ticket is a lock of a session whose statement (a wait
+// of advlock, or the statement with which it joined the line) names the key whose line it is in: any other lock
+// on that number is listed as the lock it is. The rows are then in Inspect's order again.
+func foldLines(out []LockInfo) []LockInfo {
+	folded := false
+	kept := out[:0]
+	for _, li := range out {
+		if li.line == nil {
+			kept = append(kept, li)
+			continue
+		}
+		folded = true
+		if li.Granted {
+			continue // its place in the line
+		}
+		li.Key, li.Shared, li.advlockWait = keyOf(li.line.ID), li.line.Shared, true
+		kept = append(kept, li)
+	}
+	if !folded {
+		return kept
+	}
+	for i, w := range kept {
+		if w.line == nil || w.Granted {
+			continue
+		}
+		for _, h := range kept {
+			if h.Granted && h.PID != w.PID && h.Key.Equal(w.Key) && conflicts(w.Shared, h.Shared) && !slices.Contains(kept[i].BlockedBy, h.PID) {
+				kept[i].BlockedBy = append(kept[i].BlockedBy, h.PID)
+			}
+		}
+		slices.Sort(kept[i].BlockedBy)
+	}
+	pos := func(li LockInfo) [3]uint64 {
+		sub := uint64(1)
+		if li.Key.id.Pair {
+			sub = 2
+		}
+		return [3]uint64{uint64(li.Key.id.V) >> 32, uint64(uint32(li.Key.id.V)), sub}
+	}
+	slices.SortStableFunc(kept, func(a, b LockInfo) int {
+		if pa, pb := pos(a), pos(b); pa != pb {
+			return slices.Compare(pa[:], pb[:])
+		}
+		if a.Granted != b.Granted {
+			if a.Granted {
+				return -1
+			}
+			return 1
+		}
+		if a.WaitStart != nil && b.WaitStart != nil && !a.WaitStart.Equal(*b.WaitStart) {
+			return a.WaitStart.Compare(*b.WaitStart)
+		}
+		if (a.WaitStart == nil) != (b.WaitStart == nil) {
+			if a.WaitStart == nil {
+				return -1
+			}
+			return 1
+		}
+		return int(a.PID) - int(b.PID)
+	})
+	return kept
 }
 
 // foldIntents drops the intents of writers from out (a waiting writer holds its key's intent, see docs/locks.md,

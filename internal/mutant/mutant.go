@@ -39,6 +39,9 @@ const (
 	// IntentIgnored: readers ignore the intent of a writer waiting for their key (a shared try passes, a shared
 	// wait granted between two of the writer's slices keeps the key), so readers that come and go starve it.
 	IntentIgnored = "intent_ignored"
+	// WaitRequeueBack: a wait does not stand in its key's line: each slice's end sends it to the back of the
+	// server's queue, behind every wait that came after it.
+	WaitRequeueBack = "wait_requeue_back"
 	// LeaseRenewUnkeyed: a lease's renewal is keyed on its key alone, not on its owner and term, so a holder whose
 	// lease was broken renews the lease that took its place, and acts on as its holder.
 	LeaseRenewUnkeyed = "lease_renew_unkeyed"
@@ -76,7 +79,7 @@ const (
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
-	TokenNoTimeline, IntentIgnored, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply,
+	TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply,
 	LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline, LeaseUndoOnce, LeaseRenewNoDeadline}
 
 // Env names the environment variable that selects the mutant in a build with the tag.

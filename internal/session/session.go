@@ -238,8 +238,9 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	if err := cfg.Waits.check(ctx, pool, conn, cfg.Settings); err != nil {
 		return nil, WithContext(ctx, err)
 	}
-	// One prepared statement: a try, or for a wait a try and then a wait in the server for one slice at most,
-	// after which the wait is sent again (queue), so that none of its statements holds a snapshot for long.
+	// A try is one prepared statement; a wait begins with it too (or, to publish its start, with JoinSQL), and a
+	// wait that finds the key held joins its line and waits in the server one slice at most per statement, sent
+	// again after each (serverWait.run), so that none of its statements holds a snapshot for long.
 	if wait && !cfg.Waits.add(conn) {
 		conn.Release() // nothing was sent
 		return nil, ErrClosed
@@ -280,7 +281,7 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 			tag.pid.Store(0)
 		} else {
 			// The prepared first statement knows no alternatives, and publishes no start: a wait that began a while
-			// ago (it queued for a session, or gave one up to another wait) starts with WaitSQL, which does.
+			// ago (it queued for a session, or gave one up to another wait) starts with JoinSQL, which does.
 			r, err = w.run(len(w.alts) == 0 && time.Since(w.start) < publishAfter)
 		}
 		if err == nil && len(w.alts) > 0 && r >= resultAcquired {
@@ -295,10 +296,11 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 			}
 		}
 	}
-	if err == nil && r >= resultAcquired && w.intent {
-		// Granted: the intent has served (the readers waited behind the writer) and goes back now, with the
-		// session's idle_session_timeout restored if taking it set one; the lock holds only its key.
-		err = w.releaseIntent()
+	if err == nil && r >= resultAcquired && (w.intent || w.seq > 0) {
+		// Granted: the intent has served (the readers waited behind the writer) and goes back now, and the wait
+		// leaves its key's line (the next member waits for the key now), with the session's idle_session_timeout
+		// restored if the wait set one; the lock holds only its key.
+		err = w.leave()
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
 		err = fmt.Errorf("%w: %w", ErrClosed, err) // Close aborted the wait
@@ -307,20 +309,20 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	case errors.Is(err, ErrClosed):
 	case errors.Is(err, errBouncedAtDeadline):
 		// Given back to a writer as the deadline came: not granted. The session is settled and kept.
-		settle(ctx, conn, t, w.intent, w.idle)
+		settle(ctx, conn, w)
 		return nil, WithContext(ctx, err)
 	case timed && SQLState(err) == "55P03":
 		// The server ended the wait at its deadline: it was not granted, though a grant may have raced the
 		// timeout. The session is settled and kept.
-		settle(ctx, conn, t, w.intent, w.idle)
+		settle(ctx, conn, w)
 		return nil, WithContext(ctx, fmt.Errorf("not granted before the deadline (the server's lock_timeout): %w", err))
 	case errors.Is(err, errPausedCancelled):
-		settle(ctx, conn, t, w.intent, w.idle) // nothing on the wire: the session is kept
+		settle(ctx, conn, w) // nothing on the wire: the session is kept
 		return nil, WithContext(ctx, err)
 	case errors.Is(err, ErrYielded):
 		// Between two slices: not granted, though a grant may have raced the slice's end (settled: the key then
 		// goes to the next waiter), and the intent is given back.
-		settle(ctx, conn, t, w.intent, w.idle) // kept, or closed on doubt: nothing is held either way
+		settle(ctx, conn, w) // kept, or closed on doubt: nothing is held either way
 		return nil, ErrYielded
 	}
 	// A grant that raced the deadline of a timed wait stands (the server answered within its bound); any other
@@ -349,6 +351,10 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 	case r == resultNotHeld:
 		conn.Release()
 		return nil, ErrNotAcquired
+	case r == resultStandby && (w.seq > 0 || w.intent):
+		because(conn, "the server is a standby now")
+		conn.Destroy() // its place in a line, or an intent, taken on a primary
+		return nil, ErrStandby
 	case r == resultStandby:
 		conn.Release() // the CASE took no lock
 		return nil, ErrStandby

@@ -45,8 +45,6 @@ const (
 	resultIntentNow  = -6 // an exclusive wait's statement took the key's intent and did not wait: wait next, holding it
 	resultBadUnlock  = -5 // an unlock inside a wait statement found nothing to unlock: the session is in doubt
 	resultBounced    = -4 // a shared wait was granted while a writer's intent stood, and gave the key back at once
-	resultReaders    = -3 // an exclusive wait found the key held in shared mode only: take its intent, then wait
-	resultTimeouts   = -2 // WaitFirstSQL: held elsewhere, and the session has a statement or transaction timeout
 	resultStandby    = -1
 	resultNotHeld    = 0
 	resultAcquired   = 1
@@ -132,7 +130,7 @@ var keyArgs = [2]string{"$1::int8", "$1::int4, $2::int4"} // by pair
 // (CASE evaluates lazily), so the recovery check costs no extra round trip. A token, when fenced, is drawn only in
 // the branch that granted, after the grant, in the same statement: no extra round trip, and a later grant always
 // gets a larger token.
-var trySQL, waitFirstSQL [2][2][2]string
+var trySQL [2][2][2]string
 
 // Intent is the lock a writer (an exclusive wait) holds while it waits for a key that readers hold, so that new
 // readers wait behind it across its slices (see WaitSQL): a key derived from the key by a fixed bijection of its
@@ -211,10 +209,6 @@ func sharedTry(fenced bool, key, intent string) string {
 		" WHEN " + unlockFn(true, key) + " THEN 0 ELSE -5 END ELSE 0 END"
 }
 
-// timeoutsSet is an SQL condition: the session has a statement_timeout, or (PostgreSQL 17 and later) a
-// transaction_timeout, that would end a wait in this statement: both are armed as the statement starts.
-const timeoutsSet = "current_setting('statement_timeout') <> '0' OR coalesce(current_setting('transaction_timeout', true), '0') <> '0'"
-
 // liftTimeout is a condition that is always false and, where the server has transaction_timeout (PostgreSQL 17 and
 // later), sets it to 0 for the current transaction (which also disarms its timer): a role or database default
 // must not end a wait. current_setting(..., true) is NULL on servers without it, where set_config would fail.
@@ -232,18 +226,6 @@ func afterGrant(shared, fenced bool, key, intent string) string {
 		" THEN -4 ELSE -5 END"
 }
 
-// waitFirstSQL is a wait's first statement, prepared, one round trip for a free key and for the first slice of a
-// wait alike: a try, then, when the session has no statement or transaction timeout (armed when the statement
-// starts, which no setting inside it can lift), a wait in the server under a lock_timeout set for this statement's
-// implicit transaction alone (set_config(..., true), evaluated before the lock function: CASE evaluates in order).
-// The blocking functions return void; length(void::text) is 0, which turns the grant into a value without a
-// subquery.
-//
-// A shared wait's try passes only while no writer's intent stands (see Intent); its wait queues behind any writer
-// in the server's queue and, when granted as that writer is between two slices, gives the key back (afterGrant).
-// An exclusive wait that finds the key held in shared mode only (a shared try passes) does not wait here: it yields
-// resultReaders, and its caller takes the key's intent (IntentSQL) before waiting, so that new readers wait behind
-// it from its first slice on.
 func init() {
 	for f := range 2 {
 		for p := range 2 {
@@ -255,37 +237,9 @@ func init() {
 					trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE " +
 						sharedTry(fenced, args, derivedArgs(p == 1, "$"+strconv.Itoa(p+2)+"::int8")) + " END"
 				}
-				ms := "$" + strconv.Itoa(p+2)
-				first := "SELECT CASE WHEN pg_is_in_recovery() THEN -1"
-				if shared {
-					intent := derivedArgs(p == 1, "$"+strconv.Itoa(p+3)+"::int8")
-					first += " WHEN CASE WHEN " + noIntent(intent) + " THEN " + lockFn(true, true, args) + " ELSE false END THEN " +
-						grant(fenced)
-					first += " WHEN " + timeoutsSet + " THEN -2 WHEN set_config('lock_timeout', " + ms + "::text, true) IS NULL THEN -2" +
-						" ELSE length(" + lockFn(false, true, args) + "::text) + " + afterGrant(true, fenced, args, intent) + " END"
-				} else {
-					first += " WHEN " + lockFn(true, false, args) + " THEN " + grant(fenced) +
-						" WHEN " + lockFn(true, true, args) + " THEN CASE WHEN " + unlockFn(true, args) + " THEN -3 ELSE -5 END" +
-						" WHEN " + timeoutsSet + " THEN -2 WHEN set_config('lock_timeout', " + ms + "::text, true) IS NULL THEN -2" +
-						" ELSE length(" + lockFn(false, false, args) + "::text) + " + grant(fenced) + " END"
-				}
-				waitFirstSQL[f][p][sh] = first
 			}
 		}
 	}
-}
-
-// WaitFirstSQL returns a wait's first statement (see waitFirstSQL) and its arguments: the key, lock_timeout ms,
-// and for a shared wait the key's intent. It yields a grant, -1 (standby; nothing taken), -2 (held elsewhere, and
-// the session's timeouts forbid a wait in this statement: wait with WaitSQL), -3 (an exclusive wait: held in
-// shared mode only; take the intent, then wait with WaitSQL) or -4 (a shared wait granted past a writer's intent
-// and given back: wait again); a wait not granted within ms fails with SQLSTATE 55P03.
-func WaitFirstSQL(t Target, fenced bool, ms int64) (string, []any) {
-	args := append(t.ID.args(), strconv.FormatInt(ms, 10))
-	if t.Shared {
-		args = append(args, t.ID.Intent().V)
-	}
-	return waitFirstSQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], args
 }
 
 // intentIdle is an SQL expression for a session that takes an intent: 1 when it gives the session an
@@ -293,24 +247,23 @@ func WaitFirstSQL(t Target, fenced bool, ms int64) (string, []any) {
 // is never idle for long (each slice is sent again at once); should its client vanish (a network partition, a
 // process killed) after giving up on the wait, the server ends it then, instead of keeping the intent, which holds
 // readers back, until TCP keepalive notices (hours with the defaults). The setting is restored (to 0) with the
-// intent's release (ReleaseIntentSQL, SettleSQL). Servers before PostgreSQL 14 have no such setting.
+// intent's release (LeaveSQL, SettleSQL). Servers before PostgreSQL 14 have no such setting.
 func intentIdle(ms string) string {
 	return "CASE WHEN coalesce(current_setting('idle_session_timeout', true), '') = '0' THEN " +
 		"0 * length(set_config('idle_session_timeout', " + ms + ", false)) + 1 ELSE 0 END"
 }
 
-// IntentSQL takes a key's intent ($1, an int8; a pair's packed as ID.V is) if no other session holds it, and gives
-// the session an idle_session_timeout of $2 ms when it has none (intentIdle): 0 when not taken, 1 when taken, 2
-// when taken with the timeout set. It never waits. (The session must not hold the intent already: a second grant
-// would need two unlocks.)
-func IntentSQL(pair bool) string {
-	return "SELECT CASE WHEN pg_try_advisory_lock(" + derivedArgs(pair, "$1::int8") + ") THEN 1 + " + intentIdle("$2::text") + " ELSE 0 END"
-}
-
-// ReleaseIntentSQL gives back the intent of a writer whose wait was granted, and restores the session's
-// idle_session_timeout when taking it set one (idle): 1 when released.
-func ReleaseIntentSQL(intent ID, idle bool) string {
-	s := "SELECT pg_advisory_unlock(" + intent.literal() + ")::int"
+// LeaveSQL is what a wait that was granted sends next: it gives back the key's intent (intent), its place in the
+// key's line (line: see LineSQL) and restores the session's idle_session_timeout when the wait set one (idle): 1
+// when all of it was there.
+func LeaveSQL(t Target, intent, line, idle bool) string {
+	s := "SELECT 1"
+	if line {
+		s = "SELECT CASE WHEN " + leaveSQL(t) + " THEN 1 ELSE 0 END"
+	}
+	if intent {
+		s += " * pg_advisory_unlock(" + t.ID.Intent().literal() + ")::int"
+	}
 	if idle {
 		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"
 	}
@@ -366,7 +319,7 @@ func ownHeld(t Target) string {
 // statements run in one implicit transaction whose SET LOCAL lifts any statement_timeout (and transaction_timeout)
 // that a role, database or pool default put on the session and sets lock_timeout to ms, so that a wait not granted
 // in time ends with SQLSTATE 55P03 and the session stays usable; the settings revert when the implicit transaction
-// ends, while the session-level lock stays. It yields what WaitFirstSQL does, but -2.
+// ends, while the session-level lock stays. It yields a grant, -1 (standby), -4 (a shared wait granted past a writer's intent and given back: wait again), -5 (doubt), or resultIntentNow or resultIntentIdle; a wait not granted within ms fails with SQLSTATE 55P03.
 //
 // A wait is sent again and again, one slice at a time (see DefaultWaitSlice), so that no snapshot lives long.
 // A grant can race lock_timeout (the server grants the key just as the timeout fires; the lock then survives the
@@ -434,13 +387,16 @@ func SharedNowSQL(t Target) string {
 
 // SettleSQL leaves a session that waited for t and was not granted holding nothing, whether or not a grant raced
 // the wait's end (a try passes on a session that holds the key already; then one unlock, and pg_locks says whether
-// a second is needed), and with intent also gives the key's intent back (with idle, restoring the session's
+// a second is needed), with line also its place in the key's line (LineSQL), and with intent also gives the key's intent back (with idle, restoring the session's
 // idle_session_timeout: intentIdle). It yields 1 when the session holds
 // nothing afterwards; anything else puts the session in doubt.
-func SettleSQL(t Target, intent, idle bool) string {
+func SettleSQL(t Target, intent, line, idle bool) string {
 	key := t.ID.literal()
 	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
 		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
+	if line {
+		s += " * CASE WHEN " + leaveSQL(t) + " THEN 1 ELSE 0 END"
+	}
 	if intent && !t.Shared {
 		s += " * " + unlockFn(false, t.ID.Intent().literal()) + "::int"
 	}

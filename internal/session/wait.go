@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"strconv"
 	"time"
+
+	"github.com/advlock/advlock/internal/mutant"
 )
 
 // DefaultWaitSlice is the longest a wait statement runs. A statement waiting in the server holds a snapshot for as
@@ -38,6 +40,7 @@ type serverWait struct {
 	tag     string    // a published wait's comment body for deadlock detection ("w=... h=..."), or ""
 	start   time.Time // when the wait began
 	intent  bool      // the session holds t's intent
+	seq     int64     // the wait's place in its key's line (see line.go), or 0
 	idle    bool      // taking it gave the session an idle_session_timeout (intentIdle), to be restored
 	slack   time.Duration
 	rtt     time.Duration // the longest answer delay seen past a statement's expected answer
@@ -60,31 +63,23 @@ func bounceBackoff(n int) time.Duration {
 const bounceMax = 100 * time.Millisecond
 
 // run waits until granted (a result >= 1), the server ends the wait (55P03 at ctx's deadline), ctx is cancelled,
-// or the session fails. first sends the prepared first statement (a try and the first slice in one round trip);
-// else the wait starts with WaitSQL (a published wait: its statements carry the comment).
+// or the session fails. first sends the prepared try first (one round trip for a free key); else the wait starts
+// with JoinSQL, whose statements publish when the wait began. A wait for one key (no alternatives) joins the key's
+// line (see line.go) and waits in it until it is the head; the head waits for the key itself.
 func (w *serverWait) run(first bool) (int64, error) {
-	requeue := false
 	if first {
-		end, last, ms := slice(w.ctx, w.cfg)
-		sql, args := WaitFirstSQL(w.t, w.cfg.Fencing, ms)
-		r, err := w.statement(end, sql, args...)
-		switch {
-		case err == nil && r == resultTimeouts:
-		case err == nil && r == resultReaders:
-			if err := w.takeIntent(); err != nil {
-				return 0, err
-			}
-		case err == nil && r == resultBounced:
-			w.bounces++
-		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
-			requeue = true
-			if yielded, err := w.yielded(); yielded || err != nil {
-				return 0, err
-			}
-		default:
+		sql, args := TrySQL(w.t, w.cfg.Fencing)
+		r, err := w.between("try", sql, args...)
+		if err != nil || r != resultNotHeld {
 			return r, err
 		}
 	}
+	if len(w.alts) == 0 && !mutant.On(mutant.WaitRequeueBack) {
+		if r, err, done := w.queue(); done {
+			return r, err
+		}
+	}
+	requeue := false
 	for {
 		if d := bounceBackoff(w.bounces); d > 0 {
 			if err := w.pause(d); err != nil {
@@ -108,11 +103,56 @@ func (w *serverWait) run(first bool) (int64, error) {
 				return 0, err
 			}
 		case err == nil && (r == resultIntentNow || r == resultIntentIdle):
-			w.intent, w.idle = true, r == resultIntentIdle
+			w.intent, w.idle = true, w.idle || r == resultIntentIdle
 		case err == nil && r == resultBounced:
 			w.bounces++ // also in the last slice: it waits again, until the deadline (pause)
 		default:
 			return r, err
+		}
+	}
+}
+
+// joinTries bounds how often a wait tries to join its key's line when other waits take the same ticket at the
+// same moment each time (or, past any real use, every number of the ring is held); past it, it waits as the head
+// does.
+const joinTries = 50
+
+// queue joins t's line and waits in it (LineSQL) until no member is in front of it; done reports that the wait
+// ended there (granted by the join's try, failed, or not granted by its deadline), with run's result.
+func (w *serverWait) queue() (r int64, err error, done bool) {
+	for range joinTries {
+		r, err := w.between("join the key's line", w.comment()+JoinSQL(w.t, w.cfg.Fencing, w.idleMS()))
+		switch {
+		case err != nil || r > resultJoined && r != resultNotHeld:
+			return r, err, true // granted, or standby, or in doubt
+		case r <= resultJoined:
+			seq, head, intent, idle := joined(r)
+			w.seq, w.intent, w.idle = seq, intent, w.idle || idle
+			if head {
+				return 0, nil, false
+			}
+			return w.inLine()
+		}
+	}
+	return 0, nil, false
+}
+
+// inLine waits in the line, one slice at a time, until the wait is its head.
+func (w *serverWait) inLine() (int64, error, bool) {
+	for {
+		end, last, ms := slice(w.ctx, w.cfg)
+		r, err := w.statement(end, w.comment()+LineSQL(w.t, w.seq, ms))
+		switch {
+		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
+			if yielded, err := w.yielded(); yielded || err != nil {
+				return 0, err, true
+			}
+		case err == nil && r == resultAdvanced:
+		case err == nil && (r == resultHead || r == resultHeadNow):
+			w.intent = w.intent || r == resultHeadNow
+			return 0, nil, false
+		default:
+			return r, err, true
 		}
 	}
 }
@@ -198,6 +238,8 @@ func (w *serverWait) comment() string {
 	s := "/*advlock q=" + strconv.FormatInt(time.Since(w.start).Milliseconds(), 10)
 	if w.tag != "" {
 		s += " " + w.tag
+	} else {
+		s += " k=" + Ref{ID: w.t.ID, Shared: w.t.Shared}.Lock() // which key's line its tickets are (Inspect)
 	}
 	return s + "*/ "
 }
@@ -234,20 +276,6 @@ func (w *serverWait) between(what, sql string, args ...any) (int64, error) {
 	return r, nil
 }
 
-// takeIntent takes t's intent on the wait's session (a try: it never waits), one round trip. Another writer may
-// hold it (then its intent holds readers back), or a reader may be testing it at this instant: the wait goes on
-// either way, and its next slice that finds the key held in shared mode tries again.
-func (w *serverWait) takeIntent() error {
-	start := time.Now()
-	r, err := w.between("take the key's intent", IntentSQL(w.t.ID.Pair), w.t.ID.Intent().V, strconv.FormatInt(w.idleMS(), 10))
-	if err != nil {
-		return err
-	}
-	w.rtt = max(w.rtt, min(time.Since(start), w.slack))
-	w.intent, w.idle = r >= 1, r == 2
-	return nil
-}
-
 // idleMS is the idle_session_timeout a session that takes an intent gets when it has none (intentIdle): what Open
 // sets on every lock session, FrozenAfter the keepalive interval, which a session that holds an intent (sent again
 // at once after each slice) never reaches while its client lives.
@@ -259,19 +287,20 @@ func (w *serverWait) idleMS() int64 {
 	return FrozenAfter(k).Milliseconds()
 }
 
-// releaseIntent gives the intent back once the wait was granted (the lock then holds only its key): one round
-// trip, bounded like a try. It reports whether the server confirmed it; else the session is in doubt.
-func (w *serverWait) releaseIntent() error {
+// leave gives the intent back and leaves the key's line once the wait was granted (the lock then holds only its
+// key), restoring the session's idle_session_timeout when the wait set one: one round trip, bounded like a try. An
+// error puts the session in doubt.
+func (w *serverWait) leave() error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(w.ctx), w.slack+w.rtt)
 	defer cancel()
-	r, err := w.conn.QueryInt(ctx, ReleaseIntentSQL(w.t.ID.Intent(), w.idle))
+	r, err := w.conn.QueryInt(ctx, w.comment()+LeaveSQL(w.t, w.intent, w.seq > 0, w.idle)) // the comment: Inspect's fold
 	if err == nil && r != 1 {
-		err = fmt.Errorf("the session no longer held the key's intent")
+		err = fmt.Errorf("the session no longer held the key's intent or its place in the key's line")
 	}
 	if err != nil {
-		return fmt.Errorf("give the key's intent back after the grant: %w; session closed", err)
+		return fmt.Errorf("give the key's intent and place in line back after the grant: %w; session closed", err)
 	}
-	w.intent, w.idle = false, false
+	w.intent, w.idle, w.seq = false, false, 0
 	return nil
 }
 
@@ -318,12 +347,12 @@ var errNoAnswer = errors.New("the server stopped answering")
 
 // settle leaves conn, whose wait for t was not granted (the server ended it at the deadline, or it was given
 // back), holding nothing: a grant can race the wait's end (the lock then survives the error), so the key is
-// settled on the session (SettleSQL, which also gives the intent back), which then goes back to its pool. Any doubt
+// settled on the session (SettleSQL, which also gives the intent and the place in the key's line back), which then goes back to its pool. Any doubt
 // costs the session instead. It reports whether the session was kept.
-func settle(ctx context.Context, conn Conn, t Target, intent, idle bool) bool {
+func settle(ctx context.Context, conn Conn, w *serverWait) bool {
 	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if r, err := conn.QueryInt(uctx, SettleSQL(t, intent, idle)); err != nil || r != 1 {
+	if r, err := conn.QueryInt(uctx, w.comment()+SettleSQL(w.t, w.intent, w.seq > 0, w.idle)); err != nil || r != 1 {
 		because(conn, "settling a wait that was not granted failed")
 		conn.Destroy()
 		return false

@@ -120,6 +120,7 @@ func (s *suite) run(t *testing.T) {
 		{"SlowLink", s.slowLink},
 		{"WriterBehindReaders", s.writerBehindReaders},
 		{"KeysApart", s.keysApart},
+		{"WaitOrder", s.waitOrder},
 		{"Stress", s.stress},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

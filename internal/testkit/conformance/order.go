@@ -19,6 +19,13 @@ func intentOf(k advlock.Key) int64 {
 	return session.ID{V: v}.Intent().V
 }
 
+// waitRow reports whether r is a wait for int8 key v: for the key itself, or in its line, for the ticket of the
+// member in front of it.
+func waitRow(r pgtest.Row, v int64) bool {
+	_, inLine := session.ID{V: v}.InLine(session.LockID(r.ObjSubID == 2, r.ClassID, r.ObjID))
+	return !r.Granted && (r.Int64Key(v) || inLine)
+}
+
 // awaitRow polls pg_locks until a row matches, and fails the test after 10 s.
 func awaitRow(t *testing.T, obs *pgx.Conn, what string, match func(pgtest.Row) bool) pgtest.Row {
 	t.Helper()
@@ -96,8 +103,8 @@ func (s *suite) cycleThroughIntent(t *testing.T, oneLocker bool) {
 	wait(2, z3, func() (*advlock.Lock, error) {
 		return lz.RLock(advlock.Holding(ctx, z3), k2, advlock.Wait(bound))
 	})
-	awaitRow(t, obs, "the reader behind the intent", func(r pgtest.Row) bool {
-		return r.Int64Key(v2) && !r.Granted && r.Mode == "ShareLock"
+	awaitRow(t, obs, "the reader behind the writer", func(r pgtest.Row) bool { // in K2's line, behind X
+		return waitRow(r, v2) && r.Mode == "ShareLock"
 	})
 	formed := time.Now()
 	wg.Wait()

@@ -62,7 +62,7 @@ func (s *suite) slowLink(t *testing.T) {
 				break
 			}
 			for _, r := range rows {
-				if r.Int64Key(v) && !r.Granted && r.PID != untimed {
+				if waitRow(r, v) && r.PID != untimed { // in the key's line, behind the untimed wait
 					sampled <- r.PID
 					return
 				}

@@ -1,0 +1,214 @@
+package session
+
+import (
+	"strconv"
+	"strings"
+)
+
+// A key's line keeps its waits in the order they came, across slices (see DefaultWaitSlice). A slice's end sends a
+// wait to the back of the server's own queue for the key; so only one kind of wait ever stands in that queue for
+// long: the line's head. Every other wait of advlock waits, sliced, for the member in front of it to leave, on a
+// lock that only it (or the readers beside it) waits for, so that its slices cost it no place:
+//
+//   - A wait that finds its key held joins the key's line (JoinSQL): it takes a ticket, a lock of the key's own
+//     space numbered one past the newest ticket held (pg_locks says which), in its own mode (a writer exclusive, a
+//     reader shared), and holds it until it is granted or gives up. The numbers go round a ring of 2^20-1 (after
+//     the last comes 1): a line that never empties never runs out of them. Of two tickets, the one that is less
+//     than half the ring behind the other is in front of it (a line's members, whose numbers span how many waits
+//     joined while its oldest waited, are far fewer than half the ring).
+//   - A writer waits for the member just in front of it, a reader for the writer nearest in front of it (readers
+//     in a row are granted together, as in PostgreSQL's queue): LineSQL waits for that member's ticket, gives it
+//     back at once when granted (the member left), and looks again. A wait with no such member in front of it is
+//     the head, and waits for the key itself (WaitSQL), as every wait did before lines.
+//   - A member leaves with its grant (in the statement after it, with the intent), or as it gives up (SettleSQL),
+//     or with its session.
+//
+// Only the line's head writer takes the key's intent (a writer behind others waits behind them anyway), and a
+// head reader has no writer in front of it: so a reader in the line is never held back by a writer that came after
+// it. Waits outside advlock (psql, another client) are not in the line: they queue for the key in the server and
+// are granted in turn with its head.
+//
+// Tickets are derived from the key as intents are (a bijection of the key's own space, with a constant of their
+// own), with the low lineBits of the result replaced by the ticket's number: a key's tickets are a block of 2^20
+// numbers of its own space, which a user's key meets only by chance (2^-44 per pair of keys).
+const (
+	lineBits = 20
+	lineMask = 1<<lineBits - 1
+	// LineMask is the bits of a ticket that hold its place: a ticket less them is its key's lineBase.
+	LineMask = lineMask
+)
+
+// ringHalf is half the ring of tickets' numbers: a ticket less than this far behind another (going round) is in
+// front of it.
+const ringHalf = lineMask / 2
+
+// Result codes of the line's statements (beside those of sql.go).
+const (
+	resultAdvanced = -9  // LineSQL: the member waited for left (or a stray hold of a ticket was given back): look again
+	resultHead     = -10 // LineSQL: no member in front: wait for the key itself
+	resultHeadNow  = -11 // LineSQL: resultHead, and the writer took the key's intent (see Intent)
+	resultJoined   = -1000
+)
+
+// lineBase is the first number of id's block of tickets (ticket 0, never taken).
+func (id ID) lineBase() ID {
+	d := id.derived(0x6164766c6f636b51) // "advlockQ"
+	d.V &^= lineMask
+	return d
+}
+
+// LineBase is what every ticket of id's line is, less its place (LineMask).
+func (id ID) LineBase() ID { return id.lineBase() }
+
+// Ticket is the lock that holds place seq (1 and up) in id's line.
+func (id ID) Ticket(seq int64) ID {
+	b := id.lineBase()
+	b.V |= seq & lineMask
+	return b
+}
+
+// InLine reports whether x is a ticket of id's line, and its place.
+func (id ID) InLine(x ID) (int64, bool) {
+	b := id.lineBase()
+	if x.Pair != id.Pair || x.V&^lineMask != b.V || x.V&lineMask == 0 {
+		return 0, false
+	}
+	return x.V & lineMask, true
+}
+
+// lineRows is an SQL condition on a pg_locks row (alias l): an advisory lock of this database that is a ticket of
+// id's line numbered from lo to hi.
+func lineRows(id ID, lo, hi int64) string {
+	b := id.lineBase()
+	sub := "1"
+	if id.Pair {
+		sub = "2"
+	}
+	c, o := uint64(b.V)>>32, uint64(uint32(b.V))
+	return "l.locktype = 'advisory' AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())" +
+		" AND l.objsubid = " + sub + " AND l.classid = '" + strconv.FormatUint(c, 10) + "'::oid" +
+		" AND l.objid BETWEEN '" + strconv.FormatUint(o+uint64(lo), 10) + "'::oid AND '" + strconv.FormatUint(o+uint64(hi), 10) + "'::oid"
+}
+
+// ticketArgs renders the ticket numbered by the SQL expression seq as lock function arguments. The base is
+// parenthesized before its cast: -9223372036854775808::int8 would cast the positive number first, which overflows.
+func ticketArgs(id ID, seq string) string {
+	return derivedArgs(id.Pair, "(("+strconv.FormatInt(id.lineBase().V, 10)+")::int8 + "+seq+")")
+}
+
+// places is an SQL subquery over the tickets of id's line that are held (or, with waits, waited for too): each
+// one's place p (1 to lineMask), its pid, mode and whether granted, and d, how far behind seq it is going round
+// the ring (0: seq itself; less than ringHalf: in front of seq).
+func places(id ID, seq string) string {
+	lo := strconv.FormatUint(uint64(uint32(id.lineBase().V)), 10)
+	m := strconv.Itoa(lineMask)
+	return "(SELECT x.p, x.pid, x.mode, (((" + seq + ") - x.p) % " + m + " + " + m + ") % " + m + " AS d FROM (SELECT l.objid::text::int8 - " +
+		lo + " AS p, l.pid, l.mode FROM pg_catalog.pg_locks l WHERE l.granted AND " + lineRows(id, 1, lineMask) + ") x)"
+}
+
+// rowTicketArgs renders the ticket of a pg_locks row (alias l) as lock function arguments.
+func rowTicketArgs(id ID) string {
+	return derivedArgs(id.Pair, "((l.classid::text::int8 << 32) | l.objid::text::int8)")
+}
+
+// ticketsGiven is an SQL condition that gives back every ticket of id's line numbered lo to hi that this session
+// holds (once each: a session holds its own ticket once, and a ticket it waited for at most once, see LineSQL),
+// true when every unlock found its lock. It reads pg_locks.
+func ticketsGiven(id ID, lo, hi int64) string {
+	return "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(id)) +
+		" ELSE " + unlockFn(false, rowTicketArgs(id)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
+		lineRows(id, lo, hi) + "), true)"
+}
+
+// JoinSQL is a wait's statement when its first try did not pass (or, for a wait that publishes its start, its first
+// statement): a try of the key (a reader's passes only while no writer's intent stands), and when it fails the wait
+// joins the key's line: it takes the ticket one past the newest held (1 when none is), in its own mode. It never
+// waits. It yields a grant, -1 (standby), -5 (doubt), 0 (another wait took that ticket at the same moment: send it
+// again), or resultJoined less 8*seq + 4 (a head writer took the key's intent too) + 2 (the head: no member in
+// front of it) + 1 (the session got an idle_session_timeout of idleMS, see intentIdle: a member that stays silent
+// holds up every wait behind it).
+//
+// The newest ticket held is the greatest number, but when the numbers went round the ring (the greatest and the
+// least are more than half the ring apart): then it is the greatest of those in the ring's first half.
+func JoinSQL(t Target, fenced bool, idleMS int64) string {
+	key, ik := t.ID.literal(), t.ID.Intent().literal()
+	head := "count(*) = 0"
+	if t.Shared {
+		head = "count(*) FILTER (WHERE x.mode = 'ExclusiveLock') = 0"
+	}
+	intent := "0"
+	if !t.Shared {
+		intent = "CASE WHEN m.head THEN CASE WHEN " + lockFn(true, false, ik) + " THEN 4 ELSE 0 END ELSE 0 END"
+	}
+	half, ring := strconv.Itoa(ringHalf), strconv.Itoa(lineMask)
+	newest := "CASE WHEN count(*) = 0 THEN 0 WHEN max(x.p) - min(x.p) > " + half + " THEN max(x.p) FILTER (WHERE x.p <= " + half +
+		") ELSE max(x.p) END"
+	join := "(SELECT CASE WHEN " + lockFn(true, t.Shared, ticketArgs(t.ID, "m.seq")) + " THEN " + strconv.Itoa(resultJoined) +
+		" - 8 * m.seq - 2 * m.head::int - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'") + " - " + intent + " ELSE 0 END" +
+		" FROM (SELECT (" + newest + ") % " + ring + " + 1 AS seq, " + head + " AS head FROM " + places(t.ID, "0") + " x) m)"
+	var b strings.Builder
+	b.WriteString("SELECT CASE WHEN pg_is_in_recovery() THEN -1")
+	if t.Shared {
+		b.WriteString(" WHEN " + lockFn(true, true, key) + " THEN CASE WHEN " + noIntent(ik) + " THEN " + grant(fenced) +
+			" WHEN " + unlockFn(true, key) + " THEN " + join + " ELSE -5 END")
+	} else {
+		b.WriteString(" WHEN " + lockFn(true, false, key) + " THEN " + grant(fenced))
+	}
+	b.WriteString(" ELSE " + join + " END")
+	return b.String()
+}
+
+// joined decodes JoinSQL's result for a wait that joined: its place, whether it is the head, whether it took the
+// intent, and whether it set the session's idle_session_timeout.
+func joined(r int64) (seq int64, head, intent, idle bool) {
+	v := resultJoined - r
+	return v >> 3, v&2 != 0, v&4 != 0, v&1 != 0
+}
+
+// LineSQL is one slice of a member's wait in its key's line (seq its place): it finds the member in front of it
+// (for a writer the nearest, for a reader the nearest writer; nearest going round the ring, see JoinSQL) and waits, under a lock_timeout of ms as WaitSQL
+// does, for that member's ticket, in the wait's own mode; granted, it gives the ticket back at once and yields
+// resultAdvanced. With no member in front it yields resultHead at once, or for a writer that took the key's intent
+// with it (it had none: JoinSQL takes it only for a wait that joins as the head; the session's
+// idle_session_timeout was set as it joined) resultHeadNow. A ticket granted as a slice ended
+// survives the timeout error: the next statement finds the session holding a ticket in front of its own and gives
+// it back (resultAdvanced) before it looks again.
+func LineSQL(t Target, seq, ms int64) string {
+	writers := ""
+	if t.Shared {
+		writers = " AND x.mode = 'ExclusiveLock'"
+	}
+	inFront := " x.d > 0 AND x.d < " + strconv.Itoa(ringHalf)
+	var b strings.Builder
+	b.WriteString("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; ")
+	b.WriteString("SELECT CASE WHEN " + liftTimeout + " THEN -5 WHEN pg_is_in_recovery() THEN -1")
+	b.WriteString(" WHEN p.mine > 0 THEN CASE WHEN " + straysGiven(t.ID, seq) + " THEN " + strconv.Itoa(resultAdvanced) + " ELSE -5 END")
+	if t.Shared {
+		b.WriteString(" WHEN p.o IS NULL THEN " + strconv.Itoa(resultHead))
+	} else { // the head writer takes the intent in the statement that found it the head: no reader's try between
+		b.WriteString(" WHEN p.o IS NULL THEN CASE WHEN " + lockFn(true, false, t.ID.Intent().literal()) + " THEN " +
+			strconv.Itoa(resultHeadNow) + " ELSE " + strconv.Itoa(resultHead) + " END")
+	}
+	front := ticketArgs(t.ID, "p.o")
+	b.WriteString(" ELSE length(" + lockFn(false, t.Shared, front) + "::text) + CASE WHEN " + unlockFn(t.Shared, front) +
+		" THEN " + strconv.Itoa(resultAdvanced) + " ELSE -5 END END")
+	b.WriteString(" FROM (SELECT (array_agg(x.p ORDER BY x.d) FILTER (WHERE x.pid <> pg_backend_pid()" + writers + "))[1] AS o," +
+		" count(*) FILTER (WHERE x.pid = pg_backend_pid()) AS mine FROM " + places(t.ID, strconv.FormatInt(seq, 10)) +
+		" x WHERE" + inFront + ") p")
+	return b.String()
+}
+
+// straysGiven is ticketsGiven for the tickets in front of place seq (see LineSQL): true when every unlock found
+// its lock.
+func straysGiven(id ID, seq int64) string {
+	m := strconv.Itoa(lineMask)
+	d := "(((" + strconv.FormatInt(seq, 10) + " - (l.objid::text::int8 - " + strconv.FormatUint(uint64(uint32(id.lineBase().V)), 10) +
+		")) % " + m + " + " + m + ") % " + m + ")"
+	return "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(id)) +
+		" ELSE " + unlockFn(false, rowTicketArgs(id)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
+		lineRows(id, 1, lineMask) + " AND " + d + " > 0 AND " + d + " < " + strconv.Itoa(ringHalf) + "), true)"
+}
+
+// leaveSQL is an SQL condition that gives back the session's place in t's line (its ticket, and any ticket it
+// holds from a wait for the member in front of it): true when all was there.
+func leaveSQL(t Target) string { return ticketsGiven(t.ID, 1, lineMask) }

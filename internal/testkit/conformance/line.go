@@ -1,0 +1,362 @@
+package conformance
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/config"
+	"github.com/jackc/pgx/v5"
+)
+
+// The waits of a key keep the order PostgreSQL's own queue would give them, although each is sent again every
+// slice. The tests run with slices of 200 ms (a test knob) and holds scaled to them, so that every wait crosses
+// several slices as a wait of 0.9 s slices does behind holds of 100 to 400 ms; PostgreSQL's own queue (plain
+// connections, one pg_advisory_lock statement per wait) runs the same load side by side, as the reference.
+const (
+	orderSlice = 200 * time.Millisecond
+	orderHold  = 25 * time.Millisecond // a writer's hold in the fairness runs: 12 of them take 1.5 slices a round
+	orderTurns = 6                     // grants each writer gets in a fairness run (max/min <= 1.2 tells one apart)
+)
+
+func orderSliceOpt() advlock.Option {
+	return option(func(o *config.Options) { o.WaitSlice = orderSlice })
+}
+
+// waitOrder runs the order checks: arrival order, fairness of many writers, a reader in its turn.
+func (s *suite) waitOrder(t *testing.T) {
+	t.Run("arrival order", s.arrivalOrder)
+	for _, n := range []int{12, 20} {
+		t.Run(fmt.Sprintf("%d writers", n), func(t *testing.T) { s.writersFair(t, n) })
+	}
+	t.Run("reader in its turn", s.readerInTurn)
+}
+
+// waitsFor polls Inspect until it lists n waits for k (a wait in its key's line is listed as a wait for the key),
+// and fails the test after 10 s.
+func waitsFor(t *testing.T, obs *pgx.Conn, k advlock.Key, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		rows, err := advlock.Inspect(context.Background(), obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := 0
+		for _, r := range rows {
+			if !r.Granted && r.Key.Equal(k) && r.Lease == nil {
+				got++
+			}
+		}
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Inspect lists %d waits for %s, want %d: %+v", got, k, n, rows)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// warm makes a Locker's first calls (its pool's connections, its checks) before anything is timed.
+func warm(ctx context.Context, t *testing.T, l *advlock.Locker) {
+	t.Helper()
+	lk, err := l.Lock(ctx, Key(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// arrivalOrder: ten writers, each its own Locker, that begin to wait 50 ms apart (each once the one before it is
+// listed as waiting) are granted in the order they came, although the key stays held for several slices after the
+// last of them came.
+func (s *suite) arrivalOrder(t *testing.T) {
+	obs := s.observer(t)
+	ctx := ctxT(t, 60*time.Second)
+	k := Key(t)
+	holder := s.open(t).L
+	hold, err := holder.Lock(ctx, k)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 10
+	order := make(chan int, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		l := s.open(t, orderSliceOpt()).L
+		warm(ctx, t, l)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lk, err := l.Lock(ctx, k)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			order <- i
+			time.Sleep(10 * time.Millisecond)
+			if err := lk.Unlock(ctx); err != nil {
+				t.Error(err)
+			}
+		}()
+		time.Sleep(50 * time.Millisecond)
+		waitsFor(t, obs, k, i+1)
+	}
+	time.Sleep(3 * orderSlice) // every wait ends slices at its own phase
+	if err := hold.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	close(order)
+	var got []int
+	for i := range order {
+		got = append(got, i)
+	}
+	if !slices.Equal(got, []int{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}) {
+		t.Errorf("granted in the order %v, want the order they came", got)
+	}
+}
+
+// turns is what one run of writers taking one key in turn measured: each writer's grants, and the longest wait
+// (each writer's first wait, behind the start, is not counted).
+type turns struct {
+	grants  []int
+	longest time.Duration
+}
+
+func (r turns) spread() float64 {
+	return float64(slices.Max(r.grants)) / float64(max(slices.Min(r.grants), 1))
+}
+
+// takeTurns runs n writers that each take one key, hold it for hold and let go, again and again, until they were
+// granted orderTurns*n times in all. lock takes the key for writer i and returns its unlock. They all wait behind
+// a hold of the key (taken by hold, given back by the function it returns) until queued reports n of them waiting.
+func takeTurns(t *testing.T, n int, hold time.Duration, lock func(i int) (func() error, error), start func() func() error, queued func(n int)) turns {
+	t.Helper()
+	release := start()
+	var total atomic.Int64
+	target := int64(orderTurns * n)
+	grants := make([]int, n)
+	longest := make([]time.Duration, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for first := true; ; first = false {
+				began := time.Now()
+				unlock, err := lock(i)
+				if err != nil {
+					t.Errorf("writer %d: %v", i, err)
+					return
+				}
+				waited := time.Since(began)
+				g := total.Add(1)
+				if g <= target {
+					grants[i]++
+					if !first {
+						longest[i] = max(longest[i], waited)
+					}
+				}
+				time.Sleep(hold)
+				if err := unlock(); err != nil {
+					t.Errorf("writer %d: unlock: %v", i, err)
+					return
+				}
+				if g >= target {
+					return
+				}
+			}
+		}()
+	}
+	queued(n)
+	if err := release(); err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	return turns{grants: grants, longest: slices.Max(longest)}
+}
+
+// rawTurns runs takeTurns on plain connections to the server: PostgreSQL's own queue.
+func (s *suite) rawTurns(t *testing.T, n int, hold time.Duration) turns {
+	obs := s.observer(t)
+	v, _ := Key(t).Int64()
+	conns := make([]*pgx.Conn, n+1)
+	for i := range conns {
+		conns[i] = s.observer(t)
+	}
+	ctx := ctxT(t, 60*time.Second)
+	lock := func(c *pgx.Conn, sql string) (func() error, error) {
+		if _, err := c.Exec(ctx, sql, v); err != nil {
+			return nil, err
+		}
+		return func() error {
+			_, err := c.Exec(ctx, "SELECT pg_advisory_unlock_all()")
+			return err
+		}, nil
+	}
+	return takeTurns(t, n, hold,
+		func(i int) (func() error, error) { return lock(conns[i], "SELECT pg_advisory_lock($1)") },
+		func() func() error {
+			unlock, err := lock(conns[n], "SELECT pg_advisory_lock($1)")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return unlock
+		},
+		func(n int) {
+			awaitCount(t, obs, v, n)
+		})
+}
+
+// awaitCount polls pg_locks until n sessions wait for int8 key v.
+func awaitCount(t *testing.T, obs *pgx.Conn, v int64, n int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var got int
+		if err := obs.QueryRow(context.Background(), `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
+			AND objsubid = 1 AND classid = (($1::int8 >> 32) & 4294967295)::text::oid AND objid = ($1::int8 & 4294967295)::text::oid`, v).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d waits in pg_locks, want %d", got, n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// writersFair: n writers (each its own Locker) taking one key in turn are granted about as often as each other
+// (max/min <= 1.2) and none waits more than 1.5 times the longest wait of PostgreSQL's own queue under the same
+// load, measured side by side.
+func (s *suite) writersFair(t *testing.T, n int) {
+	obs := s.observer(t)
+	ctx := ctxT(t, 60*time.Second)
+	k := Key(t)
+	ls := make([]*advlock.Locker, n+1)
+	for i := range ls {
+		ls[i] = s.open(t, orderSliceOpt()).L
+		warm(ctx, t, ls[i])
+	}
+	got := takeTurns(t, n, orderHold,
+		func(i int) (func() error, error) {
+			lk, err := ls[i].Lock(ctx, k)
+			if err != nil {
+				return nil, err
+			}
+			return func() error { return lk.Unlock(ctx) }, nil
+		},
+		func() func() error {
+			lk, err := ls[n].Lock(ctx, k)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return func() error { return lk.Unlock(ctx) }
+		},
+		func(m int) { waitsFor(t, obs, k, m) })
+	raw := s.rawTurns(t, n, orderHold)
+	t.Logf("%d writers x %v: grants %v (max/min %.2f), longest wait %v; PostgreSQL's queue: %v (%.2f), %v",
+		n, orderHold, got.grants, got.spread(), got.longest.Round(time.Millisecond), raw.grants, raw.spread(), raw.longest.Round(time.Millisecond))
+	if got.spread() > 1.2 {
+		t.Errorf("grants per writer %v: max/min %.2f, want <= 1.2 (PostgreSQL's queue: %.2f)", got.grants, got.spread(), raw.spread())
+	}
+	if got.longest > raw.longest*3/2 {
+		t.Errorf("longest wait %v, want <= 1.5 x PostgreSQL's queue's %v", got.longest, raw.longest)
+	}
+}
+
+// readerInTurn: a reader that comes while 4 writers (each its own Locker) take the key in turn, each holding it
+// for half a slice (together two slices a round), is granted once the writers that came before it were: within
+// twice what PostgreSQL's own queue takes under the same load (the longest of three readers each), not never.
+func (s *suite) readerInTurn(t *testing.T) {
+	const writers, hold, readers = 4, orderSlice / 2, 3
+	measure := func(lock func(i int) (func() error, error), rlock func() (func() error, error)) time.Duration {
+		var stop atomic.Bool
+		var wg sync.WaitGroup
+		for i := range writers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for !stop.Load() {
+					unlock, err := lock(i)
+					if err != nil {
+						t.Errorf("writer %d: %v", i, err)
+						return
+					}
+					time.Sleep(hold)
+					if err := unlock(); err != nil {
+						t.Errorf("writer %d: unlock: %v", i, err)
+						return
+					}
+				}
+			}()
+		}
+		defer wg.Wait()
+		defer stop.Store(true)
+		var longest time.Duration
+		for range readers {
+			time.Sleep(2 * writers * hold) // the writers' line has formed, and its waits have crossed slices
+			began := time.Now()
+			unlock, err := rlock()
+			if err != nil {
+				t.Errorf("reader: %v", err)
+				return 0
+			}
+			longest = max(longest, time.Since(began))
+			if err := unlock(); err != nil {
+				t.Error(err)
+			}
+		}
+		return longest
+	}
+	ctx := ctxT(t, 90*time.Second)
+	k := Key(t)
+	ls := make([]*advlock.Locker, writers+1)
+	for i := range ls {
+		ls[i] = s.open(t, orderSliceOpt()).L
+		warm(ctx, t, ls[i])
+	}
+	got := measure(func(i int) (func() error, error) {
+		lk, err := ls[i].Lock(ctx, k)
+		if err != nil {
+			return nil, err
+		}
+		return func() error { return lk.Unlock(ctx) }, nil
+	}, func() (func() error, error) {
+		lk, err := ls[writers].RLock(ctx, k, advlock.Wait(30*time.Second))
+		if err != nil {
+			return nil, err
+		}
+		return func() error { return lk.Unlock(ctx) }, nil
+	})
+	v, _ := Key(t).Int64()
+	conns := make([]*pgx.Conn, writers+1)
+	for i := range conns {
+		conns[i] = s.observer(t)
+	}
+	raw := func(c *pgx.Conn, fn string) (func() error, error) {
+		if _, err := c.Exec(ctx, "SELECT "+fn+"($1)", v); err != nil {
+			return nil, err
+		}
+		return func() error { _, err := c.Exec(ctx, "SELECT pg_advisory_unlock_all()"); return err }, nil
+	}
+	ref := measure(func(i int) (func() error, error) { return raw(conns[i], "pg_advisory_lock") },
+		func() (func() error, error) { return raw(conns[writers], "pg_advisory_lock_shared") })
+	t.Logf("a reader behind %d writers x %v: granted within %v; PostgreSQL's queue: %v", writers, hold,
+		got.Round(time.Millisecond), ref.Round(time.Millisecond))
+	if bound := 2 * max(ref, writers*hold); got > bound {
+		t.Errorf("a reader behind %d writers x %v waited %v, want <= %v (twice PostgreSQL's queue's %v, or of the writers' round)",
+			writers, hold, got, bound, ref)
+	}
+}
