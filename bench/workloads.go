@@ -32,6 +32,7 @@ const (
 	wMany        = "7. 256 goroutines, one process, distinct keys"
 	wManyOneKey  = "8. 256 goroutines, one process, one key"
 	wWAL         = "9. WAL written"
+	wWriters     = "10. 20 writers holding 100 ms, one key"
 )
 
 const rawName = "raw pgx (dedicated conn)"
@@ -92,6 +93,10 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 		}
 		for name, ops := range many(ctx, e, cs, 256, tag+"-m") {
 			col.add(wMany, name, "throughput", "cycles/s", ops, manyNotes[name])
+		}
+		for name, r := range writers(ctx, cs, tag+"-q") {
+			col.add(wWriters, name, "fairness (max/min grants per writer)", "x", r.fair, "")
+			col.add(wWriters, name, "longest wait", "ms", ms(r.longest), "")
 		}
 		for name, tp := range oneKeyMany(ctx, e, cs, 256, tag+"-o") {
 			col.add(wManyOneKey, name, "throughput", "cycles/s", tp.ops, oneKeyNotes[name])
@@ -839,4 +844,89 @@ func runTurn(n int, cycle func(g int) error, d time.Duration) (time.Duration, er
 	wg.Wait()
 	err, _ := failed.Load().(error)
 	return time.Since(start), err
+}
+
+// writersOf are the contenders of the writers workload: PostgreSQL's own queue and advlock's sliced waits.
+var writersOf = map[string]bool{rawName: true, "advlock Lock": true, openDefault: true}
+
+const (
+	writersN    = 20
+	writersHold = 100 * time.Millisecond
+	writersRun  = 10 * time.Second // five turns of every writer: counts one apart are 1.2x
+)
+
+type writersResult struct {
+	fair    float64
+	longest time.Duration
+}
+
+// writers measures writersN writers, each through a client of its own (as writers in as many processes), taking
+// one key in turn and holding it writersHold, for writersRun: max/min grants per writer, and the longest wait
+// (each writer's first, behind the start, not counted). Waits longer than advlock's slice (0.9 s) must keep their
+// place across slices for these to match PostgreSQL's queue.
+func writers(ctx context.Context, cs []contender, tag string) map[string]writersResult {
+	out := map[string]writersResult{}
+	for _, c := range cs {
+		if !writersOf[c.name] {
+			continue
+		}
+		clients := make([]client, writersN)
+		var err error
+		for i := range clients {
+			if clients[i], err = c.new(ctx); err != nil {
+				break
+			}
+		}
+		closeAll := func() {
+			for _, cl := range clients {
+				if cl != nil {
+					cl.close()
+				}
+			}
+		}
+		if !check(c, wWriters, err) {
+			closeAll()
+			continue
+		}
+		key := tag + "-" + c.name
+		counts := make([]int, writersN)
+		longest := make([]time.Duration, writersN)
+		errs := make([]error, writersN)
+		stop := time.Now().Add(writersRun)
+		var wg sync.WaitGroup
+		for i, cl := range clients {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for first := true; time.Now().Before(stop); first = false {
+					began := time.Now()
+					un, err := cl.lock(ctx, key)
+					if err != nil {
+						errs[i] = err
+						return
+					}
+					if !first {
+						longest[i] = max(longest[i], time.Since(began))
+					}
+					counts[i]++
+					time.Sleep(writersHold)
+					if err := un(ctx); err != nil {
+						errs[i] = err
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		closeAll()
+		if err := errors.Join(errs...); !check(c, wWriters, err) {
+			continue
+		}
+		fair := 0.0
+		if lo := slices.Min(counts); lo > 0 {
+			fair = float64(slices.Max(counts)) / float64(lo)
+		}
+		out[c.name] = writersResult{fair, slices.Max(longest)}
+	}
+	return out
 }

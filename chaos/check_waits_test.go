@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"github.com/advlock/advlock/internal/session"
 	"strings"
 	"testing"
 	"time"
@@ -154,6 +155,58 @@ func starvedWriter() *History {
 		queueSpec{"w", 0, "x", [2]int{100, 8100}, "not_acquired", [2]int{}})...)
 }
 
+// crowdHistory is queueHistory whose waits are a crowd's writers.
+func crowdHistory(specs ...queueSpec) *History {
+	h := queueHistory(specs...)
+	for _, w := range h.Waits {
+		w.Op = "crowd"
+	}
+	for _, c := range h.CS {
+		c.Op = "crowd"
+	}
+	return h
+}
+
+// The order rule: a crowd's writer granted after one that began later.
+func TestCheckerOvertaken(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		h    *History
+		want map[string]int
+	}{
+		{"overtaken by a writer that began 1.1 s later", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
+			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{VOvertaken: 1}},
+		{"granted in the order they came", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 1000}, "ok", [2]int{1000, 1100}},
+			queueSpec{"w2", 1, "x", [2]int{600, 1100}, "ok", [2]int{1100, 1200}}), map[string]int{}},
+		{"the later one began within the slack", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
+			queueSpec{"w2", 1, "x", [2]int{900, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
+		{"the earlier one had given up when the later one was granted", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 1400}, "not_acquired", [2]int{}},
+			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
+		{"overtaken, a fault near the later one", evidence(crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
+			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}),
+			Evidence{Kind: "cut", At: at(1300), Worker: 1}), map[string]int{}},
+		{"writers of the writer operation are not judged (they may share a Locker)", queueHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
+			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := map[string]int{}
+			for _, v := range tc.h.queue() {
+				got[v.Kind]++
+				t.Log(v.Detail)
+			}
+			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
+				t.Errorf("violations %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
 // The queue rules, each shown to fire, with the allowed cases beside them.
 func TestCheckerQueue(t *testing.T) {
 	with := func(h *History, f func(h *History)) *History { f(h); return h }
@@ -258,5 +311,38 @@ func wantViolations(t *testing.T, h *History, want map[string]int) {
 	}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("got %v, want %v\n%s", got, want, strings.Join(details, "\n"))
+	}
+}
+
+// A sample's tickets: a wait for the ticket in front of it is a wait for the key, a ticket of a session in the
+// line or holding the key is its place, a ticket of a session that neither holds nor waits is a lock of its own.
+func TestFoldTickets(t *testing.T) {
+	v, _ := queueKey.Int64()
+	ticket := func(seq int64) session.ID { return session.ID{V: v}.Ticket(seq) }
+	if k, ok := ticketOf(ticket(3)); !ok || k != canon(queueKey) {
+		t.Fatalf("ticketOf(a ticket of the queue key) = %q, %v", k, ok)
+	}
+	if _, ok := ticketOf(session.ID{V: v}); ok {
+		t.Fatal("the queue key itself is a ticket")
+	}
+	q := canon(queueKey)
+	s := Sample{Held: map[string][]Holder{q: {{PID: 1, Granted: true}, {PID: 2}}}}
+	foldTickets(s, []ticketRow{
+		{q, Holder{PID: 2, Granted: true}},  // the head: waits for the key
+		{q, Holder{PID: 3, Granted: true}},  // behind it
+		{q, Holder{PID: 3}},                 // waits for 2's ticket
+		{q, Holder{PID: 1, Granted: true}},  // the holder, before it left the line
+		{q, Holder{PID: 9, Granted: true}}}) // nobody's wait
+	var pids []int32
+	for _, h := range s.Held[q] {
+		if !h.Granted {
+			pids = append(pids, h.PID)
+		}
+	}
+	if fmt.Sprint(pids) != "[2 3]" {
+		t.Errorf("waits for the key: %v, want [2 3]", pids)
+	}
+	if got := s.Held["ticket of "+q]; len(got) != 1 || got[0].PID != 9 {
+		t.Errorf("tickets left as locks of their own: %v, want pid 9's", got)
 	}
 }

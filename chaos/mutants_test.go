@@ -41,6 +41,9 @@ func TestMutants(t *testing.T) {
 	// Readers that come and go, writers behind them; each wait's slices shorter than the readers' holds, which
 	// readers that ignore a writer's intent then outlast, one slice after another.
 	queue := Options{NoFaults: true, Ops: []string{"reader", "writer"}, WaitSlice: 300 * time.Millisecond}
+	// Many writers of one key, each waiting behind the others across several slices: waits that go to the back of
+	// the server's queue at each slice's end are overtaken by later ones.
+	crowd := Options{NoFaults: true, Ops: []string{"crowd"}, WaitSlice: 300 * time.Millisecond}
 	// Leases: holders and takeovers with leases broken under them; the plain workload (tokens).
 	leasesPlain := Options{NoFaults: true, Leases: true}
 	leasesBroken := Options{Leases: true, Faults: []string{"break_lease"}, Ops: []string{"hold", "hold_try", "trylock"}}
@@ -91,6 +94,8 @@ func TestMutants(t *testing.T) {
 		{mutant.TokenNoTimeline, failover, []string{VTokenOrder, VStaleToken}},
 		{"", queue, nil},
 		{mutant.IntentIgnored, queue, []string{VStarvedWait}},
+		{"", crowd, nil},
+		{mutant.WaitRequeueBack, crowd, []string{VOvertaken}},
 		{"", leasesPlain, nil},
 		{mutant.LeaseTermReused, leasesPlain, []string{VStaleToken, VTokenOrder}},
 		{"", leasesBroken, nil},

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -86,6 +87,8 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 		if wl, err = w.writerLocker(stop); err == nil {
 			err = w.queued(wl, "writer", "x")
 		}
+	case "crowd":
+		err = w.crowd(stop)
 	case "semaphore":
 		d := time.Duration(20+rng.IntN(500)) * time.Millisecond
 		sem := l.Semaphore(semName, semN)
@@ -108,7 +111,7 @@ type opWeight struct {
 
 // opWeights is the workers' mix of operations (percent). A reader's operation is several rounds, seconds in all:
 // 1 percent of the draws keeps about a tenth of the goroutines reading the queue key.
-var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 11}, {"lock_deadline", 15}, {"lock_cancel", 11}, {"rlock", 11}, {"do", 11}, {"dotx", 9},
+var opWeights = []opWeight{{"hold", 3}, {"hold_try", 2}, {"trylock", 10}, {"crowd", 1}, {"lock_deadline", 15}, {"lock_cancel", 11}, {"rlock", 11}, {"do", 11}, {"dotx", 9},
 	{"semaphore", 7}, {"pair", 10}, {"reader", 1}, {"writer", 1}, {"lead", 8}, {"hold_wait", 0}}
 
 // leaseOps are the operations of a lease campaign: those leases offer (no shared mode, no transaction lock, no wait
@@ -254,6 +257,59 @@ func (w *worker) writerLocker(ctx context.Context) (*advlock.Locker, error) {
 		w.writer = l
 	}
 	return w.writer, nil
+}
+
+// crowd is many writers of the queue key at once: crowdSize goroutines, each the only caller of a Locker of its
+// own (as writers in as many services), each taking the key crowdRounds times in a row and holding it briefly.
+// With the crowds of other workers, a writer waits behind many others, across several slices: the checker judges
+// that none of them is overtaken (see queue).
+func (w *worker) crowd(stop context.Context) error {
+	ls, err := w.crowdLockers(stop)
+	if err != nil {
+		return err
+	}
+	errs := make([]error, len(ls))
+	var wg sync.WaitGroup
+	for i, l := range ls {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range crowdRounds {
+				if errs[i] = w.queued(l, "crowd", "x"); errs[i] != nil || stop.Err() != nil {
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+const (
+	crowdSize   = 4
+	crowdRounds = 3
+)
+
+// crowdWarmKey is the key a crowd's new Locker makes its first call on (see crowdLockers).
+var crowdWarmKey = advlock.Int64Key(71301)
+
+// crowdLockers returns the crowd's Lockers, opened with the first crowd.
+func (w *worker) crowdLockers(ctx context.Context) ([]*advlock.Locker, error) {
+	w.writerMu.Lock()
+	defer w.writerMu.Unlock()
+	for len(w.crowdLs) < crowdSize {
+		l, err := w.open(ctx)
+		if err != nil {
+			return nil, err
+		}
+		// Its first call opens its shared session and checks the fencing sequence, which a loaded machine takes
+		// hundreds of milliseconds for: made here, on a key nobody else takes, before any wait is recorded.
+		if lk, err := l.TryLock(ctx, crowdWarmKey); err == nil {
+			_ = lk.Unlock(ctx)
+		}
+		w.crowdLs = append(w.crowdLs, l)
+	}
+	return w.crowdLs, nil
 }
 
 // queued takes the queue key in mode (s: RLock, x: Lock) bounded by Wait(queueWait), under a context without a

@@ -11,7 +11,14 @@ import (
 const (
 	VStarvedWait = "starved_wait" // a wait not granted while its key was free to it (PostgreSQL's queue order), past the bound
 	VFailedWait  = "failed_wait"  // a wait its caller bounded with Wait alone that failed, with no fault to explain it
+	VOvertaken   = "overtaken"    // a crowd's wait granted after a conflicting one that began OvertakeSlack or more after it
 )
+
+// OvertakeSlack is how much later than a wait another may begin and still be granted first: both began their
+// calls within it. The records are taken before each call, whose first round trips come after, and a Locker's
+// first wait makes a connection of its own first: on a loaded machine (the race detector, every package's tests
+// at once) that took 530 to 670 ms.
+const OvertakeSlack = time.Second
 
 // StarveBound is the campaign's History.StarveBound: how long a wait may go ungranted once its key is free to it.
 // The library may let a reader in between two slices of a writer's wait (a newcomer, which PostgreSQL would have
@@ -32,6 +39,10 @@ func conflicts(a, b string) bool { return a != "s" || b != "s" }
 //     it. A wait is not judged when a fault touched any worker that held or waited for the key around it (from
 //     leakBoundFault before it began to its end): a stopped, cut-off or slow client's sessions hold and wait in the
 //     server past what its records say, and a writer that froze holding the key's intent holds readers back;
+//   - overtaken: a wait of a crowd (each the only caller of its Locker, so that every one of them stands in the
+//     key's line in the server, none in a Locker's in-process queue) granted while a wait of another crowd's writer
+//     that began OvertakeSlack or more before it was still waiting, with no fault near either: PostgreSQL's queue
+//     grants them in the order they came, and so must the line, whatever slices each of them crossed;
 //   - failed_wait: such a wait is bounded by advlock.Wait under a context without a deadline, and nothing cancels
 //     it, so it ends granted or not acquired. Any other end (an error, a context deadline its caller never set)
 //     needs a fault near it on its worker, or on every worker, that ends sessions, cuts the worker off or stops
@@ -59,6 +70,28 @@ func (h *History) queue() []Violation {
 	for _, key := range sortedKeys(waits) {
 		list := waits[key]
 		sort.Slice(list, func(i, j int) bool { return list[i].Start.Before(list[j].Start) })
+		for i, w := range list {
+			if w.Op != "crowd" || w.End.IsZero() {
+				continue
+			}
+			for _, o := range list[i+1:] {
+				c := got[o.ID]
+				if o.Op != "crowd" || o.Start.Sub(w.Start) < OvertakeSlack || c == nil || c.begin().IsZero() ||
+					!w.End.After(c.begin().Add(faultSlack)) || !conflicts(w.Mode, o.Mode) {
+					continue
+				}
+				if wc := got[w.ID]; wc != nil && !wc.begin().After(c.begin()) {
+					continue
+				}
+				if h.queueDisturbed(w, sections[key], list) || h.queueDisturbed(o, sections[key], list) {
+					continue
+				}
+				add(VOvertaken, "key %s: %s %s (worker %d) began at %s and waited until %s (%s); %s %s (worker %d), begun %v later at %s, was granted first, at %s",
+					key, w.Op, w.ID, w.Worker, ts(w.Start), ts(w.End), w.Result, o.Op, o.ID, o.Worker,
+					o.Start.Sub(w.Start).Round(time.Millisecond), ts(o.Start), ts(c.begin()))
+				break // once per overtaken wait
+			}
+		}
 		for _, w := range list {
 			if w.End.IsZero() {
 				continue // its worker was killed: nothing says when it ended

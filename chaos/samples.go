@@ -121,6 +121,7 @@ func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 		return Sample{}, err
 	}
 	s := Sample{Held: map[string][]Holder{}}
+	var tickets []ticketRow
 	for rows.Next() {
 		var at, read time.Time
 		var classid, objid *uint32
@@ -137,6 +138,10 @@ func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 		if classid == nil || objid == nil || sub == nil || granted == nil || pid == nil {
 			continue // nothing held
 		}
+		if key, ok := ticketOf(session.LockID(*sub == 2, *classid, *objid)); ok {
+			tickets = append(tickets, ticketRow{key, Holder{App: app, PID: *pid, Granted: *granted}})
+			continue
+		}
 		k, _ := advlock.KeyFromPgLocks(*classid, *objid, *sub)
 		s.Held[canon(k)] = append(s.Held[canon(k)], Holder{App: app, PID: *pid, Granted: *granted})
 	}
@@ -146,8 +151,58 @@ func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 	if s.At.IsZero() {
 		return Sample{}, errors.New("pg_locks sample: no row")
 	}
+	foldTickets(s, tickets)
 	foldIntents(s)
 	return s, nil
+}
+
+// ticketRow is a pg_locks row of a ticket of a key's line (see docs/locks.md, "Waits are granted in the order
+// they came").
+type ticketRow struct {
+	key string // the key whose line it is
+	h   Holder
+}
+
+// lines maps the first ticket (less its place) of each key the workers wait for to that key.
+var lines = func() map[session.ID]string {
+	m := map[session.ID]string{}
+	for _, k := range append(workerKeys(), pairKeys...) { // all of them int8 keys
+		n, _ := k.Int64()
+		m[session.ID{V: n}.LineBase()] = canon(k)
+	}
+	return m
+}()
+
+// ticketOf reports whether id is a ticket of the line of a key the workers take, and that key.
+func ticketOf(id session.ID) (string, bool) {
+	if id.V&session.LineMask == 0 {
+		return "", false
+	}
+	k, ok := lines[session.ID{Pair: id.Pair, V: id.V &^ session.LineMask}]
+	return k, ok
+}
+
+// foldTickets folds the tickets of the keys' lines into a sample: a session that waits for the ticket of the
+// member in front of it waits for that key, and a ticket held by a session that holds or waits for its key (or waits
+// in its line) is its place in that line, not a lock of its own. A ticket its session holds otherwise is named
+// "ticket of KEY": held in sample after sample, a lock left behind (the leak rule).
+func foldTickets(s Sample, tickets []ticketRow) {
+	inLine := map[string]map[int32]bool{}
+	for _, t := range tickets {
+		if !t.h.Granted {
+			s.Held[t.key] = append(s.Held[t.key], t.h)
+			if inLine[t.key] == nil {
+				inLine[t.key] = map[int32]bool{}
+			}
+			inLine[t.key][t.h.PID] = true
+		}
+	}
+	for _, t := range tickets {
+		if !t.h.Granted || inLine[t.key][t.h.PID] || slices.ContainsFunc(s.Held[t.key], func(k Holder) bool { return k.PID == t.h.PID }) {
+			continue
+		}
+		s.Held["ticket of "+t.key] = append(s.Held["ticket of "+t.key], t.h)
+	}
 }
 
 // intents maps the intent of each key the workers take exclusively to that key. A writer takes the key's intent (a
@@ -156,16 +211,21 @@ func readLocks(ctx context.Context, conn *pgx.Conn) (Sample, error) {
 // holds it in the workers' records.
 var intents = func() map[string]string {
 	m := map[string]string{}
-	keys := append(append(slices.Clone(lockKeys), pairKeys...), queueKey, leadKey)
-	for i := range 64 * 64 { // lock_cancel's keys of each worker's own (72000 + worker*64 + i)
-		keys = append(keys, advlock.Int64Key(72000+int64(i)))
-	}
-	for _, k := range keys {
+	for _, k := range append(workerKeys(), pairKeys...) {
 		n, _ := k.Int64()
 		m[canon(advlock.Int64Key(session.ID{V: n}.Intent().V))] = canon(k)
 	}
 	return m
 }()
+
+// workerKeys lists the int8 keys the workers take.
+func workerKeys() []advlock.Key {
+	keys := append(slices.Clone(lockKeys), queueKey, leadKey)
+	for i := range 64 * 64 { // lock_cancel's keys of each worker's own (72000 + worker*64 + i)
+		keys = append(keys, advlock.Int64Key(72000+int64(i)))
+	}
+	return keys
+}
 
 // foldIntents drops from a sample each intent held by a backend that also holds or waits for its key there, and
 // names the others "intent of KEY": an intent its writer's session holds without the key, in sample after

@@ -121,6 +121,7 @@ type worker struct {
 	// The writers' Locker (see writerLocker), opened with the first writer.
 	writerMu sync.Mutex
 	writer   *advlock.Locker
+	crowdLs  []*advlock.Locker // the crowd's (see crowd)
 
 	opsMu sync.Mutex
 	ops   map[int64]opTrack
@@ -337,6 +338,9 @@ func runWorker(raw string) int {
 	}
 	if w.writer != nil {
 		w.writer.Close()
+	}
+	for _, l := range w.crowdLs {
+		l.Close()
 	}
 	if w.broken != nil {
 		w.broken.Close()
