@@ -294,8 +294,8 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		}
 		id := session.LockID(sub == 2, uint32(cls), uint32(obj))
 		if k, ok := commentKey(comment); ok {
-			if _, in := k.ID.InLine(id); in {
-				li.line = &k // a ticket of k's line: see foldLines
+			if _, in := k.ID.InLine(id); in || id == k.ID.Waiting() && li.Granted && li.Shared {
+				li.line = &k // a ticket of k's line, or a writer's hold of its flag: see foldLines
 			}
 		}
 		if wait, held, ok := parseComment(comment); ok && !li.Granted && (wait.ID == id && wait.Shared == li.Shared || li.line != nil) {
@@ -327,7 +327,8 @@ type pidLock struct {
 	id  session.ID
 }
 
-// foldLines drops the tickets that waits hold in their keys' lines (see "Waits and the database" in docs/locks.md)
+// foldLines drops the tickets that waits hold in their keys' lines (see "Waits and the database" in docs/locks.md),
+// and the writers' holds of their lines' flags,
 // and lists a wait for the ticket of the member in front of it as the wait for its key that it is, blocked by that
 // member and by the key's holders in a conflicting mode. A ticket is a lock of a session whose statement (a wait
 // of advlock, or the statement with which it joined the line) names the key whose line it is in: any other lock

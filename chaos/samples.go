@@ -173,8 +173,21 @@ var lines = func() map[session.ID]string {
 	return m
 }()
 
-// ticketOf reports whether id is a ticket of the line of a key the workers take, and that key.
+// flags maps the flag of each key's line (held in shared mode by the writers in the line) to that key.
+var flags = func() map[session.ID]string {
+	m := map[session.ID]string{}
+	for _, k := range append(workerKeys(), pairKeys...) {
+		n, _ := k.Int64()
+		m[session.ID{V: n}.Waiting()] = canon(k)
+	}
+	return m
+}()
+
+// ticketOf reports whether id is a ticket of the line of a key the workers take, or that line's flag, and that key.
 func ticketOf(id session.ID) (string, bool) {
+	if k, ok := flags[id]; ok {
+		return k, true
+	}
 	if id.V&session.LineMask == 0 {
 		return "", false
 	}

@@ -64,6 +64,9 @@ func TestRunLeases(t *testing.T) {
 		!strings.Contains(out, "term "+strconv.FormatInt(term, 10)) {
 		t.Errorf("ls (exit %d, %s) does not show the lease of %s with its term %d:\n%s", code, errOut, k, term, out)
 	}
+	if strings.Contains(out, "\n1 leases held") || strings.Contains(out, " 1 waits for leases") || !strings.Contains(out, " held, ") {
+		t.Errorf("ls's count of leases (one lease, one wait: singular):\n%s", out)
+	}
 	code, out, _ = run(t, "", "ls", "--json", "--dsn", url, k)
 	var rows []struct {
 		Key   string `json:"key"`

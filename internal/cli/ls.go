@@ -310,8 +310,8 @@ func printClients(w io.Writer, rows []advlock.LockInfo) {
 		}
 	}
 	if leases+leaseWaits > 0 {
-		fmt.Fprintf(w, "\n%d leases held, %d waits for leases: rows of public.advlock_lease and advlock_lease_wait, on no "+
-			"session; a lease excludes only other leases of its key\n", leases, leaseWaits)
+		fmt.Fprintf(w, "\n%s held, %s for leases: rows of public.advlock_lease and advlock_lease_wait, on no "+
+			"session; a lease excludes only other leases of its key\n", count(leases, "lease", "leases"), count(leaseWaits, "wait", "waits"))
 	}
 	if len(order) == 0 {
 		return
@@ -637,4 +637,12 @@ func printOtherWaits(w io.Writer, others []otherWait, rows []advlock.LockInfo) {
 			fmt.Fprintln(w, "    blocked by nobody now (granted since)")
 		}
 	}
+}
+
+// count says n things, one or many.
+func count(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return strconv.Itoa(n) + " " + many
 }

@@ -94,17 +94,21 @@ func TestTokenDurableWhileAnotherLogs(t *testing.T) {
 				// tries of a key held elsewhere, which take nothing and draw no token, and keep the transaction open.
 				const held, rows = 7, 2_000_000
 				queryInt(obs, "SELECT length(pg_advisory_lock("+strconv.Itoa(held)+")::text) + 1")
-				var ops, keys strings.Builder
+				var ops, keys, flags strings.Builder // flags: what an exclusive try tests besides its key (gateOf)
 				ops.WriteString("{1")
 				keys.WriteString("{" + strconv.FormatInt(base+1, 10))
+				flags.WriteString("{" + strconv.FormatInt(ID{V: base + 1}.Waiting().V, 10))
+				heldFlag := "," + strconv.FormatInt(ID{V: held}.Waiting().V, 10)
 				for range rows {
 					ops.WriteString(",1")
 					keys.WriteString("," + strconv.Itoa(held))
+					flags.WriteString(heldFlag)
 				}
 				ops.WriteString("}")
 				keys.WriteString("}")
+				flags.WriteString("}")
 				go func() {
-					_, err := a.ExecParams(ctx, muxSQL[1], [][]byte{[]byte(ops.String()), []byte(keys.String()), []byte("{}")},
+					_, err := a.ExecParams(ctx, muxSQL[1], [][]byte{[]byte(ops.String()), []byte(keys.String()), []byte(flags.String())},
 						nil, nil, nil).Close()
 					aDone <- err
 				}()

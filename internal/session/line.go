@@ -143,7 +143,11 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 	half, ring := strconv.Itoa(ringHalf), strconv.Itoa(lineMask)
 	newest := "CASE WHEN count(*) = 0 THEN 0 WHEN max(x.p) - min(x.p) > " + half + " THEN max(x.p) FILTER (WHERE x.p <= " + half +
 		") ELSE max(x.p) END"
-	join := "(SELECT CASE WHEN " + lockFn(true, t.Shared, ticketArgs(t.ID, "m.seq")) + " THEN " + strconv.Itoa(resultJoined) +
+	flag := "" // a writer holds the line's flag while it is in the line; a try that holds it exclusively for a moment is waited for
+	if !t.Shared {
+		flag = "length(" + lockFn(false, true, t.ID.Waiting().literal()) + "::text) + "
+	}
+	join := "(SELECT CASE WHEN " + lockFn(true, t.Shared, ticketArgs(t.ID, "m.seq")) + " THEN " + flag + strconv.Itoa(resultJoined) +
 		" - 8 * m.seq - 2 * m.head::int - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'") + " - " + intent + " ELSE 0 END" +
 		" FROM (SELECT (" + newest + ") % " + ring + " + 1 AS seq, " + head + " AS head FROM " + places(t.ID, "0") + " x) m)"
 	var b strings.Builder
@@ -152,7 +156,9 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 		b.WriteString(" WHEN " + lockFn(true, true, key) + " THEN CASE WHEN " + noIntent(ik) + " THEN " + grant(fenced) +
 			" WHEN " + unlockFn(true, key) + " THEN " + join + " ELSE -5 END")
 	} else {
-		b.WriteString(" WHEN " + lockFn(true, false, key) + " THEN " + grant(fenced))
+		wf := t.ID.Waiting().literal()
+		b.WriteString(" WHEN " + lockFn(true, false, key) + " THEN CASE WHEN " + noWriterWaits(wf) + " THEN " + grant(fenced) +
+			" WHEN " + unlockFn(false, key) + " THEN " + join + " ELSE -5 END")
 	}
 	b.WriteString(" ELSE " + join + " END")
 	return b.String()
@@ -210,5 +216,11 @@ func straysGiven(id ID, seq int64) string {
 }
 
 // leaveSQL is an SQL condition that gives back the session's place in t's line (its ticket, and any ticket it
-// holds from a wait for the member in front of it): true when all was there.
-func leaveSQL(t Target) string { return ticketsGiven(t.ID, 1, lineMask) }
+// holds from a wait for the member in front of it; a writer's hold of the line's flag): true when all was there.
+func leaveSQL(t Target) string {
+	s := ticketsGiven(t.ID, 1, lineMask)
+	if !t.Shared {
+		s = "(" + s + " AND " + unlockFn(true, t.ID.Waiting().literal()) + ")"
+	}
+	return s
+}

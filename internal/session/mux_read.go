@@ -159,8 +159,9 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 			retry = append(retry, r)
 		case batchErr != nil && errors.Is(batchErr, ErrLockTableFull) && (isTry(r.op) || r.op >= opLinger):
 			r.err, failed = batchErr, i // no lock-table space for this try
-			if isSharedTry(r.op) && !m.fenced {
-				// Its key was granted before its test of the key's intent found no space (sharedTry): undone
+			if isGatedTry(r.op) && !m.fenced {
+				// Its key was granted before its test of the key's intent, or its line's flag, found no space
+				// (sharedTry, exclusiveTry): undone
 				// first in the next round trip, exactly (the unlock answers false when it was not).
 				retry = append(retry, undoOf(r))
 			}

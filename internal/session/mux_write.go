@@ -80,7 +80,7 @@ func init() {
 				case shared:
 					return sharedTry(fenced, args, intent)
 				}
-				return "CASE WHEN " + lockFn(true, false, args) + " THEN " + grant(fenced) + " ELSE 0 END"
+				return exclusiveTry(fenced, args, intent) // intent: here the key's line's flag
 			}
 			fmt.Fprintf(&cases, " WHEN %d THEN %s\n", op, call(keys[pair], derivedArgs(pair == 1, "t.x")))
 			singleSQL[f][op-1] = "SELECT " + call(single[pair], derivedArgs(pair == 1, "$2::int8"))
@@ -98,6 +98,10 @@ func init() {
 
 // isSharedTry reports whether op is a shared try, whose statement also takes the key's intent as an argument.
 func isSharedTry(op int16) bool { return op < opLinger && (op-1)%opPair == opTryShared-1 }
+
+// isGatedTry reports whether op is a try whose statement takes a second key that may refuse it: a shared try the
+// key's intent, an exclusive one the key's line's flag (see Waiting).
+func isGatedTry(op int16) bool { return op < opLinger && (op-1)%opPair < opUnlock-1 }
 
 func unlockFn(shared bool, args string) string {
 	if shared {
@@ -169,8 +173,8 @@ func (m *Mux) send(batch []*req) error {
 		r := batch[0]
 		w.params[0] = strconv.AppendInt(w.params[0][:0], r.key, 10)
 		params := w.params[:1]
-		if isSharedTry(r.op) {
-			w.params[1] = strconv.AppendInt(w.params[1][:0], intentOf(r), 10)
+		if isGatedTry(r.op) {
+			w.params[1] = strconv.AppendInt(w.params[1][:0], gateOf(r), 10)
 			params = w.params[:2]
 		}
 		bind := pgproto3.Bind{PreparedStatement: singleStmt[b2i(m.fenced)][r.op-1], Parameters: params}
@@ -179,14 +183,14 @@ func (m *Mux) send(batch []*req) error {
 	}
 	ops, keys := make([]byte, 1, 4*len(batch)+2), make([]byte, 1, 21*len(batch)+2)
 	ops[0], keys[0] = '{', '{'
-	var intents []byte // only for a batch with a shared try: the others' entries are 0 (unnest pads a short array)
+	var intents []byte // only for a batch with a try: the others' entries are 0 (unnest pads a short array)
 	for i, r := range batch {
 		if i > 0 {
 			ops, keys = append(ops, ','), append(keys, ',')
 		}
 		ops = strconv.AppendInt(ops, int64(r.op), 10)
 		keys = strconv.AppendInt(keys, r.key, 10)
-		if isSharedTry(r.op) {
+		if isGatedTry(r.op) {
 			if intents == nil {
 				intents = append(make([]byte, 0, 21*len(batch)+2), '{')
 				for range i {
@@ -195,7 +199,7 @@ func (m *Mux) send(batch []*req) error {
 			} else {
 				intents = append(intents, ',')
 			}
-			intents = strconv.AppendInt(intents, intentOf(r), 10)
+			intents = strconv.AppendInt(intents, gateOf(r), 10)
 		} else if intents != nil {
 			intents = append(intents, ",0"...)
 		}
@@ -211,8 +215,15 @@ func (m *Mux) send(batch []*req) error {
 	return m.write(w, buf, err)
 }
 
-// intentOf is the intent of a shared try's key.
-func intentOf(r *req) int64 { return ID{Pair: r.op > opPair, V: r.key}.Intent().V }
+// gateOf is what a try's statement tests besides its key: for a shared try the key's intent, for an exclusive one
+// the key's line's flag.
+func gateOf(r *req) int64 {
+	id := ID{Pair: r.op > opPair, V: r.key}
+	if isSharedTry(r.op) {
+		return id.Intent().V
+	}
+	return id.Waiting().V
+}
 
 // write sends a Bind (already in buf, w's buffer or a larger one) with its Execute and Sync, and gives w back.
 func (m *Mux) write(w *wireBuf, buf []byte, err error) error {

@@ -198,6 +198,27 @@ func noIntent(i string) string {
 	return "CASE WHEN pg_try_advisory_lock_shared(" + i + ") THEN pg_advisory_unlock_shared(" + i + ") ELSE false END"
 }
 
+// Waiting is the flag of a key's line: every writer in the key's line (see line.go) holds it in shared mode, from
+// its join to its grant or end, so that an exclusive try of the key, which tests it (noWriterWaits), does not pass a
+// writer that waits in the line (one between two of its slices, or the next head before it queues for the key the
+// holder is freeing). Derived as Intent is, with another constant.
+func (id ID) Waiting() ID { return id.derived(0x6164766c6f636b57) } // "advlockW"
+
+// noWriterWaits is an SQL condition: true when no writer waits in the line of the key whose flag (see Waiting) is
+// f (lock function arguments), tested with an exclusive try that is undone at once. Only a session that holds the
+// key exclusively (its try just passed) tests it, so two tests of one flag never meet.
+func noWriterWaits(f string) string {
+	return "CASE WHEN " + lockFn(true, false, f) + " THEN " + unlockFn(false, f) + " ELSE false END"
+}
+
+// exclusiveTry is a writer's try (a CASE expression): it passes only while no writer waits in the key's line (f,
+// the line's flag: see Waiting), and yields a grant, 0, or -5 (an unlock that found nothing: the session is in
+// doubt). The key is tried first and given back when a writer waits, as sharedTry does with the intent.
+func exclusiveTry(fenced bool, key, f string) string {
+	return "CASE WHEN " + lockFn(true, false, key) + " THEN CASE WHEN " + noWriterWaits(f) + " THEN " + grant(fenced) +
+		" WHEN " + unlockFn(false, key) + " THEN 0 ELSE -5 END ELSE 0 END"
+}
+
 // sharedTry is a reader's try (a CASE expression): it passes only while no writer's intent stands (see Intent),
 // and yields a grant, 0, or -5 (an unlock that found nothing: the session is in doubt). The key is tried first and
 // given back when an intent stands: a lock-table entry that the intent's test cannot get (53200) then fails the
@@ -231,8 +252,8 @@ func init() {
 		for p := range 2 {
 			for sh := range 2 {
 				fenced, shared, args := f == 1, sh == 1, keyArgs[p]
-				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 WHEN " + lockFn(true, shared, args) +
-					" THEN " + grant(fenced) + " ELSE 0 END"
+				trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE " +
+					exclusiveTry(fenced, args, derivedArgs(p == 1, "$"+strconv.Itoa(p+2)+"::int8")) + " END"
 				if shared {
 					trySQL[f][p][sh] = "SELECT CASE WHEN pg_is_in_recovery() THEN -1 ELSE " +
 						sharedTry(fenced, args, derivedArgs(p == 1, "$"+strconv.Itoa(p+2)+"::int8")) + " END"
@@ -282,13 +303,16 @@ func b2i(b bool) int {
 	return 0
 }
 
-// TrySQL returns the try-lock statement and its arguments (for a shared try, the key's intent last: it passes only
-// while no writer's intent stands). It yields a grant (1, or the token when fenced), 0 (held elsewhere, or a writer
-// waits), -1 (the server is in recovery; nothing was taken) or -5 (the session is in doubt).
+// TrySQL returns the try-lock statement and its arguments (last, for a shared try the key's intent: it passes only
+// while no writer's intent stands; for an exclusive one the key's line's flag: it passes only while no writer waits
+// in the line). It yields a grant (1, or the token when fenced), 0 (held elsewhere, or a writer waits), -1 (the
+// server is in recovery; nothing was taken) or -5 (the session is in doubt).
 func TrySQL(t Target, fenced bool) (string, []any) {
 	args := t.ID.args()
 	if t.Shared {
 		args = append(args, t.ID.Intent().V)
+	} else {
+		args = append(args, t.ID.Waiting().V)
 	}
 	return trySQL[b2i(fenced)][b2i(t.ID.Pair)][b2i(t.Shared)], args
 }

@@ -15,13 +15,15 @@ import (
 )
 
 // The waits of a key keep the order PostgreSQL's own queue would give them, although each is sent again every
-// slice. The tests run with slices of 200 ms (a test knob) and holds scaled to them, so that every wait crosses
+// slice. The tests run with slices of 300 ms (a test knob) and holds scaled to them, so that every wait crosses
 // several slices as a wait of 0.9 s slices does behind holds of 100 to 400 ms; PostgreSQL's own queue (plain
 // connections, one pg_advisory_lock statement per wait) runs the same load side by side, as the reference.
 const (
-	orderSlice = 200 * time.Millisecond
-	orderHold  = 25 * time.Millisecond // a writer's hold in the fairness runs: 12 of them take 1.5 slices a round
-	orderTurns = 6                     // grants each writer gets in a fairness run (max/min <= 1.2 tells one apart)
+	orderSlice = 300 * time.Millisecond
+	// A writer's hold in the fairness runs: 12 of them take 1.6 slices a round. Long enough that the next writer
+	// queues for the key while the one before holds it, also on a loaded machine (every package's tests at once).
+	orderHold  = 40 * time.Millisecond
+	orderTurns = 6 // grants each writer gets in a fairness run (max/min <= 1.2 tells one apart)
 )
 
 func orderSliceOpt() advlock.Option {
@@ -241,6 +243,18 @@ func awaitCount(t *testing.T, obs *pgx.Conn, v int64, n int) {
 // (max/min <= 1.2) and none waits more than 1.5 times the longest wait of PostgreSQL's own queue under the same
 // load, measured side by side.
 func (s *suite) writersFair(t *testing.T, n int) {
+	var got, raw turns
+	// Each in a test of its own, whose connections close as it ends: both at once would take 3n of them.
+	t.Run("advlock", func(t *testing.T) { got = s.advlockTurns(t, n) })
+	t.Run("PostgreSQL's queue", func(t *testing.T) { raw = s.rawTurns(t, n, orderHold) })
+	if t.Failed() {
+		return
+	}
+	s.reportTurns(t, n, got, raw)
+}
+
+// advlockTurns runs takeTurns with n writers, each its own Locker.
+func (s *suite) advlockTurns(t *testing.T, n int) turns {
 	obs := s.observer(t)
 	ctx := ctxT(t, 60*time.Second)
 	k := Key(t)
@@ -249,7 +263,7 @@ func (s *suite) writersFair(t *testing.T, n int) {
 		ls[i] = s.open(t, orderSliceOpt()).L
 		warm(ctx, t, ls[i])
 	}
-	got := takeTurns(t, n, orderHold,
+	return takeTurns(t, n, orderHold,
 		func(i int) (func() error, error) {
 			lk, err := ls[i].Lock(ctx, k)
 			if err != nil {
@@ -265,7 +279,9 @@ func (s *suite) writersFair(t *testing.T, n int) {
 			return func() error { return lk.Unlock(ctx) }
 		},
 		func(m int) { waitsFor(t, obs, k, m) })
-	raw := s.rawTurns(t, n, orderHold)
+}
+
+func (s *suite) reportTurns(t *testing.T, n int, got, raw turns) {
 	t.Logf("%d writers x %v: grants %v (max/min %.2f), longest wait %v; PostgreSQL's queue: %v (%.2f), %v",
 		n, orderHold, got.grants, got.spread(), got.longest.Round(time.Millisecond), raw.grants, raw.spread(), raw.longest.Round(time.Millisecond))
 	if got.spread() > 1.2 {
@@ -277,10 +293,10 @@ func (s *suite) writersFair(t *testing.T, n int) {
 }
 
 // readerInTurn: a reader that comes while 4 writers (each its own Locker) take the key in turn, each holding it
-// for half a slice (together two slices a round), is granted once the writers that came before it were: within
+// for 100 ms (together 1.3 slices a round), is granted once the writers that came before it were: within
 // twice what PostgreSQL's own queue takes under the same load (the longest of three readers each), not never.
 func (s *suite) readerInTurn(t *testing.T) {
-	const writers, hold, readers = 4, orderSlice / 2, 3
+	const writers, hold, readers = 4, 100 * time.Millisecond, 3 // a round of the writers: 1.3 slices
 	measure := func(lock func(i int) (func() error, error), rlock func() (func() error, error)) time.Duration {
 		var stop atomic.Bool
 		var wg sync.WaitGroup
