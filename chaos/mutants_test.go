@@ -93,7 +93,6 @@ func TestMutants(t *testing.T) {
 		{"", failover, nil},
 		{mutant.TokenNoTimeline, failover, []string{VTokenOrder, VStaleToken}},
 		{"", queue, nil},
-		{mutant.IntentIgnored, queue, []string{VStarvedWait}},
 		{"", crowd, nil},
 		{mutant.WaitRequeueBack, crowd, []string{VOvertaken}},
 		{"", leasesPlain, nil},
@@ -124,6 +123,10 @@ func TestMutants(t *testing.T) {
 		{mutant.LeaseGrantNoDeadline, "TestLeaseLateRequestGrantsNothing"},
 		// A grant whose answer was lost, undone once while the link was down: a lease held by nobody.
 		{mutant.LeaseUndoOnce, "TestLeaseUndoneOnceTheLinkIsBack"},
+		// A shared session that holds a key shared is granted it again past a writer (PostgreSQL's re-entrancy),
+		// unless the writer's intent refuses it. (The campaign's readers behind a writer wait in its key's line, so
+		// readers that come and go starve a writer without the intent only between two of its slices: seldom.)
+		{mutant.IntentIgnored, "TestWriterIntent"},
 	}
 	covered := map[string]bool{}
 	for _, c := range cases {
