@@ -37,6 +37,9 @@ func pgxBackend(url, obsURL string) conformance.Backend {
 					for pool.Stat().AcquiredConns() < pool.Config().MaxConns {
 						c, err := pool.Acquire(context.Background())
 						if err != nil {
+							for _, c := range conns {
+								c.Release() // else the pool's Close, as the test ends, waits for them for ever
+							}
 							t.Fatal(err)
 						}
 						conns = append(conns, c)

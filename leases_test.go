@@ -286,6 +286,7 @@ type lateReplies struct {
 	session.Pool
 	delay     time.Duration
 	slow, cut atomic.Bool
+	late      atomic.Int32 // answers that came late
 }
 
 func (p *lateReplies) Acquire(ctx context.Context) (session.Conn, error) {
@@ -308,6 +309,7 @@ func (c *lateConn) QueryText(ctx context.Context, sql string) (string, error) {
 	r, err := c.Conn.QueryText(ctx, sql)
 	if c.p.slow.Load() {
 		time.Sleep(c.p.delay)
+		c.p.late.Add(1)
 	}
 	return r, err
 }
@@ -333,8 +335,14 @@ func TestLeaseTrustCountedFromSend(t *testing.T) {
 	// The waiter watches the key's records from now on: it sees the first renewal's as soon as the server made it.
 	wait := startTakeover(ctx, t, waiter, k, lk, 10*time.Second)
 	p.slow.Store(true) // the first renewal (sent 1 s after the grant) is answered 600 ms late
-	time.Sleep(1900 * time.Millisecond)
-	p.cut.Store(true) // no later statement reaches the server
+	// Then, once that answer has come (about 1.6 s after the grant; later on a loaded machine, whose renewal may be
+	// sent late), no later statement reaches the server.
+	for deadline := time.Now().Add(10 * time.Second); p.late.Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no renewal was answered late")
+		}
+	}
+	p.cut.Store(true)
 	_, told, granted := wait()
 	t.Logf("the holder stopped trusting its lease %v before the waiter's grant", granted.Sub(told).Round(time.Millisecond))
 }

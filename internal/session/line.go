@@ -174,7 +174,8 @@ func joined(r int64) (seq int64, head, intent, idle bool) {
 // LineSQL is one slice of a member's wait in its key's line (seq its place): it finds the member in front of it
 // (for a writer the nearest, for a reader the nearest writer; nearest going round the ring, see JoinSQL) and waits, under a lock_timeout of ms as WaitSQL
 // does, for that member's ticket, in the wait's own mode; granted, it gives the ticket back at once and yields
-// resultAdvanced. With no member in front it yields resultHead at once, or for a writer that took the key's intent
+// resultAdvanced, or when no other member is in front of it now, what it yields with none in front. With no member
+// in front it yields resultHead at once, or for a writer that took the key's intent
 // with it (it had none: JoinSQL takes it only for a wait that joins as the head; the session's
 // idle_session_timeout was set as it joined) resultHeadNow. A ticket granted as a slice ended
 // survives the timeout error: the next statement finds the session holding a ticket in front of its own and gives
@@ -195,9 +196,18 @@ func LineSQL(t Target, seq, ms int64) string {
 		b.WriteString(" WHEN p.o IS NULL THEN CASE WHEN " + lockFn(true, false, t.ID.Intent().literal()) + " THEN " +
 			strconv.Itoa(resultHeadNow) + " ELSE " + strconv.Itoa(resultHead) + " END")
 	}
+	// Granted the ticket in front, the wait gives it back and looks again at once (pg_locks, read anew): with no
+	// member left in front it is the head now (for a writer, with the intent), which saves the round trip of
+	// another statement before it queues for the key the member that left holds.
 	front := ticketArgs(t.ID, "p.o")
-	b.WriteString(" ELSE length(" + lockFn(false, t.Shared, front) + "::text) + CASE WHEN " + unlockFn(t.Shared, front) +
-		" THEN " + strconv.Itoa(resultAdvanced) + " ELSE -5 END END")
+	head := strconv.Itoa(resultHead)
+	if !t.Shared {
+		head = "CASE WHEN " + lockFn(true, false, t.ID.Intent().literal()) + " THEN " + strconv.Itoa(resultHeadNow) + " ELSE " + head + " END"
+	}
+	stillFront := "EXISTS (SELECT 1 FROM " + places(t.ID, strconv.FormatInt(seq, 10)) + " x WHERE" + inFront +
+		" AND x.pid <> pg_backend_pid()" + writers + ")"
+	b.WriteString(" ELSE length(" + lockFn(false, t.Shared, front) + "::text) + CASE WHEN NOT " + unlockFn(t.Shared, front) +
+		" THEN -5 WHEN " + stillFront + " THEN " + strconv.Itoa(resultAdvanced) + " ELSE " + head + " END END")
 	b.WriteString(" FROM (SELECT (array_agg(x.p ORDER BY x.d) FILTER (WHERE x.pid <> pg_backend_pid()" + writers + "))[1] AS o," +
 		" count(*) FILTER (WHERE x.pid = pg_backend_pid()) AS mine FROM " + places(t.ID, strconv.FormatInt(seq, 10)) +
 		" x WHERE" + inFront + ") p")

@@ -11,6 +11,7 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/config"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -32,6 +33,8 @@ func orderSliceOpt() advlock.Option {
 
 // waitOrder runs the order checks: arrival order, fairness of many writers, a reader in its turn.
 func (s *suite) waitOrder(t *testing.T) {
+	// 20 writers take 20 to 40 connections, and PostgreSQL's queue as many: one package's runs at a time.
+	pgtest.Alone(t, s.be.ObsURL, "WaitOrder")
 	t.Run("arrival order", s.arrivalOrder)
 	for _, n := range []int{12, 20} {
 		t.Run(fmt.Sprintf("%d writers", n), func(t *testing.T) { s.writersFair(t, n) })

@@ -9,6 +9,7 @@ package pgtest
 import (
 	"context"
 	"fmt"
+	"hash/fnv"
 	neturl "net/url"
 	"os"
 	"sync"
@@ -350,4 +351,18 @@ func MigrateBeside(tb testing.TB, url string, v int64) error {
 	}
 	_, err = app.Exec(ctx, "DROP INDEX m_v")
 	return err
+}
+
+// Alone makes the rest of the test the only one of its kind on the server at url (name says which kind), across
+// the test binaries that run at once: it holds an advisory lock of its own kind's number on a connection of its
+// own until the test ends, waiting for it first. For tests that take many connections at once, which beside each
+// other would take the server past max_connections.
+func Alone(tb testing.TB, url, name string) {
+	tb.Helper()
+	c := Conn(tb, url)
+	h := fnv.New64a()
+	h.Write([]byte("advlock tests alone: " + name))
+	if _, err := c.Exec(context.Background(), "SELECT pg_advisory_lock($1)", int64(h.Sum64())); err != nil {
+		tb.Fatalf("pgtest: alone (%s): %v", name, err)
+	}
 }
