@@ -141,7 +141,9 @@ func (s *suite) keysApart(t *testing.T) {
 		}
 		done <- err
 	}()
-	w := awaitRow(t, obs, "the pair's writer waiting", func(r pgtest.Row) bool { return r.ObjSubID == 2 && !r.Granted })
+	w := awaitRow(t, obs, "the pair's writer waiting", func(r pgtest.Row) bool { // for pk itself: the line's head
+		return r.ObjSubID == 2 && !r.Granted && r.ClassID == uint32(a) && r.ObjID == uint32(b)
+	})
 	// The writer finds readers and takes the pair's intent (a pair too), before or during its first slice.
 	in := session.ID{Pair: true, V: int64(a)<<32 | int64(uint32(b))}.Intent()
 	awaitRow(t, obs, "the pair's intent", func(r pgtest.Row) bool {
