@@ -40,28 +40,9 @@ func TestTickets(t *testing.T) {
 // when it leaves; a ticket granted as a slice ended is given back by the next statement; leaving gives back every
 // ticket the session holds in the line.
 func TestLineStatements(t *testing.T) {
-	url := pgtest.URL(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	conn := func() *pgx.Conn {
-		c, err := pgx.Connect(ctx, url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close(context.Background()) })
-		return c
-	}
-	q := func(c *pgx.Conn, sql string) (int64, error) { // the simple protocol: the last statement's answer
-		res, err := c.PgConn().Exec(ctx, sql).ReadAll()
-		if err != nil {
-			return 0, err
-		}
-		last := res[len(res)-1]
-		if len(last.Rows) != 1 {
-			return 0, fmt.Errorf("%d rows", len(last.Rows))
-		}
-		return strconv.ParseInt(string(last.Rows[0][0]), 10, 64)
-	}
+	conn, q := lineConns(t, ctx)
 	var must func(c *pgx.Conn, sql string) int64
 	now := time.Now().UnixNano()
 	for _, k := range []ID{{V: now}, {Pair: true, V: now}, {V: 6138966170140998771}} { // the last one's tickets from -2^63
@@ -153,28 +134,9 @@ func TestLineStatements(t *testing.T) {
 // each waits for the member in front of it going round (1 for the last number, 2 for 1), and the first becomes the
 // head once the two at the ring's end left.
 func TestLineRing(t *testing.T) {
-	url := pgtest.URL(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	conn := func() *pgx.Conn {
-		c, err := pgx.Connect(ctx, url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close(context.Background()) })
-		return c
-	}
-	q := func(c *pgx.Conn, sql string) (int64, error) {
-		res, err := c.PgConn().Exec(ctx, sql).ReadAll()
-		if err != nil {
-			return 0, err
-		}
-		last := res[len(res)-1]
-		if len(last.Rows) != 1 {
-			return 0, fmt.Errorf("%d rows", len(last.Rows))
-		}
-		return strconv.ParseInt(string(last.Rows[0][0]), 10, 64)
-	}
+	conn, q := lineConns(t, ctx)
 	must := func(c *pgx.Conn, sql string) int64 {
 		t.Helper()
 		r, err := q(c, sql)
@@ -220,4 +182,30 @@ func TestLineRing(t *testing.T) {
 	for _, x := range []*pgx.Conn{a, b, c, holder} {
 		must(x, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	}
+}
+
+// lineConns gives a test connections of its own to the server and a reader of a statement's last answer (the
+// simple protocol: LineSQL's texts hold several statements).
+func lineConns(t *testing.T, ctx context.Context) (conn func() *pgx.Conn, q func(*pgx.Conn, string) (int64, error)) {
+	url := pgtest.URL(t)
+	conn = func() *pgx.Conn {
+		c, err := pgx.Connect(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close(context.Background()) })
+		return c
+	}
+	q = func(c *pgx.Conn, sql string) (int64, error) {
+		res, err := c.PgConn().Exec(ctx, sql).ReadAll()
+		if err != nil {
+			return 0, err
+		}
+		last := res[len(res)-1]
+		if len(last.Rows) != 1 {
+			return 0, fmt.Errorf("%d rows", len(last.Rows))
+		}
+		return strconv.ParseInt(string(last.Rows[0][0]), 10, 64)
+	}
+	return conn, q
 }
