@@ -172,6 +172,71 @@ func TestHold(t *testing.T) {
 	}
 }
 
+// Hold and HoldShared hold the key against a Locker of leases too (the lease table's row, server truth): its try
+// fails and its Lock waits while held, and both pass once released; the lease goes with Release.
+func TestHoldLeases(t *testing.T) {
+	dsn := advlocktest.DSN(t)
+	l := open(t, dsn, advlock.WithLeases())
+	for _, shared := range []bool{false, true} {
+		key := newKey()
+		var h *advlocktest.Holder
+		if shared {
+			h = advlocktest.HoldShared(t, dsn, key)
+		} else {
+			h = advlocktest.Hold(t, dsn, key)
+		}
+		if _, err := l.TryLock(ctxT(t), key); !errors.Is(err, advlock.ErrNotAcquired) {
+			t.Fatalf("shared=%v: a lease's TryLock while held: %v, want ErrNotAcquired", shared, err)
+		}
+		if n := leaseRows(t, dsn, key); n != 1 {
+			t.Fatalf("shared=%v: %d rows of the key in the lease table while held, want the holder's 1", shared, n)
+		}
+		got := make(chan error, 1)
+		go func() {
+			lk, err := l.Lock(ctxT(t), key)
+			if err == nil {
+				err = lk.Unlock(context.Background())
+			}
+			got <- err
+		}()
+		select {
+		case err := <-got:
+			t.Fatalf("shared=%v: a lease's Lock returned while held: %v", shared, err)
+		case <-time.After(500 * time.Millisecond):
+		}
+		h.Release()
+		if err := <-got; err != nil {
+			t.Fatalf("shared=%v: a lease's Lock after Release: %v", shared, err)
+		}
+		if n := leaseRows(t, dsn, key); n != 0 {
+			t.Fatalf("shared=%v: %d rows of the key in the lease table after Release", shared, n)
+		}
+	}
+}
+
+// leaseRows counts the lease table's rows of key.
+func leaseRows(t *testing.T, dsn string, key advlock.Key) int {
+	t.Helper()
+	conn, err := pgx.Connect(ctxT(t), dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	space, v := int16(1), int64(0)
+	if n, ok := key.Int64(); ok {
+		v = n
+	} else {
+		a, b, _ := key.Pair()
+		space, v = 2, int64(a)<<32|int64(uint32(b))
+	}
+	var n int
+	if err := conn.QueryRow(ctxT(t), "SELECT count(*) FROM public.advlock_lease WHERE space = $1 AND key = $2",
+		space, v).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
 // A kind of session, and the options that give it.
 type kind struct {
 	name string

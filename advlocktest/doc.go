@@ -18,7 +18,8 @@
 // Without either, the test is skipped with a message that says what to set ([Require] fails it instead).
 //
 // Faults, each on the user's own locks: [Lose] ends a lock's server session (or deletes its lease), [LoseKey] ends
-// whatever holds a key, [Hold] holds a key from another server session until released, a [Link] puts a Locker's
+// whatever holds a key, [Hold] holds a key from another server session until released (as a session lock and as a
+// lease, so that code on either kind meets it held), a [Link] puts a Locker's
 // connections behind a proxy that can cut them, go silent (a blackhole: a frozen holder, as the server and other
 // processes see it) or slow down, and [StartServer] gives a test a server of its own to restart.
 //

@@ -207,24 +207,31 @@ func LoseKey(t TB, dsn string, key advlock.Key) {
 }
 
 // A Holder holds a key from a server session of its own, as another process would, until Release or the end of the
-// test.
+// test: as a session lock and as a lease at once, so that the code under test meets the key held whichever kind of
+// lock it takes.
 type Holder struct {
-	t    TB
-	key  advlock.Key
-	conn *pgx.Conn
-	pid  uint32
-	once sync.Once
+	t      TB
+	key    advlock.Key
+	conn   *pgx.Conn
+	pid    uint32
+	leases *advlock.Locker // holds lease
+	lease  *advlock.Lock
+	once   sync.Once
 }
 
 // Hold takes key exclusively on a new server session to dsn (waiting for it if another holds it, for at most 30 s)
 // and holds it until [Holder.Release] or the end of the test: the code under test meets a key held elsewhere
-// (ErrNotAcquired from a try, a Lock that waits).
+// (ErrNotAcquired from a try, a Lock that waits). It holds the key's lease too (a Locker of its own with
+// [advlock.WithLeases], which creates the lease tables in the database if they are missing and the role may): a
+// Locker of leases meets the key held as well. Where no lease can be taken (the tables missing and the role may not
+// create them, a standby), it holds the session lock alone.
 func Hold(t TB, dsn string, key advlock.Key) *Holder {
 	t.Helper()
 	return hold(t, dsn, key, false)
 }
 
-// HoldShared is [Hold] in shared mode: readers pass, writers wait.
+// HoldShared is [Hold] in shared mode: readers pass, writers wait. Its lease is held as a lease is (leases have no
+// shared mode): a Locker of leases, whose every lock is exclusive, waits.
 func HoldShared(t TB, dsn string, key advlock.Key) *Holder {
 	t.Helper()
 	return hold(t, dsn, key, true)
@@ -247,6 +254,16 @@ func hold(t TB, dsn string, key advlock.Key, shared bool) *Holder {
 		t.Fatalf("advlocktest: Hold %s: %v%s", key, err, holdersOf(dsn, key))
 	}
 	h := &Holder{t: t, key: key, conn: conn, pid: conn.PgConn().PID()}
+	if h.leases, err = advlock.Open(ctx, dsn, advlock.WithLeases(), advlock.WithLeaseHolder("advlocktest holder")); err == nil {
+		h.lease, err = h.leases.Lock(ctx, key)
+	}
+	if errors.Is(err, advlock.ErrLeaseTable) || errors.Is(err, advlock.ErrStandby) {
+		err = nil // no lease can be taken there (the tables missing and not to be made, a standby): nor by the code under test
+	}
+	if err != nil {
+		h.release()
+		t.Fatalf("advlocktest: Hold %s: the key's lease: %v", key, err)
+	}
 	t.Cleanup(h.Release)
 	return h
 }
@@ -291,6 +308,14 @@ func (h *Holder) release() {
 	conn := h.conn
 	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	defer cancel()
+	if h.lease != nil {
+		if err := h.lease.Unlock(ctx); err != nil {
+			h.t.Errorf("advlocktest: release the lease of %s: %v", h.key, err)
+		}
+	}
+	if h.leases != nil {
+		h.leases.Close()
+	}
 	_ = conn.Close(ctx)
 	obs, err := connect(ctx, conn.Config().ConnString(), "advlocktest")
 	if err == nil {
