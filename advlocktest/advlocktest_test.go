@@ -137,19 +137,7 @@ func TestHold(t *testing.T) {
 	if _, err := l.TryRLock(ctxT(t), key); !errors.Is(err, advlock.ErrNotAcquired) {
 		t.Fatalf("TryRLock while held elsewhere: %v, want ErrNotAcquired", err)
 	}
-	got := make(chan error, 1)
-	go func() {
-		lk, err := l.Lock(ctxT(t), key)
-		if err == nil {
-			err = lk.Unlock(context.Background())
-		}
-		got <- err
-	}()
-	select {
-	case err := <-got:
-		t.Fatalf("Lock returned while held elsewhere: %v", err)
-	case <-time.After(300 * time.Millisecond):
-	}
+	got := waiting(t, l, key, 300*time.Millisecond, "Lock while held elsewhere")
 	h.Release()
 	if err := <-got; err != nil {
 		t.Fatalf("Lock after Release: %v", err)
@@ -191,19 +179,7 @@ func TestHoldLeases(t *testing.T) {
 		if n := leaseRows(t, dsn, key); n != 1 {
 			t.Fatalf("shared=%v: %d rows of the key in the lease table while held, want the holder's 1", shared, n)
 		}
-		got := make(chan error, 1)
-		go func() {
-			lk, err := l.Lock(ctxT(t), key)
-			if err == nil {
-				err = lk.Unlock(context.Background())
-			}
-			got <- err
-		}()
-		select {
-		case err := <-got:
-			t.Fatalf("shared=%v: a lease's Lock returned while held: %v", shared, err)
-		case <-time.After(500 * time.Millisecond):
-		}
+		got := waiting(t, l, key, 500*time.Millisecond, fmt.Sprintf("shared=%v: a lease's Lock while held", shared))
 		h.Release()
 		if err := <-got; err != nil {
 			t.Fatalf("shared=%v: a lease's Lock after Release: %v", shared, err)
@@ -212,6 +188,26 @@ func TestHoldLeases(t *testing.T) {
 			t.Fatalf("shared=%v: %d rows of the key in the lease table after Release", shared, n)
 		}
 	}
+}
+
+// waiting starts l.Lock(key) (unlocking once granted), fails the test if it returns within d, and returns where
+// its outcome arrives.
+func waiting(t *testing.T, l *advlock.Locker, key advlock.Key, d time.Duration, what string) <-chan error {
+	t.Helper()
+	got := make(chan error, 1)
+	go func() {
+		lk, err := l.Lock(ctxT(t), key)
+		if err == nil {
+			err = lk.Unlock(context.Background())
+		}
+		got <- err
+	}()
+	select {
+	case err := <-got:
+		t.Fatalf("%s returned: %v, want a wait", what, err)
+	case <-time.After(d):
+	}
+	return got
 }
 
 // leaseRows counts the lease table's rows of key.
