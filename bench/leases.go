@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"runtime"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/advlock/advlock"
@@ -217,4 +219,94 @@ func leaseWAL(ctx context.Context, e *env, cs []contender, col *collector, tag s
 			col.add(wWAL, c.name, "WAL per acquire+release", "B", float64(after-before)/n, "the whole server's WAL: other writers count")
 		}
 	}
+}
+
+const wLeasesHeld = "11. leases held by one Locker"
+
+// leasesHeld measures what holding many leases costs one Locker and the server: n leases taken by one Locker
+// (lease length ln, renewed every third of it), then, while they are held, the client's goroutines and heap per
+// lease and the server's committed transactions a second (pg_stat_database, over several renewal periods; the
+// renewals are nearly all of them).
+func leasesHeld(ctx context.Context, e *env, col *collector) {
+	obs, err := pgx.Connect(ctx, e.pgURL)
+	if err != nil {
+		log.Printf("%s: %v", wLeasesHeld, err)
+		return
+	}
+	defer obs.Close(ctx)
+	commits := func() (int64, time.Time) {
+		var n int64
+		_, _ = obs.Exec(ctx, "SELECT pg_stat_clear_snapshot()")
+		_ = obs.QueryRow(ctx, "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()").Scan(&n)
+		return n, time.Now()
+	}
+	for _, s := range []struct {
+		n  int
+		ln time.Duration
+	}{{2000, 3 * time.Second}, {10000, 15 * time.Second}} {
+		label := fmt.Sprintf("%d of %v", s.n, s.ln)
+		pool, err := pgxpool.New(ctx, e.poolURL)
+		if err != nil {
+			log.Printf("%s: %v", wLeasesHeld, err)
+			return
+		}
+		l := advlock.New(pool, advlock.WithLeases(), advlock.WithLeaseLength(s.ln))
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		goroutines := runtime.NumGoroutine()
+		tag := fmt.Sprintf("bench-held-lease-%d", time.Now().UnixNano())
+		locks := make([]*advlock.Lock, s.n)
+		err = forEach(s.n, func(i int) (err error) {
+			locks[i], err = l.TryLock(ctx, advlock.NameKey(fmt.Sprintf("%s-%d", tag, i)))
+			return err
+		})
+		if err != nil {
+			log.Printf("%s (%s): %v", wLeasesHeld, label, err)
+		} else {
+			c0, t0 := commits()
+			time.Sleep(max(5*time.Second, 2*s.ln/3)) // two renewal periods at least
+			c1, t1 := commits()
+			runtime.GC()
+			runtime.ReadMemStats(&after)
+			col.add(wLeasesHeld, leasesName, "goroutines added, "+label, "goroutines",
+				float64(runtime.NumGoroutine()-goroutines), "")
+			col.add(wLeasesHeld, leasesName, "heap per held lease, "+label, "B",
+				max(0, float64(int64(after.HeapAlloc)-int64(before.HeapAlloc))/float64(s.n)), "")
+			col.add(wLeasesHeld, leasesName, "server transactions a second, "+label, "xact/s",
+				float64(c1-c0)/t1.Sub(t0).Seconds(), "the whole database's commits: other clients count")
+		}
+		if err := forEach(s.n, func(i int) error {
+			if locks[i] == nil {
+				return nil
+			}
+			return locks[i].Unlock(ctx)
+		}); err != nil {
+			log.Printf("%s (%s): unlock: %v", wLeasesHeld, label, err)
+		}
+		l.Close()
+		pool.Close()
+	}
+}
+
+// forEach runs f(0) to f(n-1), 16 at a time, and returns the first error.
+func forEach(n int, f func(i int) error) error {
+	var (
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+	)
+	sem := make(chan struct{}, 16)
+	for i := range n {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			if err := f(i); err != nil {
+				once.Do(func() { first = err })
+			}
+		}()
+	}
+	wg.Wait()
+	return first
 }

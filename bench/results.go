@@ -52,7 +52,10 @@ func collate(c *collector, cs []contender) *results {
 		rank[x.name] = i
 	}
 	slices.SortStableFunc(res.Rows, func(a, b *result) int {
-		if a.Workload != b.Workload {
+		if a.Workload != b.Workload { // by number: "10. ..." after "9. ..."
+			if c := workloadNumber(a.Workload) - workloadNumber(b.Workload); c != 0 {
+				return c
+			}
 			return strings.Compare(a.Workload, b.Workload)
 		}
 		return rank[a.Contender] - rank[b.Contender]
@@ -171,6 +174,16 @@ func (res *results) print(w io.Writer) {
 			target("leases"+via+" handoff p50 <= 2x the poll interval (400 ms)", r, func(r *result) bool { return r.Value <= 2*ms(leasePoll) }, num(r.Value)+" ms")
 		}
 	}
+	held := "2000 of 3s" // renewed every second
+	if r := res.find(wLeasesHeld, leasesName, "goroutines added, "+held, "goroutines"); r != nil {
+		target("leases: 2,000 held by one Locker, <= 50 goroutines", r, func(r *result) bool { return r.Value <= 50 }, num(r.Value))
+	}
+	if r := res.find(wLeasesHeld, leasesName, "heap per held lease, "+held, "B"); r != nil {
+		target("leases: 2,000 held by one Locker, <= 800 B of heap each", r, func(r *result) bool { return r.Value <= 800 }, num(r.Value)+" B")
+	}
+	if r := res.find(wLeasesHeld, leasesName, "server transactions a second, "+held, "xact/s"); r != nil {
+		target("leases: 2,000 held, renewed every 1 s, <= 100 transactions/s", r, func(r *result) bool { return r.Value <= 100 }, num(r.Value))
+	}
 	if r := res.find(wLoss, leasesName, "p50 after its row is deleted (renewed every 5s)", "ms"); r != nil {
 		target("leases loss noticed p50 <= the lease length (15 s)", r, func(r *result) bool { return r.Value <= 15000 }, num(r.Value)+" ms")
 	}
@@ -267,4 +280,10 @@ func (res *results) svg() []byte {
 	b.WriteString(body.String())
 	b.WriteString("</svg>\n")
 	return []byte(b.String())
+}
+
+// workloadNumber is the number a workload's name begins with ("10. 20 writers ..."), 0 for none.
+func workloadNumber(w string) int {
+	n, _ := strconv.Atoi(w[:max(0, strings.Index(w, "."))])
+	return n
 }

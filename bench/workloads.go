@@ -104,6 +104,9 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 		}
 	}
 	held(ctx, e, cs, col)
+	if hasLeases(cs) {
+		leasesHeld(ctx, e, col)
+	}
 	return collate(col, cs)
 }
 
@@ -593,17 +596,19 @@ func median(v []float64) float64 {
 }
 
 var manyNotes = map[string]string{
-	rawName:           "8 dedicated connections shared by the goroutines",
-	"raw pgxpool":     "pool of 32",
-	"advlock TryLock": "shared sessions (default 4), pool of 32",
-	sessionPerLock:    "TryLock, pool of 32",
-	openDefault:       "TryLock, Open's default pool",
-	open24:            "TryLock, Open with a pool of 24",
+	rawName:                 "8 dedicated connections shared by the goroutines",
+	"raw pgxpool":           "pool of 32",
+	"advlock TryLock":       "shared sessions (default 4), pool of 32",
+	sessionPerLock:          "TryLock, pool of 32",
+	openDefault:             "TryLock, Open's default pool",
+	open24:                  "TryLock, Open with a pool of 24",
+	leasesName:              "TryLock, leases, pool of 64",
+	leasesName + viaBouncer: "TryLock, leases, pool of 64",
 }
 
 // many measures one process whose n goroutines each take and release a lock on a key of their own (a lock per
 // entity, per request) through one client: raw pgx over 8 dedicated connections (the baseline), raw pgxpool,
-// advlock with shared sessions and advlock with a session per lock. The contenders take turns in 50 ms slices
+// advlock with shared sessions and advlock with a session per lock, and leases (with -only lease). The contenders take turns in 50 ms slices
 // until each has run *flagDur. It returns cycles/s.
 func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[string]float64 {
 	type runner struct {
@@ -625,7 +630,7 @@ func many(ctx context.Context, e *env, cs []contender, n int, tag string) map[st
 	}})
 	for _, c := range cs {
 		if c.name != "raw pgxpool" && c.name != "advlock TryLock" && c.name != sessionPerLock && c.name != openDefault &&
-			c.name != open24 {
+			c.name != open24 && c.name != leasesName && c.name != leasesName+viaBouncer {
 			continue
 		}
 		// Pools of 32 here: every contender is connected at once, within max_connections (100 by default).
