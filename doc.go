@@ -76,7 +76,8 @@
 //     session timeout or a server shutdown is seen as soon as the server says so; a network that silently drops is
 //     noticed within about twice the keepalive interval ([WithKeepalive], default 5 s).
 //   - Nothing hangs: a try never waits for a connection ([ErrPoolExhausted]) and is bounded even under a context
-//     without a deadline; [Locker.Close] releases everything and ends every call in flight.
+//     without a deadline; [Locker.Close] releases everything and ends every call in flight, within the release
+//     timeout and about a second also during a network partition.
 //   - Refusal where a lock would protect nothing: on a server in recovery every lock call fails with
 //     [ErrStandby]; behind a pooler in transaction mode every session lock fails with [ErrTxPooling] (or
 //     [ErrUnverified] while no second connection is free to tell), nothing locked.

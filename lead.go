@@ -43,7 +43,10 @@ import (
 // fn gets the leader's fencing token through [FenceToken] when the Locker has [WithFencing] (or [WithLeases]):
 // every term's token is greater than the last, so a deposed leader that was paused can be refused by what it
 // writes to. Lead suits "one pod runs the scheduler": the leader's lock is a lock like any other of its Locker (a
-// session lock, or a lease), which advlock ls shows and [Leader] reads from any process.
+// session lock, or a lease), which advlock ls shows and [Leader] reads from any process. So that advlock ls can
+// show the leader of a [NameKey] by its name, Lead writes the name to the table public.advlock_names once per
+// Locker and name, beside its first term's fn, creating the table if it is missing; a role that may not write it
+// leads all the same (WithLogger says so once). See docs/locks.md, Leader election.
 func (l *Locker) Lead(ctx context.Context, key Key, fn func(ctx context.Context) error) error {
 	if l != nil {
 		l.campaigning.Add(1)
@@ -118,6 +121,7 @@ func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context
 	l.leading.Add(1)
 	fctx, cancel := context.WithCancelCause(Holding(ctx, lk))
 	stop := lk.h.AfterEnd(func() { cancel(lk.Err()) })
+	published := l.publishName(fctx, lk.key)
 	defer func() { // also when fn panics: nobody else would ever lead
 		stop()
 		cancel(nil)
@@ -126,6 +130,7 @@ func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context
 		if uerr := lk.Unlock(uctx); errors.Is(uerr, ErrLockLost) && ferr == nil {
 			lost = true // lost while fn ran, noticed by the unlock: campaign again after the backoff
 		}
+		<-published // cut by the term's end if it had not answered yet
 		l.leading.Add(-1)
 	}()
 	if err := lk.Err(); err != nil {
@@ -145,6 +150,39 @@ func (l *Locker) term(ctx context.Context, lk *Lock, fn func(ctx context.Context
 		(*h)(lost)
 	}
 	return ferr, lost
+}
+
+// publishName writes the name of key, a NameKey, to the names table (session.NamesTable) once per Locker, so that
+// advlock ls shows the leader's key by its name; a term's first one writes it, apart from fn, until the term ends.
+// It is best effort: the first failure is logged (WithLogger), and Lead leads on; a role that may not write the
+// table is not asked again, nor is a name the database cannot hold; after a passing failure the next term tries
+// again. The channel is closed once it has returned.
+func (l *Locker) publishName(ctx context.Context, key Key) <-chan struct{} {
+	done := make(chan struct{})
+	v, ok := key.Int64()
+	if !ok || key.kind != kindName || len(key.name) > session.MaxPublishedName || l.namesOff.Load() {
+		close(done)
+		return done
+	}
+	if _, had := l.names.LoadOrStore(v, struct{}{}); had {
+		close(done)
+		return done
+	}
+	go func() {
+		defer close(done)
+		badName, noRole, err := session.PublishName(ctx, l.pool, v, key.name, 5*time.Second)
+		switch {
+		case err == nil || badName: // a name the database cannot hold is not tried again; the others are
+		case noRole:
+			l.namesOff.Store(true)
+		default:
+			l.names.Delete(v) // the next term tries again (a standby not promoted yet, the network, the pool)
+		}
+		if err != nil && ctx.Err() == nil && !l.namesWarned.Swap(true) {
+			l.nameNotPublished(key, err)
+		}
+	}()
+	return done
 }
 
 // testHookTermJudged, in tests only, is told what a term judged as fn returned, before the step down.

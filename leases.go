@@ -23,13 +23,16 @@ func leaseConfig(o config.Options) lease.Config {
 	c := lease.Defaults()
 	if o.LeaseLength > 0 {
 		c.Length = o.LeaseLength
-		c.Renew, c.Margin = c.Length/3, c.Length/15
+		c.Renew, c.Margin, c.Sweep = c.Length/3, c.Length/15, c.Length/3
 	}
 	if o.LeasePoll > 0 {
 		c.Poll = o.LeasePoll
 	}
 	host, _ := os.Hostname()
 	c.Holder = host + " pid " + strconv.Itoa(os.Getpid())
+	if o.AppName != "" && o.AppName != o.LeaseHolder {
+		c.Holder += " " + o.AppName
+	}
 	if o.LeaseHolder != "" {
 		c.Holder += " " + o.LeaseHolder
 	}

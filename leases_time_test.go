@@ -143,10 +143,7 @@ func TestLeaseServerClockSteps(t *testing.T) {
 		what   string
 	}{{20 * time.Second, "forward 20s"}, {-20 * time.Second, "back 40s"}} {
 		k := key(t)
-		lk, err := holder.TryLock(ctx, k)
-		if err != nil {
-			t.Fatal(err)
-		}
+		lk := tryUntilServed(ctx, t, holder, k) // the round before cut the holder off
 		wait := startTakeover(ctx, t, waiter, k, lk, 60*time.Second)
 		time.Sleep(500 * time.Millisecond)
 		var before, after time.Time
@@ -176,7 +173,7 @@ func TestLeaseServerClockSteps(t *testing.T) {
 		if got.Token() <= lk.Token() {
 			t.Errorf("%s: the takeover's token %d is not greater than %d", step.what, got.Token(), lk.Token())
 		}
-		proxy.Blackhole(false)
+		proxy.EndBlackholeReset() // as a network that lost a connection's bytes ends it (see TestLeaseTrustEndsBeforeTakeover)
 		if err := got.Unlock(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -537,14 +534,15 @@ func (c *lateRequestConn) QueryText(ctx context.Context, sql string) (string, er
 // A grant whose answer is lost is undone, and tried again until the server answers: here the grant commits, its
 // answer is lost and the link goes down for 1.5 s, so the undo the try sends at once fails; the undo goes on apart,
 // and the key has no row soon after the link is back. Undone once only, the lease stayed to nobody until another
-// Locker had seen it unchanged for a lease length.
+// Locker had seen it unchanged for a lease length. The lease is 10 s, so that the sweep (which deletes such a row
+// once it has watched it past its expiry for a lease length) cannot be what deletes it here.
 func TestLeaseUndoneOnceTheLinkIsBack(t *testing.T) {
 	t.Parallel()
 	url := pgtest.URL(t)
 	obs := pgtest.Conn(t, url)
 	ctx := ctxT(t, 30*time.Second)
 	link := &lostAnswer{Pool: pgxPool{p: pgtest.Pool(t, url, nil)}, down: 1500 * time.Millisecond}
-	l := New(nil, option(func(o *config.Options) { o.Backend = link }), WithLeases(), WithLeaseLength(time.Second))
+	l := New(nil, option(func(o *config.Options) { o.Backend = link }), WithLeases(), WithLeaseLength(10*time.Second))
 	defer l.Close()
 	k := key(t)
 	if lk, err := l.TryLock(ctx, key(t)); err != nil { // the tables made first

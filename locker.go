@@ -39,6 +39,9 @@ type Locker struct {
 	inflight    sync.WaitGroup // Lock calls under way
 	heldWG      sync.WaitGroup // locks in held
 
+	names           sync.Map     // int8 keys whose names Lead wrote to the names table, or is writing (publishName)
+	namesOff        atomic.Bool  // the names table may not be written: no more tries
+	namesWarned     atomic.Bool  // a failure to write a name was logged: no more
 	campaigning     atomic.Int64 // Lead calls running
 	leading         atomic.Int64 // of them, those whose fn runs now
 	campaignRetries atomic.Int64 // Lead campaigns that failed and were tried again
@@ -86,6 +89,9 @@ func New(pool *pgxpool.Pool, opts ...Option) *Locker {
 		return newLocker(o.Backend, nil, o)
 	case pool == nil:
 		return newLocker(nil, nil, o)
+	}
+	if o.AppName == "" {
+		o.AppName = pool.Config().ConnConfig.RuntimeParams["application_name"]
 	}
 	return newLocker(pgxPool{p: pool}, pool, o)
 }
@@ -139,7 +145,9 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 // TryLock takes key exclusively if no other session holds it, or fails at once with ErrNotAcquired. It never waits
 // for a connection: with shared sessions it needs none once one is open, and with a session per lock it fails with
 // ErrPoolExhausted when the pool has no free connection (with [Open], when its sessions of their own are all in
-// use). Of the call options, [HoldAtLeast] applies ([Wait] does not: a try never waits).
+// use). Of the call options, [HoldAtLeast] applies ([Wait] does not: a try never waits). Like [Locker.Lock], it
+// may return later than ctx's end on a shared session or with leases, when the link stalls with its statement in
+// the server.
 func (l *Locker) TryLock(ctx context.Context, key Key, opts ...CallOption) (*Lock, error) {
 	return l.lock(ctx, key, false, false, opts)
 }
@@ -151,6 +159,15 @@ func (l *Locker) TryLock(ctx context.Context, key Key, opts ...CallOption) (*Loc
 // the wait closes a cycle of waits that the server cannot see, one wait of the cycle ends with ErrDeadlock. With a
 // Locker from [Open], a Lock that must wait in the server while all of its sessions of their own are in use waits
 // in this process for one (trying its key meanwhile), never failing for want of a connection.
+//
+// On a shared session or with leases, a call whose statement is in the server when the link stalls may return
+// later than its ctx ends: an answer may still come and grant the key, which the call must then give back. It
+// returns when the answer comes (not granted: ErrNotAcquired) or when the server counts as gone: on a shared
+// session at the keepalive bound (WithKeepalive, 5 s by default), with an error that says the server did not
+// answer and matches no context error (it is the server's silence, not the wait, that ended the call); with leases
+// at the grant's bound (5 s, or the lease's trust window if shorter), with an error that matches ctx's end and says
+// the server did not answer. With a session per lock it returns at ctx's end (the session is closed). On a healthy
+// link every call returns at ctx's end.
 func (l *Locker) Lock(ctx context.Context, key Key, opts ...CallOption) (*Lock, error) {
 	return l.lock(ctx, key, false, true, opts)
 }
@@ -516,7 +533,10 @@ func (l *Locker) ended(lk *Lock) session.OnEnd {
 }
 
 // Close releases every lock still held (each unlock bounded by WithReleaseTimeout), makes pending and later calls
-// fail with ErrClosed, and waits for its goroutines. It closes the pool only if [Open] made it. Locks released
+// fail with ErrClosed, and waits for its goroutines. It closes the pool only if [Open] made it. During a network
+// partition, and after one in which calls were cut short, Close returns within WithReleaseTimeout (5 s by default)
+// and about a second: the connections it gives up are closed at once, their sockets first, and nothing waits for
+// an answer the partition holds. Locks released
 // this way report ErrClosed from Err and Unlock. Locks whose caller unlocked them before their [HoldAtLeast] had
 // passed are released at once too (Close does not wait for a hold); their Err stays ErrNotHeld. Close is
 // idempotent.
@@ -644,7 +664,9 @@ func (l *Locker) lingerFor(lk *Lock, d time.Duration) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if lk.forgotten {
-		return false
+		// Released already: by Close, which found it lingering and released it as its caller's unlock (the caller
+		// then hears what a release would have told, as when Close comes after), or lost.
+		return lk.ended.Load() == unlockedByCaller
 	}
 	if l.closed {
 		return true // Close releases every lingering lock it finds

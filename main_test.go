@@ -13,7 +13,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+func TestMain(m *testing.M) {
+	if spec := os.Getenv(sweepHolderEnv); spec != "" {
+		sweepHolder(spec) // never returns
+	}
+	os.Exit(pgtest.Main(m))
+}
 
 // bundle is what most tests need: a pool, a Locker over it, and a separate connection to observe pg_locks.
 type bundle struct {

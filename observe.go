@@ -173,6 +173,26 @@ func (o logObserver) CampaignFailed(e CampaignFailure) {
 		slog.String("error", e.Err.Error()), slog.Duration("retry_in", e.Retry))
 }
 
+func (o logObserver) nameNotPublished(key Key, err error) {
+	o.l.LogAttrs(context.Background(), slog.LevelWarn, "advlock: lead: could not write the key's name to "+
+		session.NamesTable+" (advlock ls shows the key as a number meanwhile); leading on",
+		slog.String("key", key.String()), slog.String("error", err.Error()))
+}
+
+// nameObserver is an Observer told when Lead could not write its key's name (publishName): WithLogger's is.
+type nameObserver interface {
+	nameNotPublished(key Key, err error)
+}
+
+// nameNotPublished tells the observers that care that Lead could not write its key's name.
+func (l *Locker) nameNotPublished(key Key, err error) {
+	for _, o := range l.obs {
+		if s, ok := o.(nameObserver); ok {
+			s.nameNotPublished(key, err)
+		}
+	}
+}
+
 // shortTermObserver is an Observer told when a Lead's fn returned nil at once (see shortTerm): WithLogger's is.
 type shortTermObserver interface {
 	shortTerm(key Key, took time.Duration)

@@ -103,6 +103,8 @@ func Open(ctx context.Context, dsn string, opts ...Option) (*Locker, error) {
 	}
 	if rp := cfg.ConnConfig.RuntimeParams; rp["application_name"] == "" {
 		rp["application_name"] = "advlock"
+	} else {
+		o.AppName = rp["application_name"]
 	}
 	dialer := &net.Dialer{
 		Timeout:         30 * time.Second,

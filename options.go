@@ -126,7 +126,9 @@ func WithLeases() Option {
 
 // WithLeaseHolder adds name to how the Locker's leases name their holder (see [WithLeases]), after the host and
 // process id: advlock ls, Inspect's LeaseInfo.Holder and Leader show it. Printable ASCII is kept (other characters
-// become '?'). advlock run --leases adds its KEY.
+// become '?'). advlock run --leases adds its KEY. The application_name of the connection string, when it names
+// one (with [Open], advsql.Open, or [New] over a pgxpool; not advsql.New, which cannot see it), comes between
+// them.
 func WithLeaseHolder(name string) Option {
 	return option(func(o *config.Options) { o.LeaseHolder = name })
 }

@@ -40,6 +40,19 @@ func reportHandler(l *advlock.Locker) http.HandlerFunc {
 	}
 }
 
+// serveReport serves reportHandler(l) and returns what a GET of it answers, and how to stop it.
+func serveReport(t *exampleT, l *advlock.Locker) (status func() int, stop func()) {
+	srv := httptest.NewServer(reportHandler(l))
+	return func() int {
+		resp, err := http.Get(srv.URL)
+		if err != nil {
+			t.Fatalf("%v", err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}, srv.Close
+}
+
 // Testing a handler against a key held elsewhere: Hold takes the key on a server session of its own, as another
 // pod would, until Release.
 func Example_handler() {
@@ -52,16 +65,33 @@ func Example_handler() {
 		t.Fatalf("%v", err)
 	}
 	defer l.Close()
-	srv := httptest.NewServer(reportHandler(l))
-	defer srv.Close()
-	status := func() int {
-		resp, err := http.Get(srv.URL)
-		if err != nil {
-			t.Fatalf("%v", err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
+	status, stop := serveReport(t, l)
+	defer stop()
+
+	other := advlocktest.Hold(t, dsn, advlock.NameKey("report"))
+	fmt.Println("held by another pod:", status())
+	other.Release()
+	fmt.Println("free:", status())
+	// Output:
+	// held by another pod: 409
+	// free: 200
+}
+
+// The same handler on a Locker of leases, as a service behind a pooler in transaction mode runs it: Hold holds the
+// key's lease too, so one test serves either kind of lock, and a lease left held would fail the test as a session
+// lock would.
+func Example_handlerLeases() {
+	t := &exampleT{} // in a test: the test's t
+	defer t.finish()
+
+	dsn := advlocktest.DSN(t)
+	l, err := advlock.Open(context.Background(), dsn, advlock.WithLeases())
+	if err != nil {
+		t.Fatalf("%v", err)
 	}
+	defer l.Close()
+	status, stop := serveReport(t, l)
+	defer stop()
 
 	other := advlocktest.Hold(t, dsn, advlock.NameKey("report"))
 	fmt.Println("held by another pod:", status())

@@ -254,7 +254,13 @@ func hold(t TB, dsn string, key advlock.Key, shared bool) *Holder {
 		t.Fatalf("advlocktest: Hold %s: %v%s", key, err, holdersOf(dsn, key))
 	}
 	h := &Holder{t: t, key: key, conn: conn, pid: conn.PgConn().PID()}
-	if h.leases, err = advlock.Open(ctx, dsn, advlock.WithLeases(), advlock.WithLeaseHolder("advlocktest holder")); err == nil {
+	// Named apart from the test's own Lockers, as the holder's session is: the check for leases left held at the
+	// test's end is for the code under test's, and Release ends this one.
+	ldsn, err := withParam(dsn, "application_name", "advlocktest holder")
+	if err != nil {
+		t.Fatalf("advlocktest: %v", err)
+	}
+	if h.leases, err = advlock.Open(ctx, ldsn, advlock.WithLeases(), advlock.WithLeaseHolder("advlocktest holder")); err == nil {
 		h.lease, err = h.leases.Lock(ctx, key)
 	}
 	if errors.Is(err, advlock.ErrLeaseTable) || errors.Is(err, advlock.ErrStandby) {
@@ -332,6 +338,9 @@ func (h *Holder) release() {
 type Link struct {
 	p   *faults.Proxy
 	dsn string
+
+	mu      sync.Mutex
+	dropped bool // Drop is on: Restore resets the connections
 }
 
 // NewLink starts a proxy to the server dsn names (over TCP: not a Unix socket) and returns it; it closes when the
@@ -377,18 +386,43 @@ func (l *Link) DSN() string { return l.dsn }
 // their sessions (and their locks), and their Lockers are told at once. New connections pass.
 func (l *Link) Cut() { l.p.Cut() }
 
-// Blackhole makes every byte through the link vanish, in both directions, with every socket left open: a network
-// that goes silent, or a frozen holder as the server and other processes see it (its sessions hold their locks and
-// answer nothing). A Locker behind it learns of the loss within its keepalive bound; the server keeps its sessions,
-// and their locks, until the link is closed or restored. New connections hang.
-func (l *Link) Blackhole() { l.p.Blackhole(true) }
+// Blackhole partitions the network: nothing passes the link, in either direction (a chunk already on its way
+// under [Link.Latency] is held too), and every socket stays open,
+// as when a network goes silent, or a holder freezes as the server and other processes see it (its sessions hold
+// their locks and answer nothing). As TCP does, the link keeps what was sent meanwhile and delivers it, in order,
+// when [Link.Restore] ends the partition: requests that arrive after their sender gave up on them (an unlock, a
+// renewal, a statement whose ctx ended), answers to a client that went on, a close made during it. A Locker behind
+// it learns of the loss within its keepalive bound; the server keeps its sessions, and their locks, until the link
+// is restored (and then ends those whose client closed them) or closed. New connections wait for the partition to
+// end. A partition still on when the test ends is ended as the link closes, what it held delivered first.
+func (l *Link) Blackhole() { l.p.Partition(true) }
+
+// Drop makes every byte through the link vanish, in both directions, with every socket left open, until
+// [Link.Restore] resets the connections that lived through it (both sides closed, as a network that lost their
+// bytes ends them): the server ends their sessions and their locks. New connections made during it hang, and are
+// reset too. A lease's release that a drop threw away never reaches the server: the lease stays held until it
+// runs out, and a test that ends then fails the check for leases left held (see [DSN]).
+func (l *Link) Drop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.dropped = true
+	l.p.Blackhole(true)
+}
 
 // Latency delays every chunk of bytes through the link by d (0: none).
 func (l *Link) Latency(d time.Duration) { l.p.Latency(d) }
 
-// Restore ends a blackhole and any latency.
+// Restore ends a blackhole (its bytes delivered), a drop (its connections reset) and any latency.
 func (l *Link) Restore() {
+	l.mu.Lock()
+	dropped := l.dropped
+	l.dropped = false
+	l.mu.Unlock()
+	if dropped {
+		l.p.EndBlackholeReset()
+	}
 	l.p.Blackhole(false)
+	l.p.Partition(false)
 	l.p.Latency(0)
 }
 
@@ -434,7 +468,7 @@ func (s *Server) DSN(t TB) string {
 	if err != nil {
 		t.Fatalf("advlocktest: %v", err)
 	}
-	t.Cleanup(func() { checkLeftHeld(t, s.c.URL, tag) })
+	t.Cleanup(func() { checkLeftHeld(t, s.c.URL, s.c.URL, tag) })
 	return dsn
 }
 

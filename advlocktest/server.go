@@ -5,6 +5,7 @@ import (
 	"fmt"
 	neturl "net/url"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -98,7 +99,10 @@ func noneFor(t TB, o options, err error) {
 // The DSN gives the test's sessions an application_name of their own (advlocktest-PID-N, replacing one the
 // variable gave). When the test ends (after its other cleanups, so after the Lockers it closed in them), an
 // advisory lock still held by a session with that name fails the test, naming the key and the session, and the
-// session is ended. Open every Locker of the test on this DSN, or on a [Link] to it, for that check to see them.
+// session is ended; so does a lease still held whose holder names it (a Locker of leases from advlock.Open,
+// advsql.Open or advlock.New over a pgxpool names its DSN's application_name; one from advsql.New cannot), and the
+// lease is broken. Open every Locker of the test on this DSN, or on a [Link]
+// to it, for that check to see them.
 func DSN(t TB, opts ...Option) string {
 	t.Helper()
 	o := collect(opts)
@@ -107,16 +111,16 @@ func DSN(t TB, opts ...Option) string {
 		noneFor(t, o, err)
 		return ""
 	}
-	dsn := admin
+	db := admin
 	if o.fresh {
-		dsn = freshDatabase(t, admin)
+		db = freshDatabase(t, admin)
 	}
 	tag := newTag()
-	dsn, err = withParam(dsn, "application_name", tag)
+	dsn, err := withParam(db, "application_name", tag)
 	if err != nil {
 		t.Fatalf("advlocktest: %v", err)
 	}
-	t.Cleanup(func() { checkLeftHeld(t, admin, tag) })
+	t.Cleanup(func() { checkLeftHeld(t, admin, db, tag) })
 	return dsn
 }
 
@@ -195,9 +199,9 @@ func freshDatabase(t TB, admin string) string {
 // return before the server has seen its sessions end.
 const leftHeldGrace = 3 * time.Second
 
-// checkLeftHeld fails t if a session named tag still holds an advisory lock, after leftHeldGrace, and ends those
-// sessions.
-func checkLeftHeld(t TB, admin, tag string) {
+// checkLeftHeld fails t if a session named tag still holds an advisory lock, or a lease whose holder names tag is
+// still held, after leftHeldGrace, and ends those sessions and breaks those leases.
+func checkLeftHeld(t TB, admin, db, tag string) {
 	t.Helper()
 	if stopped(admin) {
 		return // a stopped server holds nothing
@@ -210,27 +214,84 @@ func checkLeftHeld(t TB, admin, tag string) {
 		return
 	}
 	defer conn.Close(context.Background())
-	var held []string
+	leaseConn := conn // pg_locks is the server's, the lease table the test's database's
+	if db != admin {
+		if leaseConn, err = connect(ctx, db, "advlocktest"); err != nil {
+			t.Errorf("advlocktest: connect to check for leases left held: %v", err)
+			return
+		}
+		defer leaseConn.Close(context.Background())
+	}
+	var held, leases []string
 	var pids []uint32
+	var rows []leaseRow
 	for deadline := time.Now().Add(leftHeldGrace); ; {
 		held, pids, err = heldBy(ctx, conn, tag)
+		if err == nil {
+			leases, rows, err = leasesHeldBy(ctx, leaseConn, tag)
+		}
 		if err != nil {
 			t.Errorf("advlocktest: check for locks left held: %v", err)
 			return
 		}
-		if len(held) == 0 || time.Now().After(deadline) {
+		if len(held)+len(leases) == 0 || time.Now().After(deadline) {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if len(held) == 0 {
-		return
+	if len(held) > 0 {
+		t.Errorf("advlocktest: %s still held as the test ended (a Lock not unlocked, or a Locker not closed): %s",
+			countOf(len(held), "advisory lock"), strings.Join(held, "; "))
+		for _, pid := range pids {
+			_, _ = conn.Exec(ctx, "SELECT pg_terminate_backend($1)", pid)
+		}
 	}
-	t.Errorf("advlocktest: %d advisory lock(s) still held as the test ended (a Lock not unlocked, or a Locker not closed): %s",
-		len(held), strings.Join(held, "; "))
-	for _, pid := range pids {
-		_, _ = conn.Exec(ctx, "SELECT pg_terminate_backend($1)", pid)
+	if len(leases) > 0 {
+		t.Errorf("advlocktest: %s still held as the test ended (a Lock not unlocked, or a Locker not closed): %s",
+			countOf(len(leases), "lease"), strings.Join(leases, "; "))
+		for _, r := range rows { // broken as advlock break does: its holder is told at its next renewal
+			_, _ = leaseConn.Exec(ctx, "DELETE FROM public.advlock_lease WHERE space = $1 AND key = $2 AND term = $3", r.space, r.key, r.term)
+		}
 	}
+}
+
+// leaseRow names one row of the lease table.
+type leaseRow struct {
+	space int16
+	key   int64
+	term  int64
+}
+
+// leasesHeldBy lists the leases not yet expired whose holder names tag: a Locker of leases opened on the test's DSN
+// names its application_name in its holder, after the host and pid.
+func leasesHeldBy(ctx context.Context, conn *pgx.Conn, tag string) (held []string, rows []leaseRow, err error) {
+	var exists bool
+	if err := conn.QueryRow(ctx, "SELECT to_regclass('public.advlock_lease') IS NOT NULL").Scan(&exists); err != nil || !exists {
+		return nil, nil, err
+	}
+	rs, err := conn.Query(ctx, `SELECT space, key, term, holder FROM public.advlock_lease
+		WHERE expires > clock_timestamp() AND holder ~ (' ' || $1 || '($|[^0-9])') ORDER BY space, key`, tag)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer rs.Close()
+	for rs.Next() {
+		var r leaseRow
+		var holder string
+		if err := rs.Scan(&r.space, &r.key, &r.term, &holder); err != nil {
+			return nil, nil, err
+		}
+		what := fmt.Sprintf("(space %d, key %d)", r.space, r.key)
+		switch r.space {
+		case 1:
+			what = advlock.Int64Key(r.key).String()
+		case 2:
+			what = advlock.PairKey(int32(r.key>>32), int32(r.key)).String()
+		}
+		held = append(held, fmt.Sprintf("key %s, term %d, held by %s", what, r.term, holder))
+		rows = append(rows, r)
+	}
+	return held, rows, rs.Err()
 }
 
 // heldBy lists the advisory locks granted to sessions whose application_name is tag, and their sessions.
@@ -262,4 +323,12 @@ func heldBy(ctx context.Context, conn *pgx.Conn, tag string) (held []string, pid
 		}
 	}
 	return held, pids, rows.Err()
+}
+
+// countOf is n and noun, plural unless n is 1: "1 lease", "2 leases".
+func countOf(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.Itoa(n) + " " + noun + "s"
 }

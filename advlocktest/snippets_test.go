@@ -37,9 +37,10 @@ func snippetLink(t *testing.T, ctx context.Context, dsn string) (*advlock.Locker
 	link := advlocktest.NewLink(t, dsn)
 	l, err := advlock.Open(ctx, link.DSN(), advlock.WithKeepalive(time.Second))
 	link.Cut()       // every connection reset: the server ends the sessions, the Locker is told at once
-	link.Blackhole() // silence, sockets left open: the Locker is told within the keepalive bound
+	link.Blackhole() // a partition: nothing passes, sockets left open; what was sent is delivered at Restore
+	link.Drop()      // bytes thrown away, sockets left open; Restore resets the connections
 	link.Latency(100 * time.Millisecond)
-	link.Restore() // no blackhole, no latency
+	link.Restore() // no partition, no drop, no latency
 	return l, err
 }
 

@@ -130,8 +130,14 @@ func Open(ctx context.Context, driverName, dsn string, opts ...advlock.Option) (
 	db.SetConnMaxIdleTime(session.FrozenAfter(o.Keepalive) * 2 / 3)
 	backend := &pool{db: db, verified: map[any]*mark{}, dial: &dialSpec{driverName: driverName, dsn: dsn}}
 	named := appNameRE.MatchString(dsn)
+	var appName string // for a lease's holder
+	if named {
+		if cfg, err := pgconn.ParseConfig(dsn); err == nil {
+			appName = cfg.RuntimeParams["application_name"]
+		}
+	}
 	return advlock.New(nil, append(opts, option(func(o *config.Options) {
-		o.Backend, o.Querier = backend, querier{db}
+		o.Backend, o.Querier, o.AppName = backend, querier{db}, appName
 		o.Settings = session.OpenSettings(o.Keepalive)
 		o.OwnPool = true
 		if !named {

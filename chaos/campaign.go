@@ -65,6 +65,10 @@ type Options struct {
 	// "pgbouncer"; by default the paths take turns): a short campaign aimed at one path's fault puts every worker
 	// on it.
 	Via []string
+	// DeadlockBound, when not zero, is how long the checker lets a cycle of waits last (DeadlockBound by default):
+	// the mutation suite runs beside every other test package on a 2-core machine, where a Locker's readings of
+	// the lock graph come late, and its bound only has to tell detection from none (the waits end at pairWait).
+	DeadlockBound time.Duration
 }
 
 // via says how a worker reaches the server.
@@ -507,6 +511,7 @@ func (c *campaign) stopAll() {
 	for _, s := range c.slots {
 		for _, p := range s.proxies {
 			p.Blackhole(false)
+			p.Partition(false)
 			p.Latency(0)
 			p.AnswerLatency(0)
 		}

@@ -260,6 +260,14 @@ func TestCheckerQueue(t *testing.T) {
 			Evidence{Kind: "slow_link", At: at(100), Until: at(2000), Worker: 0}), map[string]int{VFailedWait: 1}},
 		{"a wait with no deadline that failed with nothing near it", queueHistory(
 			queueSpec{"w", 0, "s", [2]int{0, 1500}, "error", [2]int{}}), map[string]int{VFailedWait: 1}},
+		{"a wait that found its Locker closed long after the close began", evidence(queueHistory(
+			queueSpec{"w", 0, "s", [2]int{6000, 6000}, "closed", [2]int{}}),
+			Evidence{Kind: "close_locker", At: at(0), Worker: 0}), map[string]int{}},
+		{"a wait that found its Locker closed with no close", queueHistory(
+			queueSpec{"w", 0, "s", [2]int{6000, 6000}, "closed", [2]int{}}), map[string]int{VFailedWait: 1}},
+		{"a close of another worker's Locker excuses nothing", evidence(queueHistory(
+			queueSpec{"w", 0, "s", [2]int{6000, 6000}, "closed", [2]int{}}),
+			Evidence{Kind: "close_locker", At: at(0), Worker: 1}), map[string]int{VFailedWait: 1}},
 		{"a wait that failed as its worker was cut off", evidence(queueHistory(
 			queueSpec{"w", 0, "x", [2]int{0, 1500}, "error", [2]int{}}),
 			Evidence{Kind: "cut", At: at(1400), Worker: 0}), map[string]int{}},

@@ -195,7 +195,8 @@ func (h *History) deadlocks() []Violation {
 			switch {
 			case e.Kind == "restart_fast" || e.Kind == "restart_immediate" || e.Kind == "failover":
 				efrom = efrom.Add(-time.Second)
-			case e.Kind == "cut" || e.Kind == "blackhole" || e.Kind == "latency" || e.Kind == "slow_link" || e.Kind == "sigstop":
+			case e.Kind == "cut" || e.Kind == "blackhole" || e.Kind == "partition" || e.Kind == "latency" || e.Kind == "slow_link" ||
+				e.Kind == "sigstop":
 				if !slices.Contains(ws, e.Worker) {
 					continue
 				}
@@ -295,12 +296,13 @@ func describe(c *Cycle) string {
 	return strings.Join(parts, " ")
 }
 
-// strandedNear reports whether a worker other than w was behind a blackhole or a slow link, or stopped (SIGSTOP),
+// strandedNear reports whether a worker other than w was behind a blackhole, a partition or a slow link, or stopped (SIGSTOP),
 // between from and to: its sessions stay in the server, holding and waiting, whatever its client has given up
 // since (through a slow link, the news reaches the server a round trip late).
 func (h *History) strandedNear(w int, from, to time.Time) bool {
 	for _, e := range h.Evidence {
-		if (e.Kind != "blackhole" && e.Kind != "slow_link" && e.Kind != "sigstop") || e.Worker == w || e.Worker == -1 {
+		if (e.Kind != "blackhole" && e.Kind != "partition" && e.Kind != "slow_link" && e.Kind != "sigstop") || e.Worker == w ||
+			e.Worker == -1 {
 			continue
 		}
 		eto := e.At

@@ -18,7 +18,7 @@ import (
 
 // Fault kinds the injector draws from; "cancel" (a ctx cancelled at a random moment of a wait) is fired by the
 // workers themselves and counted with them, and "failover" is drawn only in a failover campaign.
-var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackhole", "latency", "slow_link", "sigstop",
+var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackhole", "partition", "latency", "slow_link", "sigstop",
 	"sigkill", "restart_fast", "restart_immediate", "close_locker"}
 
 // fault is one injected fault: when, what, and which worker it aimed at (-1: all of them).
@@ -108,7 +108,7 @@ func (c *campaign) inject(ctx context.Context) {
 			if !c.injectLease(ctx, kind, f, rng, now, proxied) {
 				deck = append(deck, kind) // nothing to aim at now: later in this round of the deck
 			}
-		case "cut", "blackhole", "latency", "slow_link":
+		case "cut", "blackhole", "partition", "latency", "slow_link":
 			if len(proxied) == 0 {
 				continue
 			}
@@ -131,6 +131,38 @@ func (c *campaign) inject(ctx context.Context) {
 				sleepCtx(ctx, long)
 				for _, p := range s.proxies {
 					p.Blackhole(false)
+				}
+				f.Until = time.Now()
+				c.record(f)
+			case "partition":
+				// A partition as TCP lives through it: what the worker sends meanwhile (a renewal, an unlock, the
+				// statements of a call that gave up, the close of a connection it gave up) reaches the server when
+				// it ends, late, and the answers reach a worker that went on. With leases, past a lease length: the
+				// holder stops trusting its lease, another may take the key over, and then the held requests come.
+				// Half of a lease campaign's partitions cut every worker behind a proxy off at once: nobody takes a
+				// key over meanwhile, so the held renewals arrive after their holders stopped trusting their leases
+				// with the rows still there (what a renewal without its latest moment revives).
+				d, cut := long, []*slot{s}
+				if c.opt.Leases {
+					d = c.opt.LeaseLength + time.Duration(500+rng.IntN(1000))*time.Millisecond
+					if rng.IntN(2) == 0 {
+						cut, f.Worker, f.Held = proxied, -1, 0
+						for _, t := range proxied {
+							f.Held += heldIn(now, t.cfg.Name)
+						}
+					}
+				}
+				for _, t := range cut {
+					for _, p := range t.proxies {
+						p.Partition(true)
+					}
+				}
+				f.Detail = fmt.Sprintf("%v, %d worker(s), holding %d", d, len(cut), f.Held)
+				sleepCtx(ctx, d)
+				for _, t := range cut {
+					for _, p := range t.proxies {
+						p.Partition(false)
+					}
 				}
 				f.Until = time.Now()
 				c.record(f)

@@ -55,7 +55,7 @@ type Evidence struct {
 // ends reports whether e ends sessions (rather than only slowing or stopping a client).
 func (e Evidence) ends() bool {
 	switch e.Kind {
-	case "sigstop", "blackhole", "latency", "slow_link", "break_lease", "slow_then_silent", "break_in_flight",
+	case "sigstop", "blackhole", "partition", "latency", "slow_link", "break_lease", "slow_then_silent", "break_in_flight",
 		"late_answers", "clock_step", "pgbouncer_stall", "pause_edge", "cut_edge":
 		return false
 	}

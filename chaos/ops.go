@@ -99,8 +99,13 @@ func (w *worker) step(stop context.Context, rng *rand.Rand) {
 		err = w.lead(stop, l, rng)
 	}
 	w.emit(event{T: "op", Op: op, Result: classify(err), Err: errString(err), Start: start.UnixNano(), End: time.Now().UnixNano()})
-	if err != nil && !errors.Is(err, advlock.ErrNotAcquired) {
+	switch {
+	case err != nil && !errors.Is(err, advlock.ErrNotAcquired):
 		sleepRand(rng, 5*time.Millisecond, 50*time.Millisecond)
+	case err != nil && time.Since(start) < time.Millisecond:
+		// Refused in the process (another goroutine of this Locker holds the key): without a pause the goroutine
+		// would spin, millions of operations a campaign when holds are few.
+		sleepRand(rng, time.Millisecond, 5*time.Millisecond)
 	}
 }
 

@@ -96,7 +96,8 @@ func (h *History) queue() []Violation {
 			if w.End.IsZero() {
 				continue // its worker was killed: nothing says when it ended
 			}
-			if w.Result != "ok" && w.Result != "not_acquired" && !h.cutOff(w.Worker, w.Start.Add(-leakBoundFault), w.End) {
+			if w.Result != "ok" && w.Result != "not_acquired" && !h.cutOff(w.Worker, w.Start.Add(-leakBoundFault), w.End) &&
+				!(w.Result == "closed" && h.lockerClosed(w.Worker, w.End)) {
 				add(VFailedWait, "key %s: %s %s (worker %d, mode %s, no deadline, Wait(%v)) failed after %v with no fault that ends sessions near it: %s: %s",
 					key, w.Op, w.ID, w.Worker, w.Mode, queueWait, w.End.Sub(w.Start).Round(time.Millisecond), w.Result, w.Err)
 			}
@@ -194,6 +195,18 @@ func (h *History) cutOff(worker int, from, to time.Time) bool {
 		}
 	}
 	return h.paused(worker, from, to)
+}
+
+// lockerClosed reports whether worker's Locker was closed (close_locker) before at: until its new Locker is open,
+// which takes as long as the old one's Close (its releases, bounded by their timeout, on a loaded machine past
+// leakBoundFault once), its calls fail with ErrClosed at once. Only that Close gives them ErrClosed.
+func (h *History) lockerClosed(worker int, at time.Time) bool {
+	for _, e := range h.Evidence {
+		if e.Kind == "close_locker" && e.Worker == worker && !e.At.After(at) {
+			return true
+		}
+	}
+	return false
 }
 
 func maxTime(a, b time.Time) time.Time {

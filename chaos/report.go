@@ -115,7 +115,7 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
 		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
-		Waits: c.waits, DeadlockBound: DeadlockBound, StarveBound: StarveBound, Unreachable: c.unreachable,
+		Waits: c.waits, DeadlockBound: cmp.Or(c.opt.DeadlockBound, DeadlockBound), StarveBound: StarveBound, Unreachable: c.unreachable,
 		SemN: semN, RunEnd: c.runEnd,
 		AppName: func(w int) string { return fmt.Sprintf("chaos-w%d", w) },
 		WorkerOf: func(app string) (int, bool) {

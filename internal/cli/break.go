@@ -67,10 +67,10 @@ holder or delete a lease; 69 database unreachable; 2 usage error.
 	if !*yes {
 		var what []string
 		if n := len(holders) - leases(holders); n > 0 {
-			what = append(what, fmt.Sprintf("terminate %d backend(s)", n))
+			what = append(what, countOf(n, "terminate %d backend", "terminate %d backends"))
 		}
 		if n := leases(holders); n > 0 {
-			what = append(what, fmt.Sprintf("delete %d lease(s)", n))
+			what = append(what, countOf(n, "delete %d lease", "delete %d leases"))
 		}
 		fmt.Fprintf(std.Out, "%s? [y/N] ", strings.Join(what, " and "))
 		line, err := bufio.NewReader(std.In).ReadString('\n')

@@ -418,3 +418,11 @@ func connect(ctx context.Context, conn, app string) (*pgx.Conn, error) {
 	}
 	return pgx.ConnectConfig(ctx, cfg)
 }
+
+// countOf formats n with one when it is 1, else with many: countOf(n, "%d lease", "%d leases").
+func countOf(n int, one, many string) string {
+	if n == 1 {
+		return fmt.Sprintf(one, n)
+	}
+	return fmt.Sprintf(many, n)
+}

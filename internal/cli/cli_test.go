@@ -442,7 +442,7 @@ func TestDemo(t *testing.T) {
 	if code := p.wait(t, 60*time.Second); code != 0 {
 		t.Fatalf("demo: exit %d\n%s\n%s", code, p.out.String(), p.err.String())
 	}
-	for _, want := range []string{"TWO HOLDERS AT ONCE", "not acquired", "at most 1 holder(s)", "advlock demo worker",
+	for _, want := range []string{"TWO HOLDERS AT ONCE", "not acquired", "at most 1 holder of any job", "advlock demo worker",
 		"holder told after", "waiter granted"} {
 		if !strings.Contains(p.out.String(), want) {
 			t.Errorf("demo output lacks %q:\n%s", want, p.out.String())

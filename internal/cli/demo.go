@@ -236,7 +236,7 @@ func (d *demo) workers(ctx context.Context) error {
 			return fmt.Errorf("worker: %w", err)
 		}
 	}
-	d.say("   pg_locks sampled %d times: at most %d holder(s) of any job at once", samples, maxHolders)
+	d.say("   pg_locks sampled %d times: at most %s of any job at once", samples, countOf(maxHolders, "%d holder", "%d holders"))
 	if maxHolders > 1 {
 		return errors.New("two holders of one job")
 	}

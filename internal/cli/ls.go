@@ -19,6 +19,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/session"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -421,6 +422,7 @@ func (l *lister) read(ctx context.Context, keyText *string) ([]advlock.LockInfo,
 			rows[i].Key = k
 		}
 	}
+	l.nameLeaders(ctx, rows)
 	var use *advlock.LockTableUse
 	if u, uerr := advlock.LockTable(ctx, l.c); uerr == nil {
 		use = &u
@@ -440,6 +442,49 @@ func (l *lister) read(ctx context.Context, keyText *string) ([]advlock.LockInfo,
 		}
 	}
 	return out, use, key, nil
+}
+
+// nameLeaders shows the keys Lead campaigns for by their names, which Lead writes to the names table: each row
+// whose key is still a number and a name there hashes to, if that name is printable. A missing table, or one this
+// role may not read, names nothing.
+func (l *lister) nameLeaders(ctx context.Context, rows []advlock.LockInfo) {
+	var keys []int64
+	for _, r := range rows {
+		if v, ok := r.Key.Int64(); ok && r.Key.String() == advlock.Int64Key(v).String() { // a plain number
+			keys = append(keys, v)
+		}
+	}
+	if len(keys) == 0 {
+		return
+	}
+	var exists bool
+	if err := l.c.QueryRow(ctx, "SELECT to_regclass('"+session.NamesTable+"') IS NOT NULL").Scan(&exists); err != nil || !exists {
+		return
+	}
+	res, err := l.c.Query(ctx, "SELECT key, name FROM "+session.NamesTable+" WHERE key = ANY($1)", keys)
+	if err != nil {
+		return
+	}
+	names := map[int64]advlock.Key{}
+	for res.Next() {
+		var v int64
+		var name string
+		// Only a name that hashes to its key, and only printable text: a row anyone may write must not put
+		// control characters or escape sequences in an operator's terminal.
+		if res.Scan(&v, &name) == nil && strings.IndexFunc(name, func(r rune) bool { return !unicode.IsPrint(r) }) < 0 {
+			if k := advlock.NameKey(name); k.Equal(advlock.Int64Key(v)) {
+				names[v] = k
+			}
+		}
+	}
+	res.Close()
+	for i, r := range rows {
+		if v, ok := r.Key.Int64(); ok && r.Key.String() == advlock.Int64Key(v).String() {
+			if k, ok := names[v]; ok {
+				rows[i].Key = k
+			}
+		}
+	}
 }
 
 // printTable writes rows as an aligned table for people; now dates the WAITING column.

@@ -56,6 +56,9 @@ type Options struct {
 	LeasePoll   time.Duration
 	// LeaseHolder is added to the host and pid a lease names as its holder (WithLeaseHolder).
 	LeaseHolder string
+	// AppName is the application_name the connection string gave (none: ""), added to a lease's holder before
+	// LeaseHolder.
+	AppName string
 	// OnClose, when set, runs once when the Locker is closed, after everything else (advsql.Open closes its
 	// *sql.DB).
 	OnClose func()

@@ -34,6 +34,10 @@ type Client struct {
 	bgConns chan struct{}  // a token for each connection the retire jobs hold (bgConns at most)
 	bgCtx   context.Context
 	bgStop  context.CancelFunc
+
+	sweeping  bool               // the sweep has started (sweep.go)
+	sweepStop context.CancelFunc // stops it (Close)
+	sweepDone chan struct{}      // closed when it has returned
 }
 
 // NewClient makes the Client of a Locker's leases.
@@ -50,8 +54,8 @@ func (c *Client) Config() Config { return c.cfg }
 // CloseGrace is how long Close lets the retire jobs make their last attempt.
 const CloseGrace = time.Second
 
-// Close has each retire job make one last attempt at once, stops them after CloseGrace (a statement of theirs on
-// the wire is cut), and waits for them. What they had not deleted is taken over by another Locker once it has
+// Close stops the sweep (a statement of its on the wire is cut), has each retire job make one last attempt at once,
+// stops them after CloseGrace (a statement of theirs on the wire is cut), and waits for them. What they had not deleted is taken over by another Locker once it has
 // seen it unchanged for a lease length.
 func (c *Client) Close() {
 	c.mu.Lock()
@@ -59,7 +63,14 @@ func (c *Client) Close() {
 		c.closed = true
 		close(c.closing)
 	}
+	sweepDone := c.sweepDone
+	if c.sweepStop != nil {
+		c.sweepStop() // a statement of its on the wire is cut
+	}
 	c.mu.Unlock()
+	if sweepDone != nil {
+		<-sweepDone
+	}
 	done := make(chan struct{})
 	go func() { c.bg.Wait(); close(done) }()
 	t := time.NewTimer(CloseGrace)

@@ -42,6 +42,7 @@ type Config struct {
 	Poll   time.Duration // how often a waiting Lock tries again (with jitter)
 	Bound  time.Duration // how long one statement may go unanswered (a grant also no longer than Length-Margin)
 	Holder string        // who holds, for people (advlock ls)
+	Sweep  time.Duration // how often the Client deletes what dead holders and waiters left (sweep.go); 0: never
 }
 
 // Defaults: a 15 s lease renewed every 5 s, so that two renewals in a row may fail (a database restarting, a
@@ -49,7 +50,7 @@ type Config struct {
 // free again about 15 s after its last renewal; waits try about 5 times a second.
 func Defaults() Config {
 	return Config{Length: 15 * time.Second, Renew: 5 * time.Second, Margin: time.Second, Poll: 200 * time.Millisecond,
-		Bound: 5 * time.Second}
+		Bound: 5 * time.Second, Sweep: 5 * time.Second}
 }
 
 // Lease is one held lease.
@@ -410,6 +411,7 @@ func (c *Client) Ensure(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	c.startSweep()
 	for _, m := range []struct {
 		name      string
 		old, mutd string

@@ -74,13 +74,18 @@ const (
 	// LeaseRenewNoDeadline: a lease's renewal carries no latest moment at which it may still renew, so a renewal
 	// held back on its way (a stopped pooler) renews a lease its holder has stopped trusting.
 	LeaseRenewNoDeadline = "lease_renew_no_deadline"
+	// LeaseSweepServerExpiry: the sweep deletes a lease once its expiry has passed on the server's clock, not once
+	// it has seen its record unchanged for the holder's lease length on its own clock: a server clock that steps
+	// forward deletes every lease while its holder still trusts it, and frees its key.
+	LeaseSweepServerExpiry = "lease_sweep_server_expiry"
 )
 
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
 	TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed, LeaseTermReused, LeaseTrustFromReply,
-	LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline, LeaseUndoOnce, LeaseRenewNoDeadline}
+	LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline, LeaseUndoOnce, LeaseRenewNoDeadline,
+	LeaseSweepServerExpiry}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

@@ -42,6 +42,16 @@ func (s *suite) waitOrder(t *testing.T) {
 	t.Run("reader in its turn", s.readerInTurn)
 }
 
+// plain is a plain connection for PostgreSQL's own queue: to the server, or through the pooler in front of it
+// (in session mode, a server session of its own too), where the pooler keeps the server connections that the
+// Lockers before it used: the server's connections are shared by every test package at once.
+func (s *suite) plain(t *testing.T) *pgx.Conn {
+	if s.be.Pooled {
+		return pgtest.Conn(t, s.be.URL)
+	}
+	return s.observer(t)
+}
+
 // waitsFor polls Inspect until it lists n waits for k (a wait in its key's line is listed as a wait for the key),
 // and fails the test after 10 s.
 func waitsFor(t *testing.T, obs *pgx.Conn, k advlock.Key, n int) {
@@ -130,10 +140,15 @@ func (s *suite) arrivalOrder(t *testing.T) {
 	}
 }
 
-// turns is what one run of writers taking one key in turn measured: each writer's grants, and the longest wait
-// (each writer's first wait, behind the start, is not counted).
+// turns is what one run of writers taking one key in turn measured: each writer's grants, and its longest wait
+// counted in the grants to others made while it waited (passed) and in time (each writer's first wait, behind the
+// start, is not counted). In a queue served in order a wait is passed by the writers that came before it, at most
+// n-1; a wait sent to the back at each slice's end is passed by them again and again. The count is the measure
+// judged: it does not grow when a loaded machine makes every handoff slower, as the time does (which the bench
+// reports side by side with PostgreSQL's queue).
 type turns struct {
 	grants  []int
+	passed  int64
 	longest time.Duration
 }
 
@@ -150,6 +165,7 @@ func takeTurns(t *testing.T, n int, hold time.Duration, lock func(i int) (func()
 	var total atomic.Int64
 	target := int64(orderTurns * n)
 	grants := make([]int, n)
+	passed := make([]int64, n)
 	longest := make([]time.Duration, n)
 	var wg sync.WaitGroup
 	for i := range n {
@@ -157,7 +173,7 @@ func takeTurns(t *testing.T, n int, hold time.Duration, lock func(i int) (func()
 		go func() {
 			defer wg.Done()
 			for first := true; ; first = false {
-				began := time.Now()
+				began, before := time.Now(), total.Load()
 				unlock, err := lock(i)
 				if err != nil {
 					t.Errorf("writer %d: %v", i, err)
@@ -168,6 +184,7 @@ func takeTurns(t *testing.T, n int, hold time.Duration, lock func(i int) (func()
 				if g <= target {
 					grants[i]++
 					if !first {
+						passed[i] = max(passed[i], g-1-before)
 						longest[i] = max(longest[i], waited)
 					}
 				}
@@ -187,7 +204,7 @@ func takeTurns(t *testing.T, n int, hold time.Duration, lock func(i int) (func()
 		t.Fatal(err)
 	}
 	wg.Wait()
-	return turns{grants: grants, longest: slices.Max(longest)}
+	return turns{grants: grants, passed: slices.Max(passed), longest: slices.Max(longest)}
 }
 
 // rawTurns runs takeTurns on plain connections to the server: PostgreSQL's own queue.
@@ -196,7 +213,7 @@ func (s *suite) rawTurns(t *testing.T, n int, hold time.Duration) turns {
 	v, _ := Key(t).Int64()
 	conns := make([]*pgx.Conn, n+1)
 	for i := range conns {
-		conns[i] = s.observer(t)
+		conns[i] = s.plain(t)
 	}
 	ctx := ctxT(t, 60*time.Second)
 	lock := func(c *pgx.Conn, sql string) (func() error, error) {
@@ -243,8 +260,8 @@ func awaitCount(t *testing.T, obs *pgx.Conn, v int64, n int) {
 }
 
 // writersFair: n writers (each its own Locker) taking one key in turn are granted about as often as each other
-// (max/min <= 1.2) and none waits more than 1.5 times the longest wait of PostgreSQL's own queue under the same
-// load, measured side by side.
+// (max/min <= 1.2) and none waits longer than 1.5 times the longest wait of PostgreSQL's own queue under the same
+// load, measured side by side in grants to others made during the wait.
 func (s *suite) writersFair(t *testing.T, n int) {
 	var got, raw turns
 	// Each in a test of its own, whose connections close as it ends: both at once would take 3n of them.
@@ -285,23 +302,32 @@ func (s *suite) advlockTurns(t *testing.T, n int) turns {
 }
 
 func (s *suite) reportTurns(t *testing.T, n int, got, raw turns) {
-	t.Logf("%d writers x %v: grants %v (max/min %.2f), longest wait %v; PostgreSQL's queue: %v (%.2f), %v",
-		n, orderHold, got.grants, got.spread(), got.longest.Round(time.Millisecond), raw.grants, raw.spread(), raw.longest.Round(time.Millisecond))
+	t.Logf("%d writers x %v: grants %v (max/min %.2f), longest wait passed by %d grants, %v; PostgreSQL's queue: %v (%.2f), %d, %v",
+		n, orderHold, got.grants, got.spread(), got.passed, got.longest.Round(time.Millisecond),
+		raw.grants, raw.spread(), raw.passed, raw.longest.Round(time.Millisecond))
 	if got.spread() > 1.2 {
 		t.Errorf("grants per writer %v: max/min %.2f, want <= 1.2 (PostgreSQL's queue: %.2f)", got.grants, got.spread(), raw.spread())
 	}
-	if got.longest > raw.longest*3/2 {
-		t.Errorf("longest wait %v, want <= 1.5 x PostgreSQL's queue's %v", got.longest, raw.longest)
+	// PostgreSQL's queue passes a wait by at most the n-1 others; its count is taken as at least that, so that a
+	// run in which some writer was slow to queue again does not lower the bound.
+	if bound := max(raw.passed, int64(n-1)) * 3 / 2; got.passed > bound {
+		t.Errorf("a wait was passed by %d grants to others, want <= %d (1.5 x PostgreSQL's queue's %d, or of n-1)", got.passed, bound, raw.passed)
 	}
 }
 
 // readerInTurn: a reader that comes while 4 writers (each its own Locker) take the key in turn, each holding it
-// for 100 ms (together 1.3 slices a round), is granted once the writers that came before it were: within
-// twice what PostgreSQL's own queue takes under the same load (the longest of three readers each), not never.
+// for 100 ms (together 1.3 slices a round), is granted once the writers that came before it were: passed by no
+// more than twice the writers' grants that PostgreSQL's own queue lets pass it under the same load (the most of
+// three readers each, and at least a round of the writers), not never. The times are logged beside the counts.
 func (s *suite) readerInTurn(t *testing.T) {
 	const writers, hold, readers = 4, 100 * time.Millisecond, 3 // a round of the writers: 1.3 slices
-	measure := func(lock func(i int) (func() error, error), rlock func() (func() error, error)) time.Duration {
+	type result struct {
+		passed  int64 // the most writers' grants made while a reader waited
+		longest time.Duration
+	}
+	measure := func(lock func(i int) (func() error, error), rlock func() (func() error, error)) (r result) {
 		var stop atomic.Bool
+		var granted atomic.Int64
 		var wg sync.WaitGroup
 		for i := range writers {
 			wg.Add(1)
@@ -313,6 +339,7 @@ func (s *suite) readerInTurn(t *testing.T) {
 						t.Errorf("writer %d: %v", i, err)
 						return
 					}
+					granted.Add(1)
 					time.Sleep(hold)
 					if err := unlock(); err != nil {
 						t.Errorf("writer %d: unlock: %v", i, err)
@@ -323,21 +350,21 @@ func (s *suite) readerInTurn(t *testing.T) {
 		}
 		defer wg.Wait()
 		defer stop.Store(true)
-		var longest time.Duration
 		for range readers {
 			time.Sleep(2 * writers * hold) // the writers' line has formed, and its waits have crossed slices
-			began := time.Now()
+			began, before := time.Now(), granted.Load()
 			unlock, err := rlock()
 			if err != nil {
 				t.Errorf("reader: %v", err)
-				return 0
+				return r
 			}
-			longest = max(longest, time.Since(began))
+			r.longest = max(r.longest, time.Since(began))
+			r.passed = max(r.passed, granted.Load()-before)
 			if err := unlock(); err != nil {
 				t.Error(err)
 			}
 		}
-		return longest
+		return r
 	}
 	ctx := ctxT(t, 90*time.Second)
 	k := Key(t)
@@ -362,7 +389,7 @@ func (s *suite) readerInTurn(t *testing.T) {
 	v, _ := Key(t).Int64()
 	conns := make([]*pgx.Conn, writers+1)
 	for i := range conns {
-		conns[i] = s.observer(t)
+		conns[i] = s.plain(t)
 	}
 	raw := func(c *pgx.Conn, fn string) (func() error, error) {
 		if _, err := c.Exec(ctx, "SELECT "+fn+"($1)", v); err != nil {
@@ -372,10 +399,10 @@ func (s *suite) readerInTurn(t *testing.T) {
 	}
 	ref := measure(func(i int) (func() error, error) { return raw(conns[i], "pg_advisory_lock") },
 		func() (func() error, error) { return raw(conns[writers], "pg_advisory_lock_shared") })
-	t.Logf("a reader behind %d writers x %v: granted within %v; PostgreSQL's queue: %v", writers, hold,
-		got.Round(time.Millisecond), ref.Round(time.Millisecond))
-	if bound := 2 * max(ref, writers*hold); got > bound {
-		t.Errorf("a reader behind %d writers x %v waited %v, want <= %v (twice PostgreSQL's queue's %v, or of the writers' round)",
-			writers, hold, got, bound, ref)
+	t.Logf("a reader behind %d writers x %v: passed by %d writers' grants, granted within %v; PostgreSQL's queue: %d, %v",
+		writers, hold, got.passed, got.longest.Round(time.Millisecond), ref.passed, ref.longest.Round(time.Millisecond))
+	if bound := 2 * max(ref.passed, writers); got.passed > bound {
+		t.Errorf("a reader behind %d writers x %v was passed by %d writers' grants, want <= %d (twice PostgreSQL's queue's %d, or of the writers' round)",
+			writers, hold, got.passed, bound, ref.passed)
 	}
 }

@@ -1,6 +1,7 @@
 // Package faults is a small TCP proxy for injecting network faults between a client and PostgreSQL in tests: cut
-// every connection, refuse new ones (as a server that is down), blackhole traffic (bytes vanish, sockets stay
-// open, as when a network silently drops), or add latency, to every chunk or to each new connection's setup.
+// every connection, refuse new ones (as a server that is down), partition (bytes held back and delivered when it
+// ends, as TCP retransmits them when a network heals), blackhole traffic (bytes vanish, sockets stay open), or add
+// latency, to every chunk or to each new connection's setup.
 package faults
 
 import (
@@ -16,6 +17,9 @@ type Proxy struct {
 	ln        net.Listener
 	target    string
 	blackhole atomic.Bool
+	partition atomic.Bool
+	healed    chan struct{} // closed as a partition ends; replaced as one begins (under mu)
+	holding   atomic.Int64  // pipes holding what they read for a partition's end, or writing it since
 	refuse    atomic.Bool
 	latency   atomic.Int64 // nanoseconds added before each forwarded chunk
 	answers   atomic.Int64 // nanoseconds added before each chunk from the server (AnswerLatency)
@@ -46,7 +50,8 @@ func New(target string) (*Proxy, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Proxy{ln: ln, target: target, links: map[net.Conn]net.Conn{}}
+	p := &Proxy{ln: ln, target: target, links: map[net.Conn]net.Conn{}, healed: make(chan struct{})}
+	close(p.healed)
 	p.wg.Add(1)
 	go p.accept()
 	return p, nil
@@ -97,6 +102,8 @@ func (p *Proxy) pipe(from, to net.Conn, first time.Duration, extra *atomic.Int64
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := from.Read(buf)
+		p.holding.Add(1)
+		p.held() // what was read, or the peer's close, passes once a partition ends
 		if n > 0 && !p.blackhole.Load() {
 			d := time.Duration(p.latency.Load()) + first
 			if extra != nil {
@@ -104,15 +111,18 @@ func (p *Proxy) pipe(from, to net.Conn, first time.Duration, extra *atomic.Int64
 			}
 			if d > 0 {
 				time.Sleep(d)
+				p.held() // a partition that began during the delay holds the chunk too
 			}
 			first = 0
 			if p.blackhole.Load() {
+				p.holding.Add(-1)
 				continue
 			}
 			if _, werr := to.Write(buf[:n]); werr != nil {
 				err = werr
 			}
 		}
+		p.holding.Add(-1)
 		if err != nil {
 			from.Close()
 			if p.blackhole.Load() { // a blackhole swallows the close too, until it ends (see Blackhole)
@@ -125,6 +135,37 @@ func (p *Proxy) pipe(from, to net.Conn, first time.Duration, extra *atomic.Int64
 			return
 		}
 	}
+}
+
+// held returns once no partition is on (or the proxy is closed). While one is, the pipe holds the chunk it read
+// and reads no more, so that the sender's socket buffers fill as they do when packets go unacknowledged.
+func (p *Proxy) held() {
+	for p.partition.Load() {
+		p.mu.Lock()
+		healed := p.healed
+		p.mu.Unlock()
+		<-healed
+	}
+}
+
+// Partition holds every byte in both directions, on current and new connections, while on, and delivers them in
+// order when it goes off, with any close that came meanwhile: a network partition as TCP lives through it (the
+// sender retransmits until the network heals). Requests sent during it reach the server late, perhaps after their
+// sender gave up; answers reach a client that may have gone on. New connections are accepted and wait. Close ends
+// a partition.
+func (p *Proxy) Partition(on bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if on == p.partition.Load() || on && p.closed {
+		return
+	}
+	if on {
+		p.healed = make(chan struct{})
+		p.partition.Store(true)
+		return
+	}
+	p.partition.Store(false)
+	close(p.healed)
 }
 
 // Cut closes every current connection on both sides, as a network reset would.
@@ -157,6 +198,25 @@ func (p *Proxy) Blackhole(on bool) {
 	}
 }
 
+// EndBlackholeReset ends a blackhole and closes every connection that lived through it, at once: what it threw
+// away cannot be sent again, as a network that lost a connection's bytes ends it. A connection made afterwards
+// passes.
+func (p *Proxy) EndBlackholeReset() {
+	p.mu.Lock()
+	p.blackhole.Store(false)
+	for c, s := range p.links {
+		c.Close()
+		s.Close()
+		delete(p.links, c)
+	}
+	swallowed := p.swallow
+	p.swallow = nil
+	p.mu.Unlock()
+	for _, c := range swallowed {
+		c.Close()
+	}
+}
+
 // Refuse makes the proxy close every new connection at once, before it reaches the server, while on: a client
 // sees its connection closed before the server's first answer, as from a server that is down or restarting.
 // Connections already open are left alone (Cut ends them).
@@ -176,13 +236,19 @@ func (p *Proxy) SetupLatency(d time.Duration) { p.setup.Store(int64(d)) }
 // Dials is how many connections the proxy has accepted.
 func (p *Proxy) Dials() int { return int(p.dials.Load()) }
 
-// Close stops the proxy and closes every connection.
+// Close stops the proxy and closes every connection. A partition on ends first, and what it held is delivered
+// (for up to a second) before the connections close, as a network that heals delivers what was sent.
 func (p *Proxy) Close() {
+	p.Partition(false)
+	for deadline := time.Now().Add(time.Second); p.holding.Load() > 0 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
 	p.mu.Lock()
 	p.closed = true
 	p.mu.Unlock()
 	p.ln.Close()
 	p.Cut()
 	p.Blackhole(false)
+	p.Partition(false)
 	p.wg.Wait()
 }

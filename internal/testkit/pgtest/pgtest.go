@@ -302,10 +302,15 @@ func FreshDB(tb testing.TB, url string) string {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		// DROP DATABASE waits for an immediate checkpoint, which on a machine busy writing (every test package at
+		// once, the chaos campaigns' servers) took more than 30 s once.
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
+		start := time.Now()
 		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
-			tb.Errorf("drop %s: %v", name, err)
+			tb.Errorf("drop %s: %v (after %v)", name, err, time.Since(start).Round(time.Millisecond))
+		} else if took := time.Since(start); took > 10*time.Second {
+			tb.Logf("drop %s took %v", name, took.Round(time.Millisecond))
 		}
 	})
 	u.Path = "/" + name

@@ -1,0 +1,141 @@
+package advlock
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/lease"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+)
+
+// sweepHolderEnv makes the test binary a process that holds leases and waits for others (sweepHolder), to be
+// SIGKILLed by TestLeaseSweep: "URL BASE N WAITBASE M".
+const sweepHolderEnv = "ADVLOCK_TEST_SWEEP_HOLDER"
+
+// sweepHolder takes N leases of keys BASE.., waits for M keys WAITBASE.. (held by its parent), says "ready" once
+// its waits are queued, and then does nothing until it is killed.
+func sweepHolder(spec string) {
+	f := strings.Fields(spec)
+	base, _ := strconv.ParseInt(f[1], 10, 64)
+	n, _ := strconv.Atoi(f[2])
+	wbase, _ := strconv.ParseInt(f[3], 10, 64)
+	m, _ := strconv.Atoi(f[4])
+	ctx := context.Background()
+	l, err := Open(ctx, f[0], WithLeases(), WithLeaseLength(1500*time.Millisecond), WithLeaseHolder("sweep-holder"))
+	if err != nil {
+		fmt.Println("open:", err)
+		os.Exit(1)
+	}
+	for i := range n {
+		if _, err := l.TryLock(ctx, Int64Key(base+int64(i))); err != nil {
+			fmt.Println("trylock:", err)
+			os.Exit(1)
+		}
+	}
+	for i := range m {
+		go func() { _, _ = l.Lock(ctx, Int64Key(wbase+int64(i))) }()
+	}
+	fmt.Println("ready")
+	select {}
+}
+
+// The rows dead holders and dead waiters leave are deleted, and nothing else: a process holding 20 leases (of
+// 1.5 s) and waiting for 5 keys is SIGKILLed; the sweep of a Locker that holds those 5 keys deletes its 20 leases
+// and its 5 waits, while the Locker's own 5 leases stay held, renewed, their rows and terms unchanged. The server
+// says so (the tables), not the Lockers.
+func TestLeaseSweep(t *testing.T) {
+	t.Parallel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 2*time.Minute)
+	const length = 1500 * time.Millisecond
+	l := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length))
+	defer l.Close()
+	base := int64(time.Now().UnixNano() & (1<<40 - 1))
+	const n, m = 20, 5
+	wbase := base + 1000
+	var mine []*Lock
+	terms := map[int64]int64{}
+	for i := range m {
+		lk, err := l.TryLock(ctx, Int64Key(wbase+int64(i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		mine = append(mine, lk)
+		terms[wbase+int64(i)] = lk.Token()
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %d %d %d %d", sweepHolderEnv, url, base, n, wbase, m))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "ready\n" {
+		t.Fatalf("the holder said %q (%v)", line, err)
+	}
+	held := func() (leases, waits int) {
+		t.Helper()
+		if err := obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+lease.Table+" WHERE holder LIKE '%sweep-holder'), "+
+			"(SELECT count(*) FROM "+lease.Waits+" WHERE holder LIKE '%sweep-holder')").Scan(&leases, &waits); err != nil {
+			t.Fatal(err)
+		}
+		return leases, waits
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if a, b := held(); a == n && b == m {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("the holder's rows: %d leases, %d waits; want %d and %d", a, b, n, m)
+		}
+	}
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = cmd.Wait()
+	killed := time.Now()
+	var leasesGone, waitsGone time.Duration
+	for deadline := killed.Add(60 * time.Second); leasesGone == 0 || waitsGone == 0; time.Sleep(50 * time.Millisecond) {
+		a, b := held()
+		if a == 0 && leasesGone == 0 {
+			leasesGone = time.Since(killed)
+		}
+		if b == 0 && waitsGone == 0 {
+			waitsGone = time.Since(killed)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("60 s after the holder's SIGKILL: %d of its leases and %d of its waits left", a, b)
+		}
+	}
+	t.Logf("after the SIGKILL, the dead holder's %d leases were gone in %v, its %d waits in %v (lease length %v)",
+		n, leasesGone.Round(10*time.Millisecond), m, waitsGone.Round(10*time.Millisecond), length)
+	for _, lk := range mine {
+		v, _ := lk.Key().Int64()
+		if err := lk.Err(); err != nil {
+			t.Errorf("a live lease of %d ended: %v", v, err)
+		}
+		var term int64
+		if err := obs.QueryRow(ctx, "SELECT term FROM "+lease.Table+" WHERE space = 1 AND key = $1", v).Scan(&term); err != nil || term != terms[v] {
+			t.Errorf("a live lease's row of %d: term %d (%v), want %d", v, term, err, terms[v])
+		}
+	}
+	for _, lk := range mine {
+		if err := lk.Unlock(ctx); err != nil {
+			t.Error(err)
+		}
+	}
+	var rows int
+	if err := obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+lease.Table+") + (SELECT count(*) FROM "+lease.Waits+")").Scan(&rows); err != nil || rows != 0 {
+		t.Errorf("rows left in the lease tables: %d (%v)", rows, err)
+	}
+}
