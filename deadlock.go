@@ -36,8 +36,12 @@ import (
 //   - Every client sees the same graph, and chooses the same waits to give up, as few as break every cycle
 //     (victims): in one cycle the least of it, the wait on the lowest pid (a wait only its own Locker sees first:
 //     the youngest of them); where cycles share a wait, the one most of them pass through. A Locker ends only its
-//     own waits, and only when the choice stood on two readings in a row; the wait then fails with an error
-//     matching ErrDeadlock. The others proceed once the caller that gave up lets go of what
+//     own waits, and only when the choice stood on two readings in a row (a reading that chose another wait of
+//     the cycle starts the count again); the wait then fails with an error matching ErrDeadlock.
+//   - A wait that left its session a moment ago (it gave it up to another wait of its Locker) is ranked for
+//     deadlockRecent by the pid the other clients' last readings saw it on, so that its Locker chooses as they
+//     did; and a wait the last reading found in a cycle gives its session up to no other wait, so that the cycle
+//     stays visible to every client until it is broken. The others proceed once the caller that gave up lets go of what
 //     it holds (Do does that by returning).
 
 // deadlockRound is how often a Locker with a watched wait reads the server's lock graph, and deadlockConfirm how
@@ -47,6 +51,9 @@ const (
 	deadlockConfirm = 500 * time.Millisecond
 	deadlockFirst   = 500 * time.Millisecond // the first reading after a watched wait starts
 	maxPublished    = 24                     // held locks a wait's comment names (pg_stat_activity.query keeps 1 kB)
+	// deadlockRecent is how long a wait that left the server (on its way to another session) is still ranked by the
+	// pid it waited on, as the other clients' last readings of it ranked it.
+	deadlockRecent = time.Second
 )
 
 type holdingKey struct{}
@@ -105,6 +112,10 @@ type waiter struct {
 	cancel  context.CancelCauseFunc
 	seen    int // read and written by the detector's goroutine only: readings that chose it, at most one miss between
 	missed  int // readings in a row that did not
+	// cyclic: the last reading found it in a cycle. It then keeps its session (it gives it up to no other wait of
+	// its Locker), so that the cycle stays as every client's readings see it until one of its waits is chosen:
+	// waits that took turns on the sessions would each be, in turn, a wait only their own Locker sees.
+	cyclic atomic.Bool
 }
 
 type noDetectKey struct{}
@@ -278,18 +289,42 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 	l.mu.Unlock()
 	judged := map[*waiter]bool{}
 	victims := g.victims()
+	// Which cycle each wait is in: a wait of this Locker in a cycle whose victim is another wait starts counting
+	// again (below).
+	all := map[*node]bool{}
+	for _, n := range g.nodes {
+		all[n] = true
+	}
+	comp := map[*node]int{}
+	chose := map[int]bool{}
+	for i, c := range g.components(all) {
+		for _, n := range c {
+			comp[n] = i + 1
+			if victims[n] {
+				chose[i+1] = true
+			}
+		}
+	}
 	for _, n := range g.nodes {
 		w := n.w
 		if w == nil {
 			continue
 		}
 		judged[w] = true
+		w.cyclic.Store(comp[n] != 0 && !mutant.On(mutant.DeadlockStaleChoice))
 		var cycle []string
 		if victims[n] {
 			cycle = g.cycleFrom(n)
 		}
 		if cycle == nil && len(n.out) > 0 && mutant.On(mutant.DeadlockFalse) {
 			cycle = []string{n.desc}
+		}
+		if cycle == nil && chose[comp[n]] && comp[n] != 0 && !mutant.On(mutant.DeadlockStaleChoice) {
+			// This reading chose another wait of its cycle: what earlier readings chose (the same cycle seen
+			// otherwise, such as while this wait was between sessions) no longer stands. Were it counted, this
+			// Locker could end its wait on a second choice while another client ends the one chosen here.
+			w.seen, w.missed = 0, 0
+			continue
 		}
 		if cycle == nil {
 			w.miss()
@@ -344,6 +379,11 @@ var testHookGraphRead atomic.Pointer[func(l *Locker) bool]
 // testHookGraphRows, in tests only, may change a reading's answer (one line per row of graphSQL) before it is
 // judged.
 var testHookGraphRows atomic.Pointer[func(l *Locker, rows string) string]
+
+// testHookAway, in tests only, makes a reading of l take a wait of its in the server (w.ownPath) for one that left
+// its session just now, on its way to another (as when it gave the session up to another wait), when it returns
+// true: its rows dropped, the wait judged as its Locker judges one between sessions.
+var testHookAway atomic.Pointer[func(l *Locker, w *waiter) bool]
 
 // testHookNextReading, in tests only, is told when the detector's next reading is due.
 var testHookNextReading atomic.Pointer[func(l *Locker, next time.Duration)]
@@ -530,8 +570,13 @@ func (l *Locker) localGraph(s string) *graph {
 	rows := parseGraph(s)
 	g := &graph{}
 	byPID := map[uint32]*waiter{}
+	away := map[uint32]bool{} // (tests) the sessions of waits read as if they had just left them
 	for w := range l.waiters {
 		if p := w.tag.PID(); p != 0 {
+			if h := testHookAway.Load(); h != nil && w.ownPath && (*h)(l, w) {
+				away[p] = true
+				continue
+			}
 			byPID[p] = w
 		}
 	}
@@ -543,7 +588,7 @@ func (l *Locker) localGraph(s string) *graph {
 	}
 	var waits []lockRow
 	for _, r := range rows {
-		if r.granted {
+		if r.granted || away[r.pid] {
 			continue
 		}
 		if w := byPID[r.pid]; w != nil && r.line == nil {
@@ -566,11 +611,23 @@ func (l *Locker) localGraph(s string) *graph {
 	// a connection of the pool, or checking a new one): in no server queue, they wait for their key's holders all
 	// the same once they have one.
 	for w := range l.waiters {
-		if w.ownPath && w.tag.PID() == 0 {
-			g.nodes = append(g.nodes, &node{rank: -int64(w.seq), held: w.held, w: w,
-				desc: fmt.Sprintf("this wait for %s (waiting for a session to wait on)", w.key)})
-			waits = append(waits, lockRow{id: w.t.ID, shared: w.t.Shared})
+		pid, ago, ok := w.tag.Left()
+		if p := w.tag.PID(); away[p] {
+			pid, ago, ok = p, 0, true
+		} else if !w.ownPath || p != 0 {
+			continue
 		}
+		n := &node{rank: -int64(w.seq), held: w.held, w: w,
+			desc: fmt.Sprintf("this wait for %s (waiting for a session to wait on)", w.key)}
+		if ok && ago < deadlockRecent && !mutant.On(mutant.DeadlockStaleChoice) {
+			// It waited in the server a moment ago (it gave its session up to another wait, or its slice ended):
+			// other clients' readings then saw it on that session, and chose by its pid. Ranked as they ranked it,
+			// this Locker chooses what they chose; only once it has been away for longer does it count as a wait
+			// only this Locker sees.
+			n.rank, n.tagged = int64(pid), true
+		}
+		g.nodes = append(g.nodes, n)
+		waits = append(waits, lockRow{id: w.t.ID, shared: w.t.Shared})
 	}
 	owners := map[holderID][]*node{}
 	for _, n := range g.nodes {

@@ -484,3 +484,89 @@ func testDeadlockConfirmSoon(t *testing.T, miss bool) {
 	b.waitFree(t, a)
 	b.waitFree(t, bk)
 }
+
+// A wait of a cycle that gives its session up to another wait and queues for one again (a Locker whose sessions
+// of its own are all in use shares them out a slice at a time) is, for a moment, a wait only its own Locker sees.
+// The other Locker's readings saw it in the server a moment before, and chose by its pid: its own Locker must choose
+// the same wait (the one on the lowest pid), not end its own as the only one it can, so that exactly one wait of the
+// cycle ends with ErrDeadlock. Here every reading of the Locker whose wait is on the higher pid finds that wait just
+// gone from its session; the other Locker's readings see it there.
+func TestDeadlockWaitBetweenSessions(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 60*time.Second)
+	for round := range 2 {
+		ka, kb := key(t), key(t)
+		ha, err := b.l.Lock(ctx, ka)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hb, err := l2.Lock(ctx, kb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		errs := make(chan error, 2)
+		victim := make(chan *Locker, 2)
+		wait := func(l *Locker, first *Lock, next Key) {
+			err := takeNext(ctx, t, l, first, next)
+			if errors.Is(err, ErrDeadlock) {
+				victim <- l
+			}
+			errs <- err
+		}
+		go wait(b.l, ha, kb)
+		go wait(l2, hb, ka)
+		// Which wait is on the higher pid: its Locker's readings find it away.
+		var pa, pb uint32
+		for deadline := time.Now().Add(10 * time.Second); pa == 0 || pb == 0; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("the two waits did not both wait in the server")
+			}
+			pa, pb = b.waitingPID(t, kb), b.waitingPID(t, ka)
+		}
+		high := b.l
+		if pb > pa {
+			high = l2
+		}
+		away := func(l *Locker, w *waiter) bool { return l == high }
+		testHookAway.Store(&away)
+		dead := 0
+		for range 2 {
+			select {
+			case err := <-errs:
+				if errors.Is(err, ErrDeadlock) {
+					dead++
+				} else if err != nil {
+					t.Errorf("round %d: a wait of the cycle ended with %v, want ErrDeadlock or the key", round, err)
+				}
+			case <-ctx.Done():
+				t.Fatal("the cycle did not end")
+			}
+		}
+		testHookAway.Store(nil)
+		if dead != 1 {
+			t.Errorf("round %d: %d waits ended with ErrDeadlock, want exactly one", round, dead)
+		} else if v := <-victim; v == high {
+			t.Errorf("round %d: the wait on the higher pid gave up, which the other Locker's readings did not choose", round)
+		}
+		b.waitFree(t, ka)
+		b.waitFree(t, kb)
+	}
+}
+
+// waitingPID returns the pid of a session the server shows waiting for int8 key k, or 0.
+func (b *bundle) waitingPID(t *testing.T, k Key) uint32 {
+	t.Helper()
+	v, _ := k.Int64()
+	rows, err := pgtest.Locks(context.Background(), b.obs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		if !r.Granted && r.Int64Key(v) {
+			return r.PID
+		}
+	}
+	return 0
+}

@@ -432,8 +432,13 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 			ctx = session.WithAlternatives(ctx, ids)
 		}
 		if l.slots != nil {
-			// Sessions of their own are shared out among the waits, one slice at a time, when some queue for one.
-			ctx = session.WithYield(ctx, l.slots.queued)
+			// Sessions of their own are shared out among the waits, one slice at a time, when some queue for one;
+			// not by a watched wait in a cycle the last reading found (see waiter.cyclic).
+			yield := l.slots.queued
+			if w != nil {
+				yield = func() bool { return !w.cyclic.Load() && l.slots.queued() }
+			}
+			ctx = session.WithYield(ctx, yield)
 		}
 	}
 	for {

@@ -276,9 +276,9 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		if tag := waitTagFrom(ctx); tag != nil {
 			// A published wait: its session and its statements are what other clients' detection reads.
 			w.tag = tag.Comment
-			tag.pid.Store(conn.ServerPID())
+			tag.enter(conn.ServerPID())
 			r, err = w.run(false)
-			tag.pid.Store(0)
+			tag.leave()
 		} else {
 			// The prepared first statement knows no alternatives, and publishes no start: a wait that began a while
 			// ago (it queued for a session, or gave one up to another wait) starts with JoinSQL, which does.

@@ -16,10 +16,38 @@ type WaitTag struct {
 	// user input); the wait sends it in an SQL comment in front of each statement.
 	Comment string
 	pid     atomic.Uint32
+	last    atomic.Uint32 // the pid it ran on last, once it left the server
+	left    atomic.Int64  // when it left, on this process's monotonic clock (since tagEpoch)
 }
+
+// tagEpoch is what WaitTag's times count from: time.Since(tagEpoch) reads the monotonic clock.
+var tagEpoch = time.Now()
 
 // PID is the pid of the server session the wait runs on while it waits in the server; 0 before and after.
 func (t *WaitTag) PID() uint32 { return t.pid.Load() }
+
+// enter records that the wait waits in the server on session pid; leave, that it no longer does.
+func (t *WaitTag) enter(pid uint32) { t.pid.Store(pid) }
+
+func (t *WaitTag) leave() {
+	if p := t.pid.Swap(0); p != 0 {
+		t.left.Store(int64(time.Since(tagEpoch)))
+		t.last.Store(p)
+	}
+}
+
+// Left returns the pid of the session the wait last waited on in the server and how long ago it left it, for a
+// wait that is not in the server now; ok is false for one that is, or never was.
+func (t *WaitTag) Left() (pid uint32, ago time.Duration, ok bool) {
+	if t.pid.Load() != 0 {
+		return 0, 0, false
+	}
+	pid = t.last.Load()
+	if pid == 0 {
+		return 0, 0, false
+	}
+	return pid, time.Since(tagEpoch) - time.Duration(t.left.Load()), true
+}
 
 type waitTagKey struct{}
 
