@@ -112,10 +112,21 @@ type waiter struct {
 	cancel  context.CancelCauseFunc
 	seen    int // read and written by the detector's goroutine only: readings that chose it, at most one miss between
 	missed  int // readings in a row that did not
-	// cyclic: the last reading found it in a cycle. It then keeps its session (it gives it up to no other wait of
-	// its Locker), so that the cycle stays as every client's readings see it until one of its waits is chosen:
-	// waits that took turns on the sessions would each be, in turn, a wait only their own Locker sees.
-	cyclic atomic.Bool
+	// cyclic: when a reading last found it in a cycle (nanoseconds on the monotonic clock since dlEpoch; 0: the
+	// last reading that judged it did not). For a while after (inCycle) it keeps its session (it gives it up to no
+	// other wait of its Locker), so that the cycle stays as every client's readings see it until one of its waits
+	// is chosen: waits that took turns on the sessions would each be, in turn, a wait only their own Locker sees.
+	cyclic atomic.Int64
+}
+
+// dlEpoch is what waiter.cyclic counts from.
+var dlEpoch = time.Now()
+
+// inCycle reports whether a reading found w in a cycle within the last two rounds: readings that fail, or that
+// stopped, do not keep it from giving its session up for longer.
+func (w *waiter) inCycle() bool {
+	at := w.cyclic.Load()
+	return at != 0 && time.Since(dlEpoch)-time.Duration(at) < 2*deadlockRound
 }
 
 type noDetectKey struct{}
@@ -311,7 +322,11 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 			continue
 		}
 		judged[w] = true
-		w.cyclic.Store(comp[n] != 0 && !mutant.On(mutant.DeadlockStaleChoice))
+		if comp[n] != 0 && !mutant.On(mutant.DeadlockStaleChoice) {
+			w.cyclic.Store(max(int64(time.Since(dlEpoch)), 1))
+		} else {
+			w.cyclic.Store(0)
+		}
 		var cycle []string
 		if victims[n] {
 			cycle = g.cycleFrom(n)
@@ -319,7 +334,7 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 		if cycle == nil && len(n.out) > 0 && mutant.On(mutant.DeadlockFalse) {
 			cycle = []string{n.desc}
 		}
-		if cycle == nil && chose[comp[n]] && comp[n] != 0 && !mutant.On(mutant.DeadlockStaleChoice) {
+		if cycle == nil && chose[comp[n]] && comp[n] != 0 && !mutant.On(mutant.DeadlockChoiceKept) {
 			// This reading chose another wait of its cycle: what earlier readings chose (the same cycle seen
 			// otherwise, such as while this wait was between sessions) no longer stands. Were it counted, this
 			// Locker could end its wait on a second choice while another client ends the one chosen here.

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -496,7 +497,12 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 	l2 := New(pgtest.Pool(t, b.url, nil))
 	defer l2.Close()
 	ctx := ctxT(t, 60*time.Second)
+	var high atomic.Pointer[Locker] // the Locker whose wait is on the higher pid: its readings find that wait away
+	away := func(l *Locker, w *waiter) bool { return l == awaitLocker(&high) }
+	testHookAway.Store(&away)
+	defer testHookAway.Store(nil)
 	for round := range 2 {
+		high.Store(nil)
 		ka, kb := key(t), key(t)
 		ha, err := b.l.Lock(ctx, ka)
 		if err != nil {
@@ -517,20 +523,12 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 		}
 		go wait(b.l, ha, kb)
 		go wait(l2, hb, ka)
-		// Which wait is on the higher pid: its Locker's readings find it away.
-		var pa, pb uint32
-		for deadline := time.Now().Add(10 * time.Second); pa == 0 || pb == 0; time.Sleep(5 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatal("the two waits did not both wait in the server")
-			}
-			pa, pb = b.waitingPID(t, kb), b.waitingPID(t, ka)
-		}
-		high := b.l
+		pa, pb := b.waitingPIDs(t, kb, ka)
 		if pb > pa {
-			high = l2
+			high.Store(l2)
+		} else {
+			high.Store(b.l)
 		}
-		away := func(l *Locker, w *waiter) bool { return l == high }
-		testHookAway.Store(&away)
 		dead := 0
 		for range 2 {
 			select {
@@ -544,15 +542,150 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 				t.Fatal("the cycle did not end")
 			}
 		}
-		testHookAway.Store(nil)
 		if dead != 1 {
 			t.Errorf("round %d: %d waits ended with ErrDeadlock, want exactly one", round, dead)
-		} else if v := <-victim; v == high {
+		} else if v := <-victim; v == high.Load() {
 			t.Errorf("round %d: the wait on the higher pid gave up, which the other Locker's readings did not choose", round)
 		}
 		b.waitFree(t, ka)
 		b.waitFree(t, kb)
 	}
+}
+
+// awaitLocker returns what p holds once it holds something (a reading that needs it waits for the test to tell),
+// or nil after 10 s.
+func awaitLocker(p *atomic.Pointer[Locker]) *Locker {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		if l := p.Load(); l != nil {
+			return l
+		}
+	}
+	return nil
+}
+
+// A Locker whose readings see a cycle one way and then the other, by turns (here every other reading of the Locker
+// whose wait is on the higher pid shows the other wait on a higher pid still), does not end its wait on two
+// readings that chose it with one that chose the other wait between them: that one is the wait every other client
+// chooses. The other Locker's readings fail for the first 2 s; then it ends its own wait, the only ErrDeadlock.
+func TestDeadlockChoiceFlips(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 60*time.Second)
+	ka, kb := key(t), key(t)
+	ha, err := b.l.Lock(ctx, ka)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb, err := l2.Lock(ctx, kb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var high, low atomic.Pointer[Locker]
+	var lowPID atomic.Uint32
+	var mu sync.Mutex
+	readings := 0 // the high Locker's
+	var readsFrom time.Time
+	read := func(l *Locker) bool { // the low Locker's readings fail for its first 2 s
+		if l != awaitLocker(&low) {
+			return false
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if readsFrom.IsZero() {
+			readsFrom = time.Now().Add(2 * time.Second)
+		}
+		return time.Now().Before(readsFrom)
+	}
+	rows := func(l *Locker, rows string) string {
+		if l != awaitLocker(&high) {
+			return rows
+		}
+		mu.Lock()
+		readings++
+		odd := readings%2 == 1
+		mu.Unlock()
+		if !odd {
+			return rows
+		}
+		// the other wait's session as if on a pid above this one's
+		other := strconv.FormatUint(uint64(lowPID.Load()), 10)
+		var out []string
+		for line := range strings.SplitSeq(rows, "\n") {
+			if pid, rest, _ := strings.Cut(line, "\t"); pid == other {
+				line = "4294967295\t" + rest
+			}
+			out = append(out, line)
+		}
+		return strings.Join(out, "\n")
+	}
+	testHookGraphRead.Store(&read)
+	defer testHookGraphRead.Store(nil)
+	testHookGraphRows.Store(&rows)
+	defer testHookGraphRows.Store(nil)
+	errs := make(chan error, 2)
+	victim := make(chan *Locker, 2)
+	wait := func(l *Locker, first *Lock, next Key) {
+		err := takeNext(ctx, t, l, first, next)
+		if errors.Is(err, ErrDeadlock) {
+			victim <- l
+		}
+		errs <- err
+	}
+	go wait(b.l, ha, kb)
+	go wait(l2, hb, ka)
+	pa, pb := b.waitingPIDs(t, kb, ka)
+	if pb > pa {
+		lowPID.Store(pa)
+		low.Store(b.l)
+		high.Store(l2)
+	} else {
+		lowPID.Store(pb)
+		low.Store(l2)
+		high.Store(b.l)
+	}
+	dead := 0
+	for range 2 {
+		select {
+		case err := <-errs:
+			if errors.Is(err, ErrDeadlock) {
+				dead++
+			} else if err != nil {
+				t.Errorf("a wait of the cycle ended with %v, want ErrDeadlock or the key", err)
+			}
+		case <-ctx.Done():
+			t.Fatal("the cycle did not end")
+		}
+	}
+	testHookGraphRead.Store(nil)
+	testHookGraphRows.Store(nil)
+	mu.Lock()
+	t.Logf("the high Locker's readings: %d", readings)
+	enough := readings >= 3
+	mu.Unlock()
+	if dead != 1 {
+		t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
+	} else if v := <-victim; v == high.Load() {
+		t.Error("the wait on the higher pid gave up: its Locker counted two readings that chose it with one that chose the other between them")
+	}
+	if !enough {
+		t.Error("the Locker whose readings flipped read fewer than 3 times: the test did not make its moment")
+	}
+	b.waitFree(t, ka)
+	b.waitFree(t, kb)
+}
+
+// waitingPIDs returns the pids of the sessions the server shows waiting for int8 keys a and b, once both wait.
+func (b *bundle) waitingPIDs(t *testing.T, a, bk Key) (uint32, uint32) {
+	t.Helper()
+	var pa, pb uint32
+	for deadline := time.Now().Add(10 * time.Second); pa == 0 || pb == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the two waits did not both wait in the server")
+		}
+		pa, pb = b.waitingPID(t, a), b.waitingPID(t, bk)
+	}
+	return pa, pb
 }
 
 // waitingPID returns the pid of a session the server shows waiting for int8 key k, or 0.

@@ -436,7 +436,7 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 			// not by a watched wait in a cycle the last reading found (see waiter.cyclic).
 			yield := l.slots.queued
 			if w != nil {
-				yield = func() bool { return !w.cyclic.Load() && l.slots.queued() }
+				yield = func() bool { return !w.inCycle() && l.slots.queued() }
 			}
 			ctx = session.WithYield(ctx, yield)
 		}

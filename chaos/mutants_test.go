@@ -145,6 +145,9 @@ func TestMutants(t *testing.T) {
 		// Locker reads the graph, while the other Locker's readings saw it in the server: each Locker ends its own
 		// wait. (The campaign's pairs met it once in a suite run: double_deadlock.)
 		{mutant.DeadlockStaleChoice, "TestDeadlockWaitBetweenSessions"},
+		// A Locker whose readings see a cycle one way and then the other by turns: it ends its wait on two readings
+		// that chose it with one between that chose the wait every other client chooses.
+		{mutant.DeadlockChoiceKept, "TestDeadlockChoiceFlips"},
 	}
 	covered := map[string]bool{}
 	for _, c := range cases {

@@ -34,10 +34,12 @@ const (
 	// DeadlockFalse: a watched wait blocked by any holder, seen on two readings, is ended as if it closed a cycle.
 	DeadlockFalse = "deadlock_false"
 	// DeadlockStaleChoice: a wait that left the server a moment ago (its session given to another wait) counts at
-	// once as one only its own Locker sees, and a Locker keeps counting what earlier readings chose after a reading
-	// chose another wait of the cycle, and a wait in a cycle gives its session up to another wait of its Locker as
-	// any other wait does: two clients whose readings saw the wait each way both give up.
+	// once as one only its own Locker sees, and a wait in a cycle gives its session up to another wait of its Locker
+	// as any other wait does: two clients whose readings saw the wait each way both give up.
 	DeadlockStaleChoice = "deadlock_stale_choice"
+	// DeadlockChoiceKept: a Locker keeps counting the readings that chose its wait after one chose another wait of
+	// the cycle: readings that see the cycle differently by turns confirm a wait no other client chose.
+	DeadlockChoiceKept = "deadlock_choice_kept"
 	// TokenNoTimeline: a fencing token is the sequence's value alone, without the server's timeline above it, so a
 	// promoted standby whose sequence lagged hands out tokens lower than the lost primary's.
 	TokenNoTimeline = "token_no_timeline"
@@ -88,9 +90,9 @@ const (
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
-	DeadlockStaleChoice, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed, LeaseTermReused,
-	LeaseTrustFromReply, LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline, LeaseUndoOnce,
-	LeaseRenewNoDeadline, LeaseSweepServerExpiry}
+	DeadlockStaleChoice, DeadlockChoiceKept, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed,
+	LeaseTermReused, LeaseTrustFromReply, LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline,
+	LeaseUndoOnce, LeaseRenewNoDeadline, LeaseSweepServerExpiry}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"

@@ -30,9 +30,11 @@ func (t *WaitTag) PID() uint32 { return t.pid.Load() }
 func (t *WaitTag) enter(pid uint32) { t.pid.Store(pid) }
 
 func (t *WaitTag) leave() {
-	if p := t.pid.Swap(0); p != 0 {
+	// What Left reads first, and the pid last: a reading in between sees the wait still in the server.
+	if p := t.pid.Load(); p != 0 {
 		t.left.Store(int64(time.Since(tagEpoch)))
 		t.last.Store(p)
+		t.pid.Store(0)
 	}
 }
 
