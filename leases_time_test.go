@@ -277,6 +277,10 @@ func TestLeaseWaitRidesOutFailures(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The server ends the connections of the waiter's first checks (of the fencing sequence, then of the lease
+	// tables) as they ask.
+	hang.killFence.Store(true)
+	hang.killTables.Store(true)
 	res := make(chan error, 1)
 	var got *Lock
 	go func() {
@@ -300,6 +304,9 @@ func TestLeaseWaitRidesOutFailures(t *testing.T) {
 	if hang.hung.Load() == 0 {
 		t.Fatal("no poll hung: the test proves nothing")
 	}
+	if hang.killFence.Load() || hang.killTables.Load() {
+		t.Fatal("the first checks' connections were not ended: the test proves nothing")
+	}
 	if err := lk.Unlock(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -311,11 +318,14 @@ func TestLeaseWaitRidesOutFailures(t *testing.T) {
 	}
 }
 
-// hangingPolls is a pool whose next lease grant, once next is set, does not answer for 1.5 s.
+// hangingPolls is a pool whose next lease grant, once next is set, does not answer for 1.5 s, and whose next check
+// of the fencing sequence (killFence) or of the lease tables (killTables) has its connection ended by the server.
 type hangingPolls struct {
 	session.Pool
-	next atomic.Bool
-	hung atomic.Int32
+	next       atomic.Bool
+	hung       atomic.Int32
+	killFence  atomic.Bool
+	killTables atomic.Bool
 }
 
 func (p *hangingPolls) Acquire(ctx context.Context) (session.Conn, error) {
@@ -331,7 +341,26 @@ type hangingConn struct {
 	p *hangingPolls
 }
 
+// terminated ends the connection's own backend, and returns what the server says then.
+func (c *hangingConn) terminated(ctx context.Context) error {
+	_, err := c.Conn.QueryInt(ctx, "SELECT pg_terminate_backend(pg_backend_pid())::int")
+	if err == nil {
+		err = errors.New("the server did not end the connection")
+	}
+	return err
+}
+
+func (c *hangingConn) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	if strings.Contains(sql, "to_regclass('"+session.FenceSeq) && c.p.killFence.CompareAndSwap(true, false) {
+		return 0, c.terminated(ctx)
+	}
+	return c.Conn.QueryInt(ctx, sql, args...)
+}
+
 func (c *hangingConn) QueryText(ctx context.Context, sql string) (string, error) {
+	if strings.Contains(sql, lease.ExistsSQL) && c.p.killTables.CompareAndSwap(true, false) {
+		return "", c.terminated(ctx)
+	}
 	if strings.Contains(sql, "advlock_lease_grant") && c.p.next.CompareAndSwap(true, false) {
 		c.p.hung.Add(1)
 		select {

@@ -341,7 +341,9 @@ func (l *Locker) granted1(ctx context.Context, lk *Lock, t session.Target, id se
 
 // ensureFence checks (once per Locker, until it succeeds) that the fencing sequence exists and may be used. One
 // check runs at a time; the others wait for it (or for their ctx) and then look again. A try does not wait for a
-// connection for it.
+// connection for it. A wait for a lease rides out what passes (a connection the server ended, the network, a
+// server restarting) here as in its polls: it checks again, until ctx ends; only what an operator must fix (or
+// Close) ends it.
 func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 	if l.fenceOK.Load() {
 		return nil
@@ -359,18 +361,32 @@ func (l *Locker) ensureFence(ctx context.Context, try bool) error {
 	defer cancel(nil)
 	stop := context.AfterFunc(l.closeCtx, func() { cancel(ErrClosed) })
 	defer stop()
-	err := session.EnsureFence(cctx, l.pool, try)
-	if err == nil && l.leases != nil {
-		err = l.leases.Ensure(cctx)
-	}
-	if err != nil {
+	for pause := 50 * time.Millisecond; ; pause = min(2*pause, time.Second) {
+		err := session.EnsureFence(cctx, l.pool, try)
+		if err == nil && l.leases != nil {
+			err = l.leases.Ensure(cctx)
+		}
+		if err == nil {
+			l.fenceOK.Store(true)
+			return nil
+		}
 		if ctx.Err() == nil && errors.Is(context.Cause(cctx), ErrClosed) {
 			return ErrClosed
 		}
-		return err
+		if try || l.leases == nil || cctx.Err() != nil || errors.Is(err, ErrFencing) || lease.Permanent(err) {
+			return err
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-t.C:
+		case <-cctx.Done():
+			t.Stop()
+			if ctx.Err() == nil && errors.Is(context.Cause(cctx), ErrClosed) {
+				return ErrClosed
+			}
+			return session.WithContext(ctx, err)
+		}
 	}
-	l.fenceOK.Store(true)
-	return nil
 }
 
 // take holds t: on a shared session if it can be granted at once, else (when wait) on a session of its own that
