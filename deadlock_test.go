@@ -501,6 +501,16 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 	away := func(l *Locker, w *waiter) bool { return l == awaitLocker(&high) }
 	testHookAway.Store(&away)
 	defer testHookAway.Store(nil)
+	// The other Locker judges its readings 300 ms after the server answered: whichever wait the Locker whose wait is
+	// away would choose, it has chosen twice before the other could have ended one.
+	late := func(l *Locker) bool {
+		if (l == b.l || l == l2) && l != awaitLocker(&high) {
+			time.Sleep(300 * time.Millisecond)
+		}
+		return false
+	}
+	testHookGraphRead.Store(&late)
+	defer testHookGraphRead.Store(nil)
 	for round := range 2 {
 		high.Store(nil)
 		ka, kb := key(t), key(t)
@@ -566,7 +576,7 @@ func awaitLocker(p *atomic.Pointer[Locker]) *Locker {
 // A Locker whose readings see a cycle one way and then the other, by turns (here every other reading of the Locker
 // whose wait is on the higher pid shows the other wait on a higher pid still), does not end its wait on two
 // readings that chose it with one that chose the other wait between them: that one is the wait every other client
-// chooses. The other Locker's readings fail for the first 2 s; then it ends its own wait, the only ErrDeadlock.
+// chooses. The other Locker's readings fail for the first 3 s; then it ends its own wait, the only ErrDeadlock.
 func TestDeadlockChoiceFlips(t *testing.T) {
 	b := setup(t)
 	l2 := New(pgtest.Pool(t, b.url, nil))
@@ -586,14 +596,14 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	var mu sync.Mutex
 	readings := 0 // the high Locker's
 	var readsFrom time.Time
-	read := func(l *Locker) bool { // the low Locker's readings fail for its first 2 s
+	read := func(l *Locker) bool { // the low Locker's readings fail for its first 3 s
 		if l != awaitLocker(&low) {
 			return false
 		}
 		mu.Lock()
 		defer mu.Unlock()
 		if readsFrom.IsZero() {
-			readsFrom = time.Now().Add(2 * time.Second)
+			readsFrom = time.Now().Add(3 * time.Second)
 		}
 		return time.Now().Before(readsFrom)
 	}
