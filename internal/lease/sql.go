@@ -277,6 +277,13 @@ func i64(v int64) string { return strconv.FormatInt(v, 10) }
 // is a description, or a hex id), so no client encoding can hide a quote inside a multibyte character.
 func quote(s string) string {
 	var b strings.Builder
+	b.Grow(len(s) + 8)
+	quoteTo(&b, s)
+	return b.String()
+}
+
+// quoteTo writes quote(s) to b.
+func quoteTo(b *strings.Builder, s string) {
 	b.WriteString("E'")
 	for _, r := range s {
 		switch {
@@ -285,13 +292,49 @@ func quote(s string) string {
 		case r == '\\':
 			b.WriteString(`\\`)
 		case r >= ' ' && r <= '~':
-			b.WriteRune(r)
+			b.WriteByte(byte(r))
 		default:
 			b.WriteByte('?')
 		}
 	}
 	b.WriteByte('\'')
-	return b.String()
+}
+
+// callSQL renders a statement that calls one of the lease functions, "SELECT fn(space, key, args...)", in one
+// allocation (each a cycle's statement, built at every grant, renewal and release): begin, then each argument in
+// order, then String.
+type callSQL struct {
+	b   strings.Builder
+	num [20]byte
+}
+
+// begin starts the call of fn for id; size is what the arguments' strings add, before quoting.
+func (c *callSQL) begin(fn string, id session.ID, size int) *callSQL {
+	c.b.Grow(len(fn) + 160 + size + size/8)
+	c.b.WriteString("SELECT ")
+	c.b.WriteString(fn)
+	c.b.WriteByte('(')
+	c.b.WriteString(space(id))
+	c.b.WriteString(", ")
+	c.b.Write(strconv.AppendInt(c.num[:0], id.V, 10))
+	return c
+}
+
+func (c *callSQL) str(s string) *callSQL {
+	c.b.WriteString(", ")
+	quoteTo(&c.b, s)
+	return c
+}
+
+func (c *callSQL) int(v int64) *callSQL {
+	c.b.WriteString(", ")
+	c.b.Write(strconv.AppendInt(c.num[:0], v, 10))
+	return c
+}
+
+func (c *callSQL) String() string {
+	c.b.WriteByte(')')
+	return c.b.String()
 }
 
 // record is a lease's row as a grant saw it: its term and its expiry in microseconds. A row changes its record at
@@ -305,9 +348,9 @@ type record struct{ term, exp int64 }
 // epoch, 0 for no limit). See grantDDL for its answer. Every statement is a literal without parameters, so that
 // any driver sends it over the simple protocol and any pooler, in any mode, carries it.
 func GrantSQL(id session.ID, owner, holder string, length time.Duration, waiter string, seen record, until int64) string {
-	return "SELECT " + grantFunc + "(" + space(id) + ", " + i64(id.V) + ", " + quote(owner) + ", " +
-		quote(holder) + ", " + ms(length) + ", " + quote(waiter) + ", " + i64(seen.term) + ", " + i64(seen.exp) + ", " +
-		i64(until) + ")"
+	var c callSQL
+	return c.begin(grantFunc, id, len(owner)+len(holder)+len(waiter)).str(owner).str(holder).int(length.Milliseconds()).
+		str(waiter).int(seen.term).int(seen.exp).int(until).String()
 }
 
 // LeaveSQL deletes the rows of a wait that ends without a grant: 1 when it had any.
@@ -320,8 +363,8 @@ func LeaveSQL(waiter string) string {
 // term, a holder that lost its lease can never renew another's. The server's clock does not decide whether a lease
 // may be renewed: a row that is still its holder's has not been taken over.
 func RenewSQL(id session.ID, owner string, term int64, length time.Duration, until int64) string {
-	return "SELECT " + renewFunc + "(" + space(id) + ", " + i64(id.V) + ", " + quote(owner) + ", " +
-		i64(term) + ", " + ms(length) + ", " + i64(until) + ")"
+	var c callSQL
+	return c.begin(renewFunc, id, len(owner)).str(owner).int(term).int(length.Milliseconds()).int(until).String()
 }
 
 // LingerMark ends the holder of a lease held past its work: its holder unlocked it before its minimum hold had
@@ -347,7 +390,8 @@ func renewUnkeyedSQL(id session.ID, length time.Duration) string {
 // ReleaseSQL ends owner's lease of id, of term: 1 when it held it (nobody took it over), 0 when not. It is not
 // flushed before it answers (lazy): a release a crash takes back leaves a row that a taker takes over.
 func ReleaseSQL(id session.ID, owner string, term int64) string {
-	return "SELECT " + releaseFunc + "(" + space(id) + ", " + i64(id.V) + ", " + quote(owner) + ", " + i64(term) + ")"
+	var c callSQL
+	return c.begin(releaseFunc, id, len(owner)).str(owner).int(term).String()
 }
 
 // RetireSQL deletes whatever lease of ids owner holds, of any term: for a grant whose outcome is unknown, one given

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -384,5 +385,35 @@ func TestTrustEndsOnEitherClock(t *testing.T) {
 	slept.wall = time.Now().Round(0).Add(-time.Second) // as after a sleep: the wall clock went on, the monotonic did not
 	if err := slept.Err(); !errors.Is(err, session.ErrLockLost) {
 		t.Errorf("a lease whose window passed on the wall clock alone: %v, want ErrLockLost", err)
+	}
+}
+
+// The statements of a cycle, built in one allocation, read exactly as the same calls spelled out: every kind of
+// argument, quotes, backslashes and letters outside ASCII in the strings, negative keys and pairs.
+func TestCallSQLText(t *testing.T) {
+	for _, id := range []session.ID{{V: 42}, {V: -9223372036854775808}, {Pair: true, V: 7<<32 | 9}} {
+		for _, s := range []string{"", "owner-a/300", `o'w\ner`, "hölder\x00\n", strings.Repeat("x", 300)} {
+			sp := "1"
+			if id.Pair {
+				sp = "2"
+			}
+			key := strconv.FormatInt(id.V, 10)
+			want := "SELECT " + grantFunc + "(" + sp + ", " + key + ", " + quote(s) + ", " + quote(s+"h") + ", 1500, " +
+				quote("w"+s) + ", -3, 1700000000000000, 0)"
+			if got := GrantSQL(id, s, s+"h", 1500*time.Millisecond, "w"+s, record{term: -3, exp: 1700000000000000}, 0); got != want {
+				t.Errorf("GrantSQL:\n got %s\nwant %s", got, want)
+			}
+			want = "SELECT " + renewFunc + "(" + sp + ", " + key + ", " + quote(s) + ", 5, 15000, 123456789)"
+			if got := RenewSQL(id, s, 5, 15*time.Second, 123456789); got != want {
+				t.Errorf("RenewSQL:\n got %s\nwant %s", got, want)
+			}
+			want = "SELECT " + releaseFunc + "(" + sp + ", " + key + ", " + quote(s) + ", 9223372036854775807)"
+			if got := ReleaseSQL(id, s, 9223372036854775807); got != want {
+				t.Errorf("ReleaseSQL:\n got %s\nwant %s", got, want)
+			}
+		}
+	}
+	if got, want := quote(`a'b\c`+"é\x01"), `E'a''b\\c??'`; got != want {
+		t.Errorf("quote: %s, want %s", got, want)
 	}
 }
