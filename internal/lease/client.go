@@ -35,6 +35,8 @@ type Client struct {
 	bgCtx   context.Context
 	bgStop  context.CancelFunc
 
+	r renewers // the renewals of its leases (renewer.go)
+
 	sweeping  bool               // the sweep has started (sweep.go)
 	sweepStop context.CancelFunc // stops it (Close)
 	sweepDone chan struct{}      // closed when it has returned
@@ -45,6 +47,7 @@ func NewClient(pool session.Pool, cfg Config) *Client {
 	c := &Client{pool: pool, cfg: cfg, seen: map[session.ID]sighting{}, closing: make(chan struct{}),
 		bgConns: make(chan struct{}, bgConns)}
 	c.bgCtx, c.bgStop = context.WithCancel(context.Background())
+	c.r.init()
 	return c
 }
 
@@ -239,7 +242,7 @@ func (c *Client) Take(ctx context.Context, id session.ID, onEnd session.OnEnd) (
 	return l, nil
 }
 
-// granted makes the Lease of a grant sent at sent (its renewer not started yet), unless its answer came after the
+// granted makes the Lease of a grant sent at sent (its renewals not started yet), unless its answer came after the
 // lease could be trusted: then it is given back (its row deleted, here and, if that fails, by a retire job) and the
 // error says so.
 func (c *Client) granted(id session.ID, owner string, term int64, sent time.Time, onEnd session.OnEnd) (*Lease, error) {

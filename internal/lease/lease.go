@@ -65,10 +65,11 @@ type Lease struct {
 	end      context.CancelCauseFunc
 	endOnce  sync.Once
 	released atomic.Bool
-	stop     chan struct{} // closed to stop the renewer (halt)
+	stop     chan struct{} // closed to stop the renewals (halt)
 	stopOnce sync.Once
-	stopped  chan struct{} // closed when the renewer has returned, or at once when it never started
+	stopped  chan struct{} // closed once its renewals have ended and none is on the wire (started leases only)
 	started  atomic.Bool
+	rs       renewState // its renewals' state, the Client's renewal loop's alone (renewer.go)
 
 	mu    sync.Mutex
 	trust time.Time     // the holder trusts the lease until then (monotonic)
@@ -78,10 +79,10 @@ type Lease struct {
 	token int64 // what Token reports instead of term, under mutant.LeaseTermReused
 }
 
-// newLease is the lease of a grant of id to owner, of term, sent at sent; its renewer is not started yet (start).
+// newLease is the lease of a grant of id to owner, of term, sent at sent; its renewals are not started yet (start).
 func (c *Client) newLease(id session.ID, owner string, term int64, sent time.Time, onEnd session.OnEnd) *Lease {
 	l := &Lease{c: c, id: id, owner: owner, term: term, onEnd: onEnd, trust: c.trustFrom(sent), wall: c.trustFrom(sent.Round(0)), rtt: time.Since(sent),
-		stop: make(chan struct{}), stopped: make(chan struct{})}
+		stop: make(chan struct{}), stopped: make(chan struct{}), rs: renewState{idx: -1}}
 	if mutant.On(mutant.LeaseTermReused) {
 		first, _ := firstTerms.LoadOrStore(id, term)
 		l.token = first.(int64)
@@ -90,10 +91,12 @@ func (c *Client) newLease(id session.ID, owner string, term int64, sent time.Tim
 	return l
 }
 
-// start starts the renewer.
+// start hands the lease to its Client's renewals (renewer.go), its first renewal due a renewal period after the
+// send of its grant.
 func (l *Lease) start() {
 	l.started.Store(true)
-	go l.renew(time.Now().Add(l.c.cfg.Renew - l.rtt))
+	l.rs.next = time.Now().Add(l.c.cfg.Renew - l.rtt)
+	l.c.r.add(l)
 }
 
 func (c *Client) trustFrom(sent time.Time) time.Time { return sent.Add(c.cfg.Length - c.cfg.Margin) }
@@ -114,138 +117,7 @@ func (l *Lease) errTrustEnded() error {
 		session.ErrLockLost, l.c.cfg.Length, l.c.cfg.Margin)
 }
 
-// renew keeps the lease until Release stops it or it is lost: it renews every Renew (from the send of the last
-// confirmed statement), and ends the lease when the trust window closes without a confirmed renewal, or at once
-// when the server says the lease is no longer this owner's. A renewal unanswered for a third of the trust left at
-// its send (or three of the last round trips, when longer) is sent again on another connection, the first still
-// waiting (at most two at once): one stuck on a dead connection does not spend the trust, and a link that is
-// only slow is not taken for a dead one. The trust is counted from the send of whichever is confirmed.
-func (l *Lease) renew(next time.Time) {
-	defer close(l.stopped)
-	cfg := l.c.cfg
-	type result struct {
-		round      int
-		sent, recv time.Time
-		txt        string
-		err        error
-	}
-	results := make(chan result, 3)
-	var (
-		round    int       // renewals of one period: a success ends the others
-		current  int       // round's renewals not yet answered
-		inflight int       // all renewals not yet answered (earlier rounds' were cut)
-		lastSent time.Time // the latest send
-	)
-	roundCtx, cancelRound := cancellable() // cancelRound cuts round's renewals on the wire
-	defer func() {
-		cancelRound()
-		for ; inflight > 0; inflight-- {
-			<-results
-		}
-	}()
-	sql := func(trust time.Time) string {
-		if mutant.On(mutant.LeaseRenewUnkeyed) {
-			return renewUnkeyedSQL(l.id, cfg.Length)
-		}
-		until := l.c.clock.estimate(trust)
-		if mutant.On(mutant.LeaseRenewNoDeadline) {
-			until = 0
-		}
-		return RenewSQL(l.id, l.owner, l.term, cfg.Length, until)
-	}
-	for {
-		l.mu.Lock()
-		trust, rtt := l.trust, l.rtt
-		l.mu.Unlock()
-		now := time.Now()
-		if l.expired(now) {
-			l.finish(l.errTrustEnded())
-			l.c.retire([]session.ID{l.id}, l.owner, 0, false) // its row, if the server still has it, frees the key
-			return
-		}
-		send, wake := false, trust
-		switch {
-		case current == 0 && !now.Before(next):
-			send = true
-		case current == 0:
-			wake = earliest(wake, next)
-		case current < 2:
-			again := lastSent.Add(max(trust.Sub(lastSent)/3, 3*rtt))
-			send, wake = !now.Before(again), earliest(wake, again)
-		}
-		if send {
-			if current == 0 { // a new period: what is left of the last one is cut
-				cancelRound()
-				round++
-				roundCtx, cancelRound = cancellable()
-			}
-			current++
-			inflight++
-			lastSent = now
-			go func(ctx context.Context, round int, stmt string, bound time.Duration) {
-				txt, _, err := exec(ctx, l.c.pool, bound, stmt, false)
-				results <- result{round, now, time.Now(), txt, err}
-			}(roundCtx, round, sql(trust), min(trust.Sub(now), cfg.Bound))
-			continue
-		}
-		timer := time.NewTimer(time.Until(wake))
-		var r result
-		select {
-		case <-l.stop:
-			timer.Stop()
-			return
-		case <-timer.C:
-			continue
-		case r = <-results:
-			timer.Stop()
-			inflight--
-			if r.round == round {
-				current--
-			}
-		}
-		if mutant.On(mutant.LeaseTrustFromReply) {
-			r.sent = r.recv
-		}
-		var ok string
-		var srv int64
-		if r.err == nil {
-			if _, err := fmt.Sscan(r.txt, &ok, &srv); err != nil {
-				r.err = fmt.Errorf("advlock: unexpected renewal answer %q", r.txt)
-			} else {
-				l.c.clock.sample(r.recv, srv)
-			}
-		}
-		switch {
-		case r.err == nil && ok == "1" && l.expired(r.recv):
-			// Answered after the trust had ended (the renewer ran late, its timer and the answer ready at once): Err
-			// has said lost since then, and a late answer is not handed out, as for a grant. The loop's first check
-			// ends the lease.
-			continue
-		case r.err == nil && ok == "1":
-			l.mu.Lock()
-			if t := l.c.trustFrom(r.sent); t.After(l.trust) {
-				l.trust, l.wall, l.rtt = t, l.c.trustFrom(r.sent.Round(0)), r.recv.Sub(r.sent)
-			}
-			l.mu.Unlock()
-			if r.round == round {
-				next = r.sent.Add(cfg.Renew)
-				cancelRound() // the others of its period are of no use now: what they answer is only counted
-				round, current = round+1, 0
-			}
-		case r.err == nil && ok == "0":
-			l.finish(fmt.Errorf("%w: %w", session.ErrLockLost, errNotYours))
-			return
-		case r.round != round || current > 0:
-			// cut because another of its period was confirmed, or others of its period are still on their way
-		case r.err == nil: // "l": the server's clock is ahead of what this client knew; the answer told it: at once
-			next = time.Now()
-		default:
-			next = time.Now().Add(min(cfg.Renew/5, time.Second, max(time.Until(trust)/10, time.Millisecond)))
-		}
-	}
-}
-
-// cancellable is a context of a round of renewals, and what cuts them (the renewer calls it when it returns).
+// cancellable is a context of a round of renewals, and what cuts them (called when the lease's renewals end).
 func cancellable() (context.Context, context.CancelFunc) {
 	return context.WithCancel(context.Background())
 }
@@ -278,7 +150,7 @@ func (l *Lease) finish(cause error) {
 func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
 
 // Err is nil while the lease is held; afterwards it says why it ended. It reads the clock: once the trust window has
-// closed it reports the loss, even before the renewer (a goroutine that a starved machine may run late) has ended
+// closed it reports the loss, even before its renewals (a goroutine that a starved machine may run late) have ended
 // the lease and closed Done.
 func (l *Lease) Err() error {
 	if err := context.Cause(l.ctx); err != nil {
@@ -315,7 +187,7 @@ func (l *Lease) PID() uint32 { return 0 }
 
 // Confirm asks the server whether the lease is still this holder's, and marks it held past its work (LingerSQL):
 // one statement, sent after this call. It returns nil when the server has it as this owner's (and the holder
-// still trusts it); the loss when not (the lease ends, as when the renewer finds that), or the lease's end when it
+// still trusts it); the loss when not (the lease ends, as when a renewal finds that), or the lease's end when it
 // ended first; an error matching ErrUnlockFailed when the statement got no answer (the lease goes on, renewed as
 // before).
 func (l *Lease) Confirm(ctx context.Context) error {
@@ -331,15 +203,20 @@ func (l *Lease) Confirm(ctx context.Context) error {
 		return l.Err()
 	case err == nil:
 		l.finish(fmt.Errorf("%w: %w", session.ErrLockLost, errNotYours))
-		l.halt() // nothing releases a lost lease: its renewer stops here, as it would on finding the loss itself
+		l.halt() // nothing releases a lost lease: its renewals stop here, as they would on finding the loss themselves
 		return l.Err()
 	}
 	return session.NotConfirmed(ctx, err)
 }
 
-// halt stops the renewer and waits for it to return.
+// halt stops the lease's renewals and waits until none of its statements is on the wire any more (each cut).
 func (l *Lease) halt() {
-	l.stopOnce.Do(func() { close(l.stop) })
+	l.stopOnce.Do(func() {
+		close(l.stop)
+		if l.started.Load() {
+			l.c.r.halt(l)
+		}
+	})
 	if l.started.Load() {
 		<-l.stopped
 	}
@@ -358,7 +235,7 @@ func (l *Lease) Release(ctx context.Context, after error) error {
 	if err := context.Cause(l.ctx); err != nil {
 		return err
 	}
-	if l.expired(time.Now()) { // lost as the renewer was stopped: ended here, as the renewer would have
+	if l.expired(time.Now()) { // lost as its renewals were stopped: ended here, as they would have
 		err := l.errTrustEnded()
 		l.finish(err)
 		l.c.retire([]session.ID{l.id}, l.owner, 0, false)
