@@ -122,6 +122,9 @@ func (c *Client) renewLoop() {
 		for h.Len() > 0 && !(*h)[0].rs.wake.After(time.Now()) {
 			c.step((*h)[0], h, &ending)
 		}
+		if h.Len() == 0 && ending == 0 {
+			continue // nothing left to wait for: the top ends the loop, unless adds came meanwhile
+		}
 		if h.Len() > 0 {
 			timer.Reset(time.Until((*h)[0].rs.wake))
 		}
