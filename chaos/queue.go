@@ -17,8 +17,9 @@ const (
 // OvertakeSlack is how much later than a wait another may begin and still be granted first: both began their
 // calls within it. The records are taken before each call, whose first round trips come after, and a Locker's
 // first wait makes a connection of its own first: on a loaded machine (the race detector, every package's tests
-// at once) that took 530 to 670 ms.
-const OvertakeSlack = time.Second
+// at once) that took 530 to 670 ms, and the suite's control without a mutant has seen waits begun 1.1 to 1.3 s
+// later granted first (3 of 3 such runs in one CI run, none in most).
+const OvertakeSlack = 1500 * time.Millisecond
 
 // StarveBound is the campaign's History.StarveBound: how long a wait may go ungranted once its key is free to it.
 // The library may let a reader in between two slices of a writer's wait (a newcomer, which PostgreSQL would have
