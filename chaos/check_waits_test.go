@@ -174,22 +174,22 @@ func TestCheckerOvertaken(t *testing.T) {
 		h    *History
 		want map[string]int
 	}{
-		{"overtaken by a writer that began 1.1 s later", crowdHistory(
-			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
-			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{VOvertaken: 1}},
+		{"overtaken by a writer that began 1.6 s later", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{VOvertaken: 1}},
 		{"granted in the order they came", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 1000}, "ok", [2]int{1000, 1100}},
 			queueSpec{"w2", 1, "x", [2]int{600, 1100}, "ok", [2]int{1100, 1200}}), map[string]int{}},
 		{"the later one began within the slack", crowdHistory(
-			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
-			queueSpec{"w2", 1, "x", [2]int{900, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
+			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
+			queueSpec{"w2", 1, "x", [2]int{1400, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{}},
 		{"the earlier one had given up when the later one was granted", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 1400}, "not_acquired", [2]int{}},
 			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
 		{"overtaken, a fault near the later one", evidence(crowdHistory(
-			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
-			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}),
-			Evidence{Kind: "cut", At: at(1300), Worker: 1}), map[string]int{}},
+			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}),
+			Evidence{Kind: "cut", At: at(1800), Worker: 1}), map[string]int{}},
 		{"writers of the writer operation are not judged (they may share a Locker)", queueHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
 			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
