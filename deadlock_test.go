@@ -45,6 +45,50 @@ func takeNext(ctx context.Context, t *testing.T, l *Locker, first *Lock, next Ke
 	return err
 }
 
+// crossing is two waits of one cycle under way: each of two Lockers holds a key and waits for the other's.
+type crossing struct {
+	errs   chan error
+	victim chan *Locker // the Locker of each wait that ended with ErrDeadlock
+}
+
+// cross starts two takeNext waits: l1's caller, holding h1, waits for k1, and l2's, holding h2, for k2.
+func cross(ctx context.Context, t *testing.T, l1 *Locker, h1 *Lock, k1 Key, l2 *Locker, h2 *Lock, k2 Key) *crossing {
+	c := &crossing{errs: make(chan error, 2), victim: make(chan *Locker, 2)}
+	wait := func(l *Locker, first *Lock, next Key) {
+		err := takeNext(ctx, t, l, first, next)
+		if errors.Is(err, ErrDeadlock) {
+			c.victim <- l
+		}
+		c.errs <- err
+	}
+	go wait(l1, h1, k1)
+	go wait(l2, h2, k2)
+	return c
+}
+
+// ends waits for both waits to end (failing the test if ctx ends first) and says how many ended with ErrDeadlock,
+// and, when exactly one did, its Locker. Any other error than ErrDeadlock fails the test.
+func (c *crossing) ends(ctx context.Context, t *testing.T) (dead int, victim *Locker) {
+	t.Helper()
+	for range 2 {
+		select {
+		case err := <-c.errs:
+			switch {
+			case errors.Is(err, ErrDeadlock):
+				dead++
+			case err != nil:
+				t.Errorf("a wait of the cycle ended with %v, want ErrDeadlock or the key", err)
+			}
+		case <-ctx.Done():
+			t.Fatal("the cycle did not end")
+		}
+	}
+	if dead == 1 {
+		victim = <-c.victim
+	}
+	return dead, victim
+}
+
 // A cycle that forms while a detection query runs: the reading that was under way sees no cycle, and is judged
 // after the cycle formed. The next readings find it, and exactly one of the two waits ends with ErrDeadlock; the
 // other gets its key.
@@ -440,23 +484,7 @@ func testDeadlockConfirmSoon(t *testing.T, miss bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	errs := make(chan error, 2)
-	go func() { errs <- takeNext(ctx, t, b.l, la, bk) }()
-	go func() { errs <- takeNext(ctx, t, l2, lb, a) }()
-	dead := 0
-	for range 2 {
-		select {
-		case err := <-errs:
-			switch {
-			case errors.Is(err, ErrDeadlock):
-				dead++
-			case err != nil:
-				t.Errorf("a wait of the cycle ended with %v, want ErrDeadlock or the key", err)
-			}
-		case <-ctx.Done():
-			t.Fatal("the cycle did not end")
-		}
-	}
+	dead, _ := cross(ctx, t, b.l, la, bk, l2, lb, a).ends(ctx, t)
 	testHookNextReading.Store(nil)
 	testHookGraphRead.Store(nil)
 	testHookGraphRows.Store(nil)
@@ -522,39 +550,17 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		errs := make(chan error, 2)
-		victim := make(chan *Locker, 2)
-		wait := func(l *Locker, first *Lock, next Key) {
-			err := takeNext(ctx, t, l, first, next)
-			if errors.Is(err, ErrDeadlock) {
-				victim <- l
-			}
-			errs <- err
-		}
-		go wait(b.l, ha, kb)
-		go wait(l2, hb, ka)
+		c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
 		pa, pb := b.waitingPIDs(t, kb, ka)
 		if pb > pa {
 			high.Store(l2)
 		} else {
 			high.Store(b.l)
 		}
-		dead := 0
-		for range 2 {
-			select {
-			case err := <-errs:
-				if errors.Is(err, ErrDeadlock) {
-					dead++
-				} else if err != nil {
-					t.Errorf("round %d: a wait of the cycle ended with %v, want ErrDeadlock or the key", round, err)
-				}
-			case <-ctx.Done():
-				t.Fatal("the cycle did not end")
-			}
-		}
+		dead, v := c.ends(ctx, t)
 		if dead != 1 {
 			t.Errorf("round %d: %d waits ended with ErrDeadlock, want exactly one", round, dead)
-		} else if v := <-victim; v == high.Load() {
+		} else if v == high.Load() {
 			t.Errorf("round %d: the wait on the higher pid gave up, which the other Locker's readings did not choose", round)
 		}
 		b.waitFree(t, ka)
@@ -633,17 +639,7 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	defer testHookGraphRead.Store(nil)
 	testHookGraphRows.Store(&rows)
 	defer testHookGraphRows.Store(nil)
-	errs := make(chan error, 2)
-	victim := make(chan *Locker, 2)
-	wait := func(l *Locker, first *Lock, next Key) {
-		err := takeNext(ctx, t, l, first, next)
-		if errors.Is(err, ErrDeadlock) {
-			victim <- l
-		}
-		errs <- err
-	}
-	go wait(b.l, ha, kb)
-	go wait(l2, hb, ka)
+	c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
 	pa, pb := b.waitingPIDs(t, kb, ka)
 	if pb > pa {
 		lowPID.Store(pa)
@@ -654,19 +650,7 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 		low.Store(l2)
 		high.Store(b.l)
 	}
-	dead := 0
-	for range 2 {
-		select {
-		case err := <-errs:
-			if errors.Is(err, ErrDeadlock) {
-				dead++
-			} else if err != nil {
-				t.Errorf("a wait of the cycle ended with %v, want ErrDeadlock or the key", err)
-			}
-		case <-ctx.Done():
-			t.Fatal("the cycle did not end")
-		}
-	}
+	dead, v := c.ends(ctx, t)
 	testHookGraphRead.Store(nil)
 	testHookGraphRows.Store(nil)
 	mu.Lock()
@@ -675,7 +659,7 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	mu.Unlock()
 	if dead != 1 {
 		t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
-	} else if v := <-victim; v == high.Load() {
+	} else if v == high.Load() {
 		t.Error("the wait on the higher pid gave up: its Locker counted two readings that chose it with one that chose the other between them")
 	}
 	if !enough {
