@@ -65,6 +65,10 @@ type Options struct {
 	// "pgbouncer"; by default the paths take turns): a short campaign aimed at one path's fault puts every worker
 	// on it.
 	Via []string
+	// Sessions, when not empty, puts every worker's locks on one kind of session: "shared" (a Locker's shared
+	// sessions, WithSharedSessions) or "dedicated" (a session of its own per lock); by default the workers take
+	// turns. A mutant of one kind's loss handling is caught only by losses on that kind.
+	Sessions string
 	// DeadlockBound, when not zero, is how long the checker lets a cycle of waits last (DeadlockBound by default):
 	// the mutation suite runs beside every other test package on a 2-core machine, where a Locker's readings of
 	// the lock graph come late, and its bound only has to tell detection from none (the waits end at pairWait).
@@ -190,6 +194,9 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		if v != "direct" && v != "proxy" && v != "pgbouncer" {
 			return nil, fmt.Errorf("chaos: no path %q (there are: direct, proxy, pgbouncer)", v)
 		}
+	}
+	if opt.Sessions != "" && opt.Sessions != "shared" && opt.Sessions != "dedicated" {
+		return nil, fmt.Errorf("chaos: no session kind %q (there are: shared, dedicated)", opt.Sessions)
 	}
 	for _, k := range opt.Faults {
 		if k == "clock_step" && opt.Failover {
@@ -374,6 +381,9 @@ var leaseLogDDL = "CREATE SEQUENCE IF NOT EXISTS public.advlock_fence; " + advlo
 // server at each failover, as an operator does.
 func (c *campaign) via(i int) (shared bool, path string) {
 	shared, path = via(i)
+	if c.opt.Sessions != "" {
+		shared = c.opt.Sessions == "shared"
+	}
 	if len(c.opt.Via) > 0 {
 		path = c.opt.Via[i%len(c.opt.Via)]
 	}

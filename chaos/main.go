@@ -49,6 +49,7 @@ func mainCampaign() int {
 	waitSlice := flag.Duration("wait-slice", 0, "shorten each statement of a wait in the server (default: the library's 0.9 s)")
 	leases := flag.Bool("leases", false, "hold every lock as a lease (WithLeases), PgBouncer in transaction mode, and a lease's own faults (see leasefaults.go)")
 	viaList := flag.String("via", "", "how the workers reach the server, in turn (comma-separated: direct, proxy, pgbouncer; default: each in turn)")
+	sessions := flag.String("sessions", "", "every worker's locks on one kind of session: shared or dedicated (default: the workers take turns)")
 	flag.Parse()
 	if flag.NArg() > 0 || *duration <= 0 || *workers < 1 {
 		flag.Usage()
@@ -57,7 +58,7 @@ func mainCampaign() int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
 	opt := Options{Duration: *duration, Seed: *seed, Workers: *workers, Keep: *keep, Mutant: *mutantName, Failover: *failover,
-		WaitSlice: *waitSlice, Leases: *leases}
+		WaitSlice: *waitSlice, Leases: *leases, Sessions: *sessions}
 	if *opList != "" {
 		opt.Ops = strings.Split(*opList, ",")
 	}
