@@ -117,11 +117,6 @@ func (l *Lease) errTrustEnded() error {
 		session.ErrLockLost, l.c.cfg.Length, l.c.cfg.Margin)
 }
 
-// cancellable is a context of a round of renewals, and what cuts them (called when the lease's renewals end).
-func cancellable() (context.Context, context.CancelFunc) {
-	return context.WithCancel(context.Background())
-}
-
 func earliest(a, b time.Time) time.Time {
 	if b.Before(a) {
 		return b

@@ -45,10 +45,10 @@ const LiveWait = "w.seen > clock_timestamp() - interval '3 seconds' AND w.seen <
 // functions of an earlier version gets those of this one beside them on first use, which never replaces a
 // function that exists (it may be another role's), and the processes of the earlier version go on calling theirs
 // while a deploy rolls. Earlier versions: advlock_lease_grant_v1 and _v2 (a takeover decided by the server's clock)
-// and advlock_lease_renew_v1.
+// and advlock_lease_renew_v1 and _v2 (one lease a call).
 const (
 	grantFunc   = "public.advlock_lease_grant_v3"
-	renewFunc   = "public.advlock_lease_renew_v2"
+	renewFunc   = "public.advlock_lease_renew_many_v1"
 	releaseFunc = "public.advlock_lease_release_v1"
 )
 
@@ -210,20 +210,32 @@ const heldCheck = "r_term IS NOT NULL AND (r_term <> seen_term OR r_exp <> seen_
 // takeoverCheck: the row found on conflict is the record the caller has seen unchanged for a lease length.
 const takeoverCheck = "l.term = seen_term AND " + "(extract(epoch FROM l.expires) * 1000000)::int8" + " = seen_exp"
 
-// renewDDL: see RenewSQL. Its parameters: space, key, owner, term, the length in milliseconds, and until (as for a
-// grant: the end of the holder's trust on the server's clock as the holder knows it, 0 for no limit). Its answer:
-// "1" renewed, "0" not (the row is gone or another's), "l" too late, each followed by the server's clock.
-const renewDDL = "FUNCTION " + renewFunc + "(sp int, k int8, own text, tm int8, len_ms int8, until_us int8) " +
+// renewDDL: see RenewManySQL. Its parameters: for each lease renewed, its space, key, owner, term and until (as for
+// a grant: the end of the holder's trust on the server's clock as the holder knows it, 0 for no limit), each an
+// array in the same order, and the length in milliseconds. Its answer: a letter for each lease, in order, "1"
+// renewed, "0" not (the row is gone or another's), "l" too late, "b" busy (another transaction has the row locked
+// at this instant: a grant taking it over, a sweep, a release; try again), then a space and the server's clock.
+//
+// Rows are locked with SKIP LOCKED, so the statement never waits for a row lock: one statement renewing many rows
+// can neither deadlock with another that locks several (a sweep, another of its holder's renewals) nor wait behind
+// one. A row locked and then updated by another transaction after the statement's snapshot is not renewed either
+// (its update finds no version it can see): "b", and the next try sees what became of it.
+const renewDDL = "FUNCTION " + renewFunc + "(sp int2[], k int8[], own text[], tm int8[], until_us int8[], len_ms int8) " +
 	"RETURNS text LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
 	"  now_us int8 := " + usNow + ";\n" +
 	"  durable text := " + durable + ";\n" +
-	"  n int8;\n" +
+	"  res text;\n" +
 	"BEGIN\n" +
-	"  IF until_us > 0 AND now_us > until_us THEN RETURN 'l ' || now_us; END IF;\n" +
-	"  UPDATE " + Table + " AS l SET expires = greatest(clock_timestamp() + len_ms * interval '1 millisecond', " +
-	"l.expires + interval '1 microsecond') WHERE l.space = sp AND l.key = k AND l.owner = own AND l.term = tm RETURNING 1 INTO n;\n" +
-	"  RETURN coalesce(n, 0) || ' ' || now_us;\n" +
+	"  WITH a AS (SELECT * FROM unnest(sp, k, own, tm, until_us) WITH ORDINALITY AS a(sp, k, own, tm, until_us, i)),\n" +
+	"  c AS (SELECT a.i, l.ctid AS row FROM a JOIN " + Table + " AS l ON l.space = a.sp AND l.key = a.k AND l.owner = a.own " +
+	"AND l.term = a.tm WHERE a.until_us = 0 OR now_us <= a.until_us FOR UPDATE OF l SKIP LOCKED),\n" +
+	"  u AS (UPDATE " + Table + " AS l SET expires = greatest(clock_timestamp() + len_ms * interval '1 millisecond', " +
+	"l.expires + interval '1 microsecond') FROM c WHERE l.ctid = c.row RETURNING c.i)\n" +
+	"  SELECT string_agg(CASE WHEN u.i IS NOT NULL THEN '1' WHEN a.until_us > 0 AND now_us > a.until_us THEN 'l' " +
+	"WHEN EXISTS (SELECT 1 FROM " + Table + " AS l WHERE l.space = a.sp AND l.key = a.k AND l.owner = a.own AND l.term = a.tm) " +
+	"THEN 'b' ELSE '0' END, '' ORDER BY a.i) INTO res FROM a LEFT JOIN u ON u.i = a.i;\n" +
+	"  RETURN coalesce(res, '') || ' ' || now_us;\n" +
 	"END $f$;\n"
 
 // releaseDDL: see ReleaseSQL. Its parameters: space, key, owner, term.
@@ -265,6 +277,13 @@ func space(id session.ID) string {
 		return "2"
 	}
 	return "1"
+}
+
+func spaceOf(id session.ID) int {
+	if id.Pair {
+		return 2
+	}
+	return 1
 }
 
 func ms(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
@@ -358,13 +377,60 @@ func LeaveSQL(waiter string) string {
 	return "WITH d AS (DELETE FROM " + Waits + " WHERE waiter = " + quote(waiter) + " RETURNING 1) SELECT least(count(*), 1) FROM d"
 }
 
-// RenewSQL extends owner's lease of id, of term, to length from now on the server's clock (and past its expiry so
-// far), if it still holds it, unless the server's clock has passed until: see renewDDL. Keyed on the owner and the
-// term, a holder that lost its lease can never renew another's. The server's clock does not decide whether a lease
-// may be renewed: a row that is still its holder's has not been taken over.
+// Renewal is one lease's part of a renewal statement (RenewManySQL).
+type Renewal struct {
+	ID    session.ID
+	Owner string
+	Term  int64
+	Until int64 // the latest moment on the server's clock at which it may still renew (microseconds; 0: no limit)
+}
+
+// RenewManySQL extends each owner's lease of its id, of its term, to length from now on the server's clock (and past
+// its expiry so far), if it still holds it, unless the server's clock has passed its until: see renewDDL. Keyed on
+// the owner and the term, a holder that lost its lease can never renew another's. The server's clock does not
+// decide whether a lease may be renewed: a row that is still its holder's has not been taken over. One statement
+// (one commit) renews them all; its answer has a letter for each, in order.
+func RenewManySQL(rs []Renewal, length time.Duration) string {
+	size := len(renewFunc) + 64
+	for _, r := range rs {
+		size += len(r.Owner) + len(r.Owner)/8 + 72
+	}
+	var b strings.Builder
+	b.Grow(size)
+	var num [20]byte
+	ints := func(f func(Renewal) int64) {
+		b.WriteString("'{")
+		for i, r := range rs {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.Write(strconv.AppendInt(num[:0], f(r), 10))
+		}
+		b.WriteString("}', ")
+	}
+	b.WriteString("SELECT ")
+	b.WriteString(renewFunc)
+	b.WriteByte('(')
+	ints(func(r Renewal) int64 { return int64(spaceOf(r.ID)) })
+	ints(func(r Renewal) int64 { return r.ID.V })
+	b.WriteString("ARRAY[")
+	for i, r := range rs {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		quoteTo(&b, r.Owner)
+	}
+	b.WriteString("]::text[], ")
+	ints(func(r Renewal) int64 { return r.Term })
+	ints(func(r Renewal) int64 { return r.Until })
+	b.Write(strconv.AppendInt(num[:0], length.Milliseconds(), 10))
+	b.WriteByte(')')
+	return b.String()
+}
+
+// RenewSQL is RenewManySQL of one lease.
 func RenewSQL(id session.ID, owner string, term int64, length time.Duration, until int64) string {
-	var c callSQL
-	return c.begin(renewFunc, id, len(owner)).str(owner).int(term).int(length.Milliseconds()).int(until).String()
+	return RenewManySQL([]Renewal{{ID: id, Owner: owner, Term: term, Until: until}}, length)
 }
 
 // LingerMark ends the holder of a lease held past its work: its holder unlocked it before its minimum hold had
@@ -381,10 +447,18 @@ func LingerSQL(id session.ID, owner string, term int64) string {
 }
 
 // renewUnkeyedSQL is the renewal of mutant.LeaseRenewUnkeyed: keyed on the key alone.
-func renewUnkeyedSQL(id session.ID, length time.Duration) string {
-	return "WITH r AS (UPDATE " + Table + " SET expires = greatest(clock_timestamp() + interval '" + ms(length) +
-		" milliseconds', expires + interval '1 microsecond') WHERE space = " + space(id) + " AND key = " + i64(id.V) +
-		" RETURNING 1) SELECT count(*) || ' ' || " + usNow + " FROM r"
+func renewUnkeyedSQL(rs []Renewal, length time.Duration) string {
+	var in strings.Builder
+	for i, r := range rs {
+		if i > 0 {
+			in.WriteString(", ")
+		}
+		in.WriteString("(" + strconv.Itoa(i+1) + ", " + space(r.ID) + ", " + i64(r.ID.V) + ")")
+	}
+	return "WITH a (i, sp, k) AS (VALUES " + in.String() + "), r AS (UPDATE " + Table + " AS l SET expires = " +
+		"greatest(clock_timestamp() + interval '" + ms(length) + " milliseconds', l.expires + interval '1 microsecond') " +
+		"FROM a WHERE l.space = a.sp AND l.key = a.k RETURNING a.i) SELECT string_agg(CASE WHEN r.i IS NULL THEN '0' " +
+		"ELSE '1' END, '' ORDER BY a.i) || ' ' || " + usNow + " FROM a LEFT JOIN r ON r.i = a.i"
 }
 
 // ReleaseSQL ends owner's lease of id, of term: 1 when it held it (nobody took it over), 0 when not. It is not

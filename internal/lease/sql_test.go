@@ -144,6 +144,56 @@ func TestStatements(t *testing.T) {
 	term(t, c, GrantSQL(session.ID{Pair: true, V: 7<<32 | 9}, "y", "y", time.Second, "", record{}, 0))
 }
 
+// One statement renews many leases, each as its own statement would, and answers a letter for each in order: "1"
+// for a holder's lease (an int8 key and a pair), "0" for another owner's or another term's, "l" past its until;
+// a row another transaction has locked (a taker's grant under way) is "b" at once, the statement waiting for no row
+// lock, and "1" once that transaction has ended without taking it.
+func TestRenewMany(t *testing.T) {
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	c := pgtest.Conn(t, url)
+	ctx := context.Background()
+	if _, err := c.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
+		t.Fatal(err)
+	}
+	length := 5 * time.Second
+	ids := []session.ID{{V: 1}, {Pair: true, V: 1}, {V: 2}, {V: 3}, {V: 4}}
+	terms := make([]int64, len(ids))
+	for i, id := range ids {
+		terms[i] = term(t, c, GrantSQL(id, "o/5000", "h", length, "", record{}, 0))
+	}
+	batch := []Renewal{
+		{ids[0], "o/5000", terms[0], 0}, {ids[1], "o/5000", terms[1], 0}, {ids[2], "other/5000", terms[2], 0},
+		{ids[3], "o/5000", terms[3] + 1, 0}, {ids[4], "o/5000", terms[4], 1},
+	}
+	if r := renewed(t, c, RenewManySQL(batch, length)); r != "1100l" {
+		t.Errorf("renewals of five leases: %s, want 1100l", r)
+	}
+	other := pgtest.Conn(t, url)
+	tx, err := other.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "SELECT 1 FROM "+Table+" WHERE space = 1 AND key = 1 FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	// lock_timeout is not set: a statement that waited for the row would wait until the transaction ends.
+	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var r string
+	if err := c.QueryRow(qctx, RenewManySQL(batch[:2], length)).Scan(&r); err != nil {
+		t.Fatalf("renewals beside a row another transaction has locked: %v (waited for its lock)", err)
+	}
+	if r = strings.Fields(r)[0]; r != "b1" {
+		t.Errorf("renewals of a row another transaction has locked and of one it has not: %s, want b1", r)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if r := renewed(t, c, RenewManySQL(batch[:1], length)); r != "1" {
+		t.Errorf("the renewal once the other transaction ended: %s, want 1", r)
+	}
+}
+
 // Each grant and renewal of a row makes its record new, whatever the server's clock does: the expiry moves on by at
 // least a microsecond even when clock_timestamp() plus the length is earlier than the expiry so far (a clock that
 // stepped back), so that a taker never sees the same record twice across a change.
@@ -403,9 +453,14 @@ func TestCallSQLText(t *testing.T) {
 			if got := GrantSQL(id, s, s+"h", 1500*time.Millisecond, "w"+s, record{term: -3, exp: 1700000000000000}, 0); got != want {
 				t.Errorf("GrantSQL:\n got %s\nwant %s", got, want)
 			}
-			want = "SELECT " + renewFunc + "(" + sp + ", " + key + ", " + quote(s) + ", 5, 15000, 123456789)"
+			want = "SELECT " + renewFunc + "('{" + sp + "}', '{" + key + "}', ARRAY[" + quote(s) + "]::text[], '{5}', '{123456789}', 15000)"
 			if got := RenewSQL(id, s, 5, 15*time.Second, 123456789); got != want {
 				t.Errorf("RenewSQL:\n got %s\nwant %s", got, want)
+			}
+			want = "SELECT " + renewFunc + "('{" + sp + ",2}', '{" + key + ",-1}', ARRAY[" + quote(s) + "," + quote("o2") +
+				"]::text[], '{5,-6}', '{123456789,0}', 15000)"
+			if got := RenewManySQL([]Renewal{{id, s, 5, 123456789}, {session.ID{Pair: true, V: -1}, "o2", -6, 0}}, 15*time.Second); got != want {
+				t.Errorf("RenewManySQL:\n got %s\nwant %s", got, want)
 			}
 			want = "SELECT " + releaseFunc + "(" + sp + ", " + key + ", " + quote(s) + ", 9223372036854775807)"
 			if got := ReleaseSQL(id, s, 9223372036854775807); got != want {
