@@ -1,10 +1,15 @@
 package advlock
 
 import (
+	"context"
 	"fmt"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/config"
+	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -67,4 +72,70 @@ func TestLeaseRenewalsShareStatements(t *testing.T) {
 	if calls == 0 || renewed < 20*calls {
 		t.Errorf("%d renewals in %d statements, want 20 or more a statement", renewed, calls)
 	}
+}
+
+// Close waits for the renewal statements still on the wire: nothing of the Locker's runs after it returns (the
+// caller may close the pool next, which waits for every connection given out). Here every renewal's answer reaches
+// the holder 400 ms after the server sent it, and the leases are released and the Locker closed while one is on
+// its way; before, Close returned with the renewal's goroutine still reading it.
+func TestLeaseCloseWaitsForRenewals(t *testing.T) {
+	t.Parallel()
+	ctx := ctxT(t, 60*time.Second)
+	p := &slowRenewals{Pool: pgxPool{p: pgtest.Pool(t, pgtest.URL(t), nil)}, delay: 400 * time.Millisecond}
+	l := New(nil, option(func(o *config.Options) { o.Backend = p }), WithLeases(), WithLeaseLength(1500*time.Millisecond))
+	defer l.Close()
+	var held []*Lock
+	for range 20 {
+		lk, err := l.TryLock(ctx, key(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, lk)
+	}
+	for deadline := time.Now().Add(10 * time.Second); p.onWire.Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no renewal went out")
+		}
+	}
+	for _, lk := range held {
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	l.Close()
+	if n := p.onWire.Load(); n != 0 {
+		t.Errorf("Close returned with %d renewal statements still on the wire", n)
+	}
+}
+
+// slowRenewals is a pool whose renewals' answers reach the holder delay after the server sent them; onWire counts
+// the renewals sent and not yet answered.
+type slowRenewals struct {
+	session.Pool
+	delay  time.Duration
+	onWire atomic.Int32
+}
+
+func (p *slowRenewals) Acquire(ctx context.Context) (session.Conn, error) {
+	c, err := p.Pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &slowRenewalConn{Conn: c, p: p}, nil
+}
+
+type slowRenewalConn struct {
+	session.Conn
+	p *slowRenewals
+}
+
+func (c *slowRenewalConn) QueryText(ctx context.Context, sql string) (string, error) {
+	if !strings.Contains(sql, "advlock_lease_renew") {
+		return c.Conn.QueryText(ctx, sql)
+	}
+	c.p.onWire.Add(1)
+	defer c.p.onWire.Add(-1)
+	r, err := c.Conn.QueryText(ctx, sql)
+	time.Sleep(c.p.delay)
+	return r, err
 }

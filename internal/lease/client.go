@@ -58,8 +58,9 @@ func (c *Client) Config() Config { return c.cfg }
 const CloseGrace = time.Second
 
 // Close stops the sweep (a statement of its on the wire is cut), has each retire job make one last attempt at once,
-// stops them after CloseGrace (a statement of theirs on the wire is cut), and waits for them. What they had not deleted is taken over by another Locker once it has
-// seen it unchanged for a lease length.
+// stops them after CloseGrace (a statement of theirs on the wire is cut), and waits for them; then it waits for the
+// renewal loop, which returns once every lease has ended (for at most CloseGrace). What the retire jobs had not
+// deleted is taken over by another Locker once it has seen it unchanged for a lease length.
 func (c *Client) Close() {
 	c.mu.Lock()
 	if !c.closed {
@@ -84,6 +85,14 @@ func (c *Client) Close() {
 	t.Stop()
 	c.bgStop()
 	<-done
+	// The renewal loop, once every lease has ended: the statements it still has on the wire are of use to no
+	// lease, and cut. A lease nobody ended would keep it running: Close does not wait past its grace for that.
+	t = time.NewTimer(CloseGrace)
+	select {
+	case <-c.r.stopped():
+	case <-t.C:
+	}
+	t.Stop()
 }
 
 // grantBound bounds a grant's statement: never longer than the lease can be trusted once granted (Length less

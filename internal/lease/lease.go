@@ -65,16 +65,17 @@ type Lease struct {
 	end      context.CancelCauseFunc
 	endOnce  sync.Once
 	released atomic.Bool
-	stop     chan struct{} // closed to stop the renewals (halt)
+	stopping atomic.Bool // its renewals are to stop (halt)
 	stopOnce sync.Once
-	stopped  chan struct{} // closed once its renewals have ended and none is on the wire (started leases only)
 	started  atomic.Bool
 	rs       renewState // its renewals' state, the Client's renewal loop's alone (renewer.go)
 
-	mu    sync.Mutex
-	trust time.Time     // the holder trusts the lease until then (monotonic)
-	wall  time.Time     // and until then on its wall clock (no monotonic reading), whichever comes first
-	rtt   time.Duration // the last confirmed round trip (the grant's, then each renewal's)
+	mu      sync.Mutex
+	ended   bool          // its renewals have ended (started leases only): see renewalsEnded
+	stopped chan struct{} // made by a halt that waits for them to end, closed when they have
+	trust   time.Time     // the holder trusts the lease until then (monotonic)
+	wall    time.Time     // and until then on its wall clock (no monotonic reading), whichever comes first
+	rtt     time.Duration // the last confirmed round trip (the grant's, then each renewal's)
 
 	token int64 // what Token reports instead of term, under mutant.LeaseTermReused
 }
@@ -82,7 +83,7 @@ type Lease struct {
 // newLease is the lease of a grant of id to owner, of term, sent at sent; its renewals are not started yet (start).
 func (c *Client) newLease(id session.ID, owner string, term int64, sent time.Time, onEnd session.OnEnd) *Lease {
 	l := &Lease{c: c, id: id, owner: owner, term: term, onEnd: onEnd, trust: c.trustFrom(sent), wall: c.trustFrom(sent.Round(0)), rtt: time.Since(sent),
-		stop: make(chan struct{}), stopped: make(chan struct{}), rs: renewState{idx: -1}}
+		rs: renewState{idx: -1}}
 	if mutant.On(mutant.LeaseTermReused) {
 		first, _ := firstTerms.LoadOrStore(id, term)
 		l.token = first.(int64)
@@ -204,16 +205,39 @@ func (l *Lease) Confirm(ctx context.Context) error {
 	return session.NotConfirmed(ctx, err)
 }
 
-// halt stops the lease's renewals and waits until none of its statements is on the wire any more (each cut).
+// halt stops the lease's renewals and waits until they have ended: no renewal the loop takes an answer from after
+// this returns, and a loss found meanwhile told.
 func (l *Lease) halt() {
 	l.stopOnce.Do(func() {
-		close(l.stop)
+		l.stopping.Store(true)
 		if l.started.Load() {
 			l.c.r.halt(l)
 		}
 	})
-	if l.started.Load() {
-		<-l.stopped
+	if !l.started.Load() {
+		return
+	}
+	l.mu.Lock()
+	if l.ended {
+		l.mu.Unlock()
+		return
+	}
+	if l.stopped == nil {
+		l.stopped = make(chan struct{})
+	}
+	ch := l.stopped
+	l.mu.Unlock()
+	<-ch
+}
+
+// renewalsEnded says the lease's renewals have ended (the renewal loop's last word on it); halts waiting return.
+func (l *Lease) renewalsEnded() {
+	l.mu.Lock()
+	l.ended = true
+	ch := l.stopped
+	l.mu.Unlock()
+	if ch != nil {
+		close(ch)
 	}
 }
 

@@ -41,7 +41,23 @@ type renewers struct {
 	halts   []*Lease
 	kick    chan struct{} // capacity 1: adds or halts are waiting
 	results chan result   // the answers of the statements on the wire, and the ends of lost leases
+	idle    chan struct{} // made by a Close that waits for the loop, closed when it returns
 }
+
+// stopped returns a channel closed once the loop is not running.
+func (r *renewers) stopped() <-chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.running {
+		return closedChan
+	}
+	if r.idle == nil {
+		r.idle = make(chan struct{})
+	}
+	return r.idle
+}
+
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
 func (r *renewers) init() {
 	r.kick = make(chan struct{}, 1)
@@ -61,7 +77,7 @@ type batch struct {
 // entry is one lease's renewal in a batch.
 type entry struct {
 	l     *Lease
-	round int
+	round int32
 	gone  bool // its lease has no more use for the answer (ended, or its round was confirmed by another)
 }
 
@@ -76,15 +92,17 @@ type result struct {
 
 // renewState is a lease's renewals, as the loop keeps them.
 type renewState struct {
-	next     time.Time // the next renewal period begins (when none of this one's is on the wire)
-	round    int       // renewals of one period: a success ends the others
-	current  int       // round's renewals not yet answered
-	lastSent time.Time // the latest send
-	wire     []wireRef // its renewals in statements on the wire (or about to be sent)
-	wake     time.Time // when the loop steps it next
-	idx      int       // its place in the loop's heap; -1 once it has left it
-	ending   bool      // its renewals have ended: stopped closes once its end has run (ends 0)
-	ends     int       // its end's goroutines not yet done (a loss's finish)
+	next     time.Time  // the next renewal period begins (when none of this one's is on the wire)
+	lastSent time.Time  // the latest send
+	wake     time.Time  // when the loop steps it next
+	wire     [2]wireRef // its renewals in statements on the wire (or about to be sent): at most two at once
+	idx      int        // its place in the loop's heap; -1 once it has left it
+	round    int32      // renewals of one period: a success ends the others
+	current  int8       // round's renewals not yet answered
+	nwire    int8       // how many of wire are
+	ending   bool       // its renewals have ended: they are said ended (renewalsEnded) once its end has run (ends 0)
+	backoff  bool       // next is a try again after a failure: not taken in early with others
+	ends     int8       // its end's goroutines not yet done (a loss's finish)
 }
 
 // wireRef is where a lease's renewal is: entry i of b.
@@ -106,7 +124,7 @@ func (r *renewers) add(l *Lease) {
 }
 
 // halt tells the loop that l's renewals are to stop (l.stop is closed). A loop that is not running has no lease
-// that has not ended: l's renewals have ended, and stopped is closed.
+// that has not ended: l's renewals have ended, and said so.
 func (r *renewers) halt(l *Lease) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -144,6 +162,10 @@ func (c *Client) renewLoop() {
 		r.adds, r.halts = nil, nil
 		if len(adds) == 0 && len(halts) == 0 && lp.h.Len() == 0 && lp.ending == 0 && lp.wire == 0 {
 			r.running = false
+			if r.idle != nil {
+				close(r.idle)
+				r.idle = nil
+			}
 			r.mu.Unlock()
 			return
 		}
@@ -182,11 +204,9 @@ func (c *Client) renewLoop() {
 // step sends what l's renewals need sent now (a period's first renewal once due at early, which is now or later),
 // and sets when it is stepped next; or ends them, when l was stopped or its trust has ended.
 func (lp *loop) step(l *Lease, early time.Time) {
-	select {
-	case <-l.stop:
+	if l.stopping.Load() {
 		lp.endRenewals(l)
 		return
-	default:
 	}
 	c := lp.c
 	rs := &l.rs
@@ -199,9 +219,13 @@ func (lp *loop) step(l *Lease, early time.Time) {
 			lp.lost(l, l.errTrustEnded(), true)
 			return
 		}
+		due := early // a renewal tried again after a failure waits for its moment, not taken in early
+		if rs.backoff {
+			due = now
+		}
 		send, wake := false, trust
 		switch {
-		case rs.current == 0 && !early.Before(rs.next):
+		case rs.current == 0 && !due.Before(rs.next):
 			send = true
 		case rs.current == 0:
 			wake = earliest(wake, rs.next)
@@ -217,11 +241,12 @@ func (lp *loop) step(l *Lease, early time.Time) {
 		if rs.current == 0 { // a new period: what is left of the last one is of no use
 			lp.drop(l)
 			rs.round++
+			rs.backoff = false
 		}
 		rs.current++
 		rs.lastSent = now
 		b := lp.pending
-		for _, w := range rs.wire {
+		for _, w := range rs.wire[:rs.nwire] {
 			if w.b == b { // already in this statement (sent again before it went out): the next one
 				b = nil
 			}
@@ -231,7 +256,16 @@ func (lp *loop) step(l *Lease, early time.Time) {
 			b = &batch{}
 			lp.pending = b
 		}
-		rs.wire = append(rs.wire, wireRef{b, len(b.entries)})
+		if int(rs.nwire) == len(rs.wire) { // not reached: a third renewal of one period is never sent
+			w := rs.wire[0]
+			if w.b.entries[w.i].round == rs.round {
+				rs.current--
+			}
+			lp.forget(w)
+			rs.removeWire(w.b)
+		}
+		rs.wire[rs.nwire] = wireRef{b, len(b.entries)}
+		rs.nwire++
 		b.entries = append(b.entries, entry{l: l, round: rs.round})
 		b.items = append(b.items, Renewal{ID: l.id, Owner: l.owner, Term: l.term, Until: c.until(trust)})
 		b.live++
@@ -277,6 +311,25 @@ func (lp *loop) flush() {
 	if b == nil || b.live == 0 {
 		return
 	}
+	if b.live < len(b.entries) { // leases that ended, or sent again, since they were stepped in: not sent
+		j := 0
+		for i, e := range b.entries {
+			if e.gone {
+				continue
+			}
+			rs := &e.l.rs
+			for k := range rs.nwire {
+				if rs.wire[k].b == b && rs.wire[k].i == i {
+					rs.wire[k].i = j
+				}
+			}
+			b.entries[j], b.items[j] = e, b.items[i]
+			j++
+		}
+		clear(b.entries[j:])
+		clear(b.items[j:])
+		b.entries, b.items = b.entries[:j], b.items[:j]
+	}
 	c := lp.c
 	var ctx context.Context
 	ctx, b.cancel = context.WithCancel(context.Background())
@@ -294,17 +347,35 @@ func (lp *loop) flush() {
 
 // drop marks l's renewals on the wire as of no more use to it: a statement none of whose leases wants it is cut.
 func (lp *loop) drop(l *Lease) {
-	for _, w := range l.rs.wire {
-		e := &w.b.entries[w.i]
-		if e.gone {
-			continue
-		}
-		e.gone = true
-		if w.b.live--; w.b.live == 0 && w.b.cancel != nil {
-			w.b.cancel()
+	rs := &l.rs
+	for _, w := range rs.wire[:rs.nwire] {
+		lp.forget(w)
+	}
+	rs.wire, rs.nwire = [2]wireRef{}, 0
+}
+
+// forget marks the renewal at w as of no more use to its lease.
+func (lp *loop) forget(w wireRef) {
+	e := &w.b.entries[w.i]
+	if e.gone {
+		return
+	}
+	e.gone = true
+	if w.b.live--; w.b.live == 0 && w.b.cancel != nil {
+		w.b.cancel()
+	}
+}
+
+// removeWire takes the renewal in b off the lease's list (nothing when it has none there).
+func (rs *renewState) removeWire(b *batch) {
+	for j := range rs.nwire {
+		if rs.wire[j].b == b {
+			copy(rs.wire[j:], rs.wire[j+1:rs.nwire])
+			rs.nwire--
+			rs.wire[rs.nwire] = wireRef{} // no hold on a statement answered
+			return
 		}
 	}
-	l.rs.wire = l.rs.wire[:0]
 }
 
 // answered takes a statement's answer to each lease that still wants it, or a lost lease's end.
@@ -313,7 +384,7 @@ func (lp *loop) answered(res result) {
 		l := res.l
 		if l.rs.ends--; l.rs.ends == 0 && l.rs.ending {
 			lp.ending--
-			close(l.stopped)
+			l.renewalsEnded()
 		}
 		return
 	}
@@ -335,16 +406,15 @@ func (lp *loop) answered(res result) {
 	for i := range b.entries {
 		e := &b.entries[i]
 		if e.gone {
+			// Confirmed by another statement since: still, "0" is final (an owner and term never come back).
+			if err == nil && letters[i] == '0' && !e.l.rs.ending {
+				lp.lost(e.l, fmt.Errorf("%w: %w", session.ErrLockLost, errNotYours), false)
+			}
 			continue
 		}
 		e.gone = true
 		l := e.l
-		for j, w := range l.rs.wire {
-			if w.b == b {
-				l.rs.wire = append(l.rs.wire[:j], l.rs.wire[j+1:]...)
-				break
-			}
-		}
+		l.rs.removeWire(b)
 		var ans byte
 		if err == nil {
 			ans = letters[i]
@@ -354,7 +424,7 @@ func (lp *loop) answered(res result) {
 }
 
 // answer takes one lease's renewal's answer (ans, when err is nil), then steps the lease.
-func (lp *loop) answer(l *Lease, round int, sent, recv time.Time, ans byte, err error) {
+func (lp *loop) answer(l *Lease, round int32, sent, recv time.Time, ans byte, err error) {
 	c := lp.c
 	rs := &l.rs
 	if round == rs.round {
@@ -388,12 +458,13 @@ func (lp *loop) answer(l *Lease, round int, sent, recv time.Time, ans byte, err 
 		rs.next = time.Now()
 	default: // no answer, or "b": the row was busy
 		rs.next = time.Now().Add(min(cfg.Renew/5, time.Second, max(time.Until(l.trustNow())/10, time.Millisecond)))
+		rs.backoff = true
 	}
 	lp.step(l, time.Now())
 }
 
 // lost ends l with cause, and its renewals. The end runs apart (it calls the Locker's hooks, and its observers,
-// which must not hold up other leases' renewals), and stopped closes after it: whoever stops the lease finds it
+// which must not hold up other leases' renewals), and its renewals are said ended after it: whoever stops the lease finds it
 // ended. With retire, its row, if the server still has it, is deleted apart (a trust that ended: the key is free
 // once it is gone).
 func (lp *loop) lost(l *Lease, cause error, retire bool) {
@@ -410,7 +481,7 @@ func (lp *loop) lost(l *Lease, cause error, retire bool) {
 }
 
 // endRenewals ends l's renewals: its renewals on the wire are of no more use to it (a statement none of whose
-// leases wants it is cut), and stopped closes once its end (if lost) has run.
+// leases wants it is cut), and they are said ended once its end (if lost) has run.
 func (lp *loop) endRenewals(l *Lease) {
 	rs := &l.rs
 	lp.drop(l)
@@ -419,7 +490,7 @@ func (lp *loop) endRenewals(l *Lease) {
 	}
 	rs.ending = true
 	if rs.ends == 0 {
-		close(l.stopped)
+		l.renewalsEnded()
 	} else {
 		lp.ending++
 	}
