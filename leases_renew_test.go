@@ -1,15 +1,11 @@
 package advlock
 
 import (
-	"context"
 	"fmt"
-	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/advlock/advlock/internal/config"
-	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -81,7 +77,8 @@ func TestLeaseRenewalsShareStatements(t *testing.T) {
 func TestLeaseCloseWaitsForRenewals(t *testing.T) {
 	t.Parallel()
 	ctx := ctxT(t, 60*time.Second)
-	p := &slowRenewals{Pool: pgxPool{p: pgtest.Pool(t, pgtest.URL(t), nil)}, delay: 400 * time.Millisecond}
+	p := &lateReplies{Pool: pgxPool{p: pgtest.Pool(t, pgtest.URL(t), nil)}, delay: 400 * time.Millisecond}
+	p.slow.Store(true)
 	l := New(nil, option(func(o *config.Options) { o.Backend = p }), WithLeases(), WithLeaseLength(1500*time.Millisecond))
 	defer l.Close()
 	var held []*Lock
@@ -106,36 +103,4 @@ func TestLeaseCloseWaitsForRenewals(t *testing.T) {
 	if n := p.onWire.Load(); n != 0 {
 		t.Errorf("Close returned with %d renewal statements still on the wire", n)
 	}
-}
-
-// slowRenewals is a pool whose renewals' answers reach the holder delay after the server sent them; onWire counts
-// the renewals sent and not yet answered.
-type slowRenewals struct {
-	session.Pool
-	delay  time.Duration
-	onWire atomic.Int32
-}
-
-func (p *slowRenewals) Acquire(ctx context.Context) (session.Conn, error) {
-	c, err := p.Pool.Acquire(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return &slowRenewalConn{Conn: c, p: p}, nil
-}
-
-type slowRenewalConn struct {
-	session.Conn
-	p *slowRenewals
-}
-
-func (c *slowRenewalConn) QueryText(ctx context.Context, sql string) (string, error) {
-	if !strings.Contains(sql, "advlock_lease_renew") {
-		return c.Conn.QueryText(ctx, sql)
-	}
-	c.p.onWire.Add(1)
-	defer c.p.onWire.Add(-1)
-	r, err := c.Conn.QueryText(ctx, sql)
-	time.Sleep(c.p.delay)
-	return r, err
 }

@@ -287,6 +287,7 @@ type lateReplies struct {
 	delay     time.Duration
 	slow, cut atomic.Bool
 	late      atomic.Int32 // answers that came late
+	onWire    atomic.Int32 // renewals sent, their answers late and not yet there
 }
 
 func (p *lateReplies) Acquire(ctx context.Context) (session.Conn, error) {
@@ -306,11 +307,14 @@ type lateConn struct {
 }
 
 func (c *lateConn) QueryText(ctx context.Context, sql string) (string, error) {
-	r, err := c.Conn.QueryText(ctx, sql)
-	if c.p.slow.Load() && strings.Contains(sql, "advlock_lease_renew") { // a renewal's answer, not the sweep's
-		time.Sleep(c.p.delay)
-		c.p.late.Add(1)
+	if !c.p.slow.Load() || !strings.Contains(sql, "advlock_lease_renew") { // a renewal's answer, not the sweep's
+		return c.Conn.QueryText(ctx, sql)
 	}
+	c.p.onWire.Add(1)
+	defer c.p.onWire.Add(-1)
+	r, err := c.Conn.QueryText(ctx, sql)
+	time.Sleep(c.p.delay)
+	c.p.late.Add(1)
 	return r, err
 }
 

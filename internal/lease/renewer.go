@@ -76,9 +76,8 @@ type batch struct {
 
 // entry is one lease's renewal in a batch.
 type entry struct {
-	l     *Lease
-	round int32
-	gone  bool // its lease has no more use for the answer (ended, or its round was confirmed by another)
+	l    *Lease
+	gone bool // its lease has no more use for the answer (ended, or its period was confirmed by another)
 }
 
 // result is a batch's answer, or (b nil) the end of lost lease l having run.
@@ -95,11 +94,9 @@ type renewState struct {
 	next     time.Time  // the next renewal period begins (when none of this one's is on the wire)
 	lastSent time.Time  // the latest send
 	wake     time.Time  // when the loop steps it next
-	wire     [2]wireRef // its renewals in statements on the wire (or about to be sent): at most two at once
+	wire     [2]wireRef // its renewals of this period on the wire (or about to be sent): a success ends the others
 	idx      int        // its place in the loop's heap; -1 once it has left it
-	round    int32      // renewals of one period: a success ends the others
-	current  int8       // round's renewals not yet answered
-	nwire    int8       // how many of wire are
+	current  int8       // how many of wire are: at most two at once (an earlier period's are dropped as it ends)
 	ending   bool       // its renewals have ended: they are said ended (renewalsEnded) once its end has run (ends 0)
 	backoff  bool       // next is a try again after a failure: not taken in early with others
 	ends     int8       // its end's goroutines not yet done (a loss's finish)
@@ -123,7 +120,7 @@ func (r *renewers) add(l *Lease) {
 	r.poke()
 }
 
-// halt tells the loop that l's renewals are to stop (l.stop is closed). A loop that is not running has no lease
+// halt tells the loop that l's renewals are to stop (l.stopping is set). A loop that is not running has no lease
 // that has not ended: l's renewals have ended, and said so.
 func (r *renewers) halt(l *Lease) {
 	r.mu.Lock()
@@ -238,15 +235,12 @@ func (lp *loop) step(l *Lease, early time.Time) {
 			heap.Fix(&lp.h, rs.idx)
 			return
 		}
-		if rs.current == 0 { // a new period: what is left of the last one is of no use
-			lp.drop(l)
-			rs.round++
+		if rs.current == 0 { // a new period
 			rs.backoff = false
 		}
-		rs.current++
 		rs.lastSent = now
 		b := lp.pending
-		for _, w := range rs.wire[:rs.nwire] {
+		for _, w := range rs.wire[:rs.current] {
 			if w.b == b { // already in this statement (sent again before it went out): the next one
 				b = nil
 			}
@@ -256,17 +250,9 @@ func (lp *loop) step(l *Lease, early time.Time) {
 			b = &batch{}
 			lp.pending = b
 		}
-		if int(rs.nwire) == len(rs.wire) { // not reached: a third renewal of one period is never sent
-			w := rs.wire[0]
-			if w.b.entries[w.i].round == rs.round {
-				rs.current--
-			}
-			lp.forget(w)
-			rs.removeWire(w.b)
-		}
-		rs.wire[rs.nwire] = wireRef{b, len(b.entries)}
-		rs.nwire++
-		b.entries = append(b.entries, entry{l: l, round: rs.round})
+		rs.wire[rs.current] = wireRef{b, len(b.entries)}
+		rs.current++
+		b.entries = append(b.entries, entry{l: l})
 		b.items = append(b.items, Renewal{ID: l.id, Owner: l.owner, Term: l.term, Until: c.until(trust)})
 		b.live++
 		b.bound = max(b.bound, min(trust.Sub(now), c.cfg.Bound))
@@ -318,7 +304,7 @@ func (lp *loop) flush() {
 				continue
 			}
 			rs := &e.l.rs
-			for k := range rs.nwire {
+			for k := range rs.current {
 				if rs.wire[k].b == b && rs.wire[k].i == i {
 					rs.wire[k].i = j
 				}
@@ -348,10 +334,10 @@ func (lp *loop) flush() {
 // drop marks l's renewals on the wire as of no more use to it: a statement none of whose leases wants it is cut.
 func (lp *loop) drop(l *Lease) {
 	rs := &l.rs
-	for _, w := range rs.wire[:rs.nwire] {
+	for _, w := range rs.wire[:rs.current] {
 		lp.forget(w)
 	}
-	rs.wire, rs.nwire = [2]wireRef{}, 0
+	rs.wire, rs.current = [2]wireRef{}, 0
 }
 
 // forget marks the renewal at w as of no more use to its lease.
@@ -368,11 +354,11 @@ func (lp *loop) forget(w wireRef) {
 
 // removeWire takes the renewal in b off the lease's list (nothing when it has none there).
 func (rs *renewState) removeWire(b *batch) {
-	for j := range rs.nwire {
+	for j := range rs.current {
 		if rs.wire[j].b == b {
-			copy(rs.wire[j:], rs.wire[j+1:rs.nwire])
-			rs.nwire--
-			rs.wire[rs.nwire] = wireRef{} // no hold on a statement answered
+			copy(rs.wire[j:], rs.wire[j+1:rs.current])
+			rs.current--
+			rs.wire[rs.current] = wireRef{} // no hold on a statement answered
 			return
 		}
 	}
@@ -419,17 +405,15 @@ func (lp *loop) answered(res result) {
 		if err == nil {
 			ans = letters[i]
 		}
-		lp.answer(l, e.round, b.sent, res.recv, ans, err)
+		lp.answer(l, b.sent, res.recv, ans, err)
 	}
 }
 
-// answer takes one lease's renewal's answer (ans, when err is nil), then steps the lease.
-func (lp *loop) answer(l *Lease, round int32, sent, recv time.Time, ans byte, err error) {
+// answer takes one lease's renewal's answer (ans, when err is nil; the renewal is off its list), then steps the
+// lease. Every renewal a lease still waits for is of its current period: a period's end drops the others.
+func (lp *loop) answer(l *Lease, sent, recv time.Time, ans byte, err error) {
 	c := lp.c
 	rs := &l.rs
-	if round == rs.round {
-		rs.current--
-	}
 	cfg := c.cfg
 	if mutant.On(mutant.LeaseTrustFromReply) {
 		sent = recv
@@ -444,16 +428,13 @@ func (lp *loop) answer(l *Lease, round int32, sent, recv time.Time, ans byte, er
 			l.trust, l.wall, l.rtt = t, c.trustFrom(sent.Round(0)), recv.Sub(sent)
 		}
 		l.mu.Unlock()
-		if round == rs.round {
-			rs.next = sent.Add(cfg.Renew)
-			lp.drop(l) // the others of its period are of no use now
-			rs.round, rs.current = rs.round+1, 0
-		}
+		rs.next = sent.Add(cfg.Renew)
+		lp.drop(l) // the others of its period are of no use now
 	case err == nil && ans == '0':
 		lp.lost(l, fmt.Errorf("%w: %w", session.ErrLockLost, errNotYours), false)
 		return
-	case round != rs.round || rs.current > 0:
-		// an earlier period's, or others of its period are still on their way
+	case rs.current > 0:
+		// others of its period are still on their way
 	case err == nil && ans == 'l': // the server's clock is ahead of what this client knew; the answer told it: at once
 		rs.next = time.Now()
 	default: // no answer, or "b": the row was busy

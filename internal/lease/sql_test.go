@@ -59,6 +59,17 @@ func renewed(t *testing.T, c *pgx.Conn, sql string) string {
 	return strings.Fields(s)[0]
 }
 
+// freshTables makes a database of its own with the fencing sequence and the lease tables and functions, and returns
+// its URL.
+func freshTables(t *testing.T) string {
+	t.Helper()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	if _, err := pgtest.Conn(t, url).Exec(context.Background(), "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
+		t.Fatal(err)
+	}
+	return url
+}
+
 // retired runs RetireSQL and returns how many leases it deleted.
 func retired(t *testing.T, c *pgx.Conn, sql string) string { return renewed(t, c, sql) }
 
@@ -70,12 +81,9 @@ func retired(t *testing.T, c *pgx.Conn, sql string) string { return renewed(t, c
 // before it is refused; the takeover's term is greater; a grant or renewal that arrives after its until grants
 // nothing.
 func TestStatements(t *testing.T) {
-	url := pgtest.FreshDB(t, pgtest.URL(t))
+	url := freshTables(t)
 	c := pgtest.Conn(t, url)
 	ctx := context.Background()
-	if _, err := c.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
-		t.Fatal(err)
-	}
 	for _, id := range []session.ID{{V: 42}, {Pair: true, V: 7<<32 | 9}} {
 		length := 300 * time.Millisecond
 		a := term(t, c, GrantSQL(id, "owner-a/300", "a", length, "", record{}, 0))
@@ -149,12 +157,9 @@ func TestStatements(t *testing.T) {
 // a row another transaction has locked (a taker's grant under way) is "b" at once, the statement waiting for no row
 // lock, and "1" once that transaction has ended without taking it.
 func TestRenewMany(t *testing.T) {
-	url := pgtest.FreshDB(t, pgtest.URL(t))
+	url := freshTables(t)
 	c := pgtest.Conn(t, url)
 	ctx := context.Background()
-	if _, err := c.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
-		t.Fatal(err)
-	}
 	length := 5 * time.Second
 	ids := []session.ID{{V: 1}, {Pair: true, V: 1}, {V: 2}, {V: 3}, {V: 4}}
 	terms := make([]int64, len(ids))
@@ -198,12 +203,9 @@ func TestRenewMany(t *testing.T) {
 // least a microsecond even when clock_timestamp() plus the length is earlier than the expiry so far (a clock that
 // stepped back), so that a taker never sees the same record twice across a change.
 func TestRecordsNeverComeBack(t *testing.T) {
-	url := pgtest.FreshDB(t, pgtest.URL(t))
+	url := freshTables(t)
 	c := pgtest.Conn(t, url)
 	ctx := context.Background()
-	if _, err := c.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
-		t.Fatal(err)
-	}
 	id := session.ID{V: 77}
 	a := term(t, c, GrantSQL(id, "o/1000", "a", time.Second, "", record{}, 0))
 	// As if the server's clock had stepped back an hour since the grant.
@@ -258,12 +260,9 @@ func TestQuoteEverySetting(t *testing.T) {
 // free the key goes to the one that has waited longest, not to a later waiter nor to a try; a granted waiter's rows
 // are gone; a wait last seen more than WaitStale ago holds nobody back; LeaveSQL takes a wait out.
 func TestWaitQueue(t *testing.T) {
-	url := pgtest.FreshDB(t, pgtest.URL(t))
+	url := freshTables(t)
 	c := pgtest.Conn(t, url)
 	ctx := context.Background()
-	if _, err := c.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
-		t.Fatal(err)
-	}
 	id := session.ID{V: 42}
 	length := time.Minute
 	a := term(t, c, GrantSQL(id, "a", "a", length, "", record{}, 0))
@@ -328,12 +327,9 @@ func TestWaitQueue(t *testing.T) {
 // waiter runs again) draws a term greater than any drawn while it waited. Drawn in the inserted values, before
 // the wait, it came out lower than a term another grant drew meanwhile: terms out of the grants' order.
 func TestGrantTermAfterAWaitedInsert(t *testing.T) {
-	url := pgtest.FreshDB(t, pgtest.URL(t))
+	url := freshTables(t)
 	a, b, c := pgtest.Conn(t, url), pgtest.Conn(t, url), pgtest.Conn(t, url)
 	ctx := context.Background()
-	if _, err := a.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
-		t.Fatal(err)
-	}
 	id := session.ID{V: 4242}
 	tx, err := a.Begin(ctx)
 	if err != nil {
