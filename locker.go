@@ -440,6 +440,9 @@ func (l *Locker) take(ctx context.Context, t session.Target, wait, passed bool, 
 	}
 	if wait {
 		ctx = session.WithWaitStart(ctx, start) // what the wait publishes: when the call began
+		if l.contended.recent(t.ID) {
+			ctx = session.WithContended(ctx)
+		}
 		if alts, _ := ctx.Value(alternativesKey{}).([]Key); len(alts) > 0 && !t.Shared {
 			ids := make([]session.ID, len(alts))
 			for i, k := range alts {

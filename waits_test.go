@@ -247,7 +247,7 @@ func TestWaitRequeueTakesARacedGrant(t *testing.T) {
 				if _, err := conn.Exec(ctx, "SELECT "+tc.lock, args...); err != nil {
 					t.Fatal(err)
 				}
-				res, err := conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true, false, 0)).ReadAll()
+				res, err := conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true, false, 0, 0, false)).ReadAll()
 				if err != nil {
 					t.Fatalf("the requeued wait on a session that holds the key: %v", err)
 				}
@@ -263,7 +263,7 @@ func TestWaitRequeueTakesARacedGrant(t *testing.T) {
 					t.Fatalf("second unlock: %v %v: the requeued wait took the key a second time", ok, err)
 				}
 				// And without the lock, it waits (the key is free: granted at once) and takes it once.
-				res, err = conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true, false, 0)).ReadAll()
+				res, err = conn.PgConn().Exec(ctx, session.WaitSQL(tc.target, 200, fenced, true, false, 0, 0, false)).ReadAll()
 				if err != nil || string(res[len(res)-1].Rows[0][0]) == "0" {
 					t.Fatalf("the requeued wait on a free key: %v %v", res, err)
 				}

@@ -87,7 +87,7 @@ func TestLineStatements(t *testing.T) {
 			// c is in line behind b (a writer): it waits for b's ticket, not a's.
 			done := make(chan int64, 1)
 			go func() { v, _ := q(c, LineSQL(r, 3, 5000)); done <- v }()
-			if got := must(a, LeaveSQL(w, true, true, false)); got != 1 {
+			if got := must(a, LeaveSQL(w, 1, true, false)); got != 1 {
 				t.Fatalf("the first writer leaves: %d", got)
 			}
 			// b's wait for a's ticket was granted as its slice ended (taken here by hand): its next statement gives
@@ -208,4 +208,74 @@ func lineConns(t *testing.T, ctx context.Context) (conn func() *pgx.Conn, q func
 		return strconv.ParseInt(string(last.Rows[0][0]), 10, 64)
 	}
 	return conn, q
+}
+
+// A grant leaves the line in the statement that granted it: the head writer's WaitSQL, granted, gives back its
+// ticket, the line's flag and the key's intent and restores the session's idle_session_timeout, so that the session
+// holds the key alone when the grant is answered, and the member behind it moves up as the grant is made, with no
+// statement of the holder's between.
+func TestGrantLeavesLine(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	k := ID{V: time.Now().UnixNano()}
+	w, r := Target{ID: k}, Target{ID: k, Shared: true}
+	holder, a, c := conn(), conn(), conn()
+	must := func(x *pgx.Conn, sql string) int64 {
+		t.Helper()
+		v, err := q(x, sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+	seq, head, intent, idle := joined(must(a, JoinSQL(w, false, 15000)))
+	if seq != 1 || !head || !intent || !idle {
+		t.Fatalf("the writer's join: place %d head %v intent %v idle %v, want 1 and all true", seq, head, intent, idle)
+	}
+	if rs, rh, _, _ := joined(must(c, JoinSQL(r, false, 15000))); rs != 2 || rh {
+		t.Fatalf("the reader's join: place %d head %v, want 2 false", rs, rh)
+	}
+	granted, moved := make(chan int64, 1), make(chan int64, 1)
+	go func() { v, _ := q(a, WaitSQL(w, 5000, false, false, true, 15000, seq, idle)); granted <- v }()
+	go func() { v, _ := q(c, LineSQL(r, 2, 5000)); moved <- v }()
+	time.Sleep(100 * time.Millisecond)
+	select {
+	case v := <-moved:
+		t.Fatalf("the reader moved up while the writer in front of it waits: %d", v)
+	default:
+	}
+	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	if v := <-granted; v != resultAcquired {
+		t.Fatalf("the head writer's wait once the key was freed: %d, want a grant", v)
+	}
+	if v := <-moved; v != resultHead {
+		t.Fatalf("the reader behind the granted writer: %d, want %d (the head)", v, resultHead)
+	}
+	var rows []string
+	res, err := holder.Query(ctx, "SELECT mode || ' ' || ((classid::int8 << 32) | objid::int8) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1", a.PgConn().PID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for res.Next() {
+		var s string
+		if err := res.Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		rows = append(rows, s)
+	}
+	if res.Err() != nil {
+		t.Fatal(res.Err())
+	}
+	if want := "ExclusiveLock " + strconv.FormatInt(k.V, 10); len(rows) != 1 || rows[0] != want {
+		t.Fatalf("the granted writer's locks: %q, want only [%s]", rows, want)
+	}
+	var setting string
+	if err := a.QueryRow(ctx, "SHOW idle_session_timeout").Scan(&setting); err != nil || setting != "0" {
+		t.Fatalf("the granted writer's idle_session_timeout: %q %v, want 0 (restored)", setting, err)
+	}
+	for _, x := range []*pgx.Conn{a, c} {
+		must(x, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	}
 }

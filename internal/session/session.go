@@ -282,7 +282,10 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 		} else {
 			// The prepared first statement knows no alternatives, and publishes no start: a wait that began a while
 			// ago (it queued for a session, or gave one up to another wait) starts with JoinSQL, which does.
-			r, err = w.run(len(w.alts) == 0 && time.Since(w.start) < publishAfter)
+			// A wait for a key found held a moment ago (WithContended) starts with JoinSQL too, whose try comes first:
+			// the prepared try would most likely fail, a round trip for nothing.
+			contended, _ := ctx.Value(contendedKey{}).(bool)
+			r, err = w.run(len(w.alts) == 0 && !contended && time.Since(w.start) < publishAfter)
 		}
 		if err == nil && len(w.alts) > 0 && r >= resultAcquired {
 			if r > resultAcquired && int(r-2) < len(w.alts) {
@@ -295,12 +298,6 @@ func Acquire(ctx context.Context, pool Pool, t Target, wait bool, cfg Config, on
 				tcancel()
 			}
 		}
-	}
-	if err == nil && r >= resultAcquired && (w.intent || w.seq > 0) {
-		// Granted: the intent has served (the readers waited behind the writer) and goes back now, and the wait
-		// leaves its key's line (the next member waits for the key now), with the session's idle_session_timeout
-		// restored if the wait set one; the lock holds only its key.
-		err = w.leave()
 	}
 	if wait && !cfg.Waits.remove(conn) && err != nil {
 		err = fmt.Errorf("%w: %w", ErrClosed, err) // Close aborted the wait

@@ -238,12 +238,17 @@ const liftTimeout = "CASE WHEN current_setting('transaction_timeout', true) IS N
 
 // afterGrant is what a wait yields once the server granted it: the grant for an exclusive wait; for a shared one,
 // the grant if no writer's intent stands now, else the key is given back at once (resultBounced: the reader was
-// let through as a writer's wait was between two slices, and waits again behind it).
-func afterGrant(shared, fenced bool, key, intent string) string {
-	if !shared {
-		return grant(fenced)
+// let through as a writer's wait was between two slices, and waits again behind it). A grant first gives back
+// what leave gives back (leaveCond; "" for nothing), and yields -5 when that found something missing.
+func afterGrant(shared, fenced bool, key, intent, leave string) string {
+	g := grant(fenced)
+	if leave != "" {
+		g = "CASE WHEN " + leave + " THEN " + g + " ELSE -5 END"
 	}
-	return "CASE WHEN " + noIntent(intent) + " THEN " + grant(fenced) + " WHEN " + unlockFn(true, key) +
+	if !shared {
+		return g
+	}
+	return "CASE WHEN " + noIntent(intent) + " THEN " + g + " WHEN " + unlockFn(true, key) +
 		" THEN -4 ELSE -5 END"
 }
 
@@ -274,21 +279,40 @@ func intentIdle(ms string) string {
 		"0 * length(set_config('idle_session_timeout', " + ms + ", false)) + 1 ELSE 0 END"
 }
 
-// LeaveSQL is what a wait that was granted sends next: it gives back the key's intent (intent), its place in the
-// key's line (line: see LineSQL) and restores the session's idle_session_timeout when the wait set one (idle): 1
-// when all of it was there.
-func LeaveSQL(t Target, intent, line, idle bool) string {
-	s := "SELECT 1"
-	if line {
-		s = "SELECT CASE WHEN " + leaveSQL(t) + " THEN 1 ELSE 0 END"
+// leaveCond is an SQL condition that a granted wait evaluates in the statement that granted it: it gives back the
+// key's intent (intent), its place in the key's line (seq, 0 when it has none: its ticket and, for a writer, the
+// line's flag; see line.go) and restores the session's idle_session_timeout when the wait set one (idle); true when
+// all of it was there. It reads no pg_locks: a wait that is the head of its line holds no ticket but its own (a
+// ticket in front of it, granted as a slice ended, was given back by the LineSQL that found it the head). "" when
+// there is nothing to give back.
+func leaveCond(t Target, seq int64, intent, idle bool) string {
+	var parts []string
+	if seq > 0 {
+		parts = append(parts, unlockFn(t.Shared, ticketArgs(t.ID, strconv.FormatInt(seq, 10))))
+		if !t.Shared {
+			parts = append(parts, unlockFn(true, t.ID.Waiting().literal()))
+		}
 	}
 	if intent {
-		s += " * pg_advisory_unlock(" + t.ID.Intent().literal() + ")::int"
+		parts = append(parts, unlockFn(false, t.ID.Intent().literal()))
 	}
+	if len(parts) == 0 {
+		return ""
+	}
+	s := "(" + strings.Join(parts, " AND ") + ")"
 	if idle {
-		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"
+		s = "(" + s + " AND set_config('idle_session_timeout', '0', false) IS NOT NULL)"
 	}
 	return s
+}
+
+// LeaveSQL is leaveCond as a statement of its own: 1 when all of it was there.
+func LeaveSQL(t Target, seq int64, intent, idle bool) string {
+	c := leaveCond(t, seq, intent, idle)
+	if c == "" {
+		return "SELECT 1"
+	}
+	return "SELECT CASE WHEN " + c + " THEN 1 ELSE 0 END"
 }
 
 var unlockSQL = [2][2]string{
@@ -357,15 +381,20 @@ func ownHeld(t Target) string {
 // resultIntentNow (or resultIntentIdle, having given the session an idle_session_timeout of idleMS: intentIdle)
 // without waiting (its next statement waits); one that holds it (intent) waits at once. A shared
 // wait gives the key back when granted while a writer's intent stands (afterGrant).
-func WaitSQL(t Target, ms int64, fenced, requeue, intent bool, idleMS int64) string {
-	return waitSQL(t, nil, ms, fenced, requeue, intent, idleMS)
+//
+// A grant gives back, in the statement that granted it, what the wait held to get there (leaveCond: its place in
+// the key's line seq, the intent, the session's idle_session_timeout when idle), so that the next member of the
+// line moves up as the grant is made, and the grant costs no round trip more; an unlock there that finds nothing
+// yields -5 (doubt).
+func WaitSQL(t Target, ms int64, fenced, requeue, intent bool, idleMS, seq int64, idle bool) string {
+	return waitSQL(t, nil, ms, fenced, requeue, intent, idleMS, leaveCond(t, seq, intent, idle))
 }
 
 // WaitAnySQL is WaitSQL for an exclusive wait for t that takes any of alts instead when one is free: each of its
 // statements tries alts in order before it waits for t, and yields 2+i for alts[i], 1 for t (never a token: a
 // fenced caller draws it next, TokenGrantSQL).
 func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
-	return waitSQL(t, alts, ms, false, requeue, intent, 0)
+	return waitSQL(t, alts, ms, false, requeue, intent, 0, leaveCond(t, 0, intent, false))
 }
 
 // TokenGrantSQL draws a grant's token (see grant) in a statement of its own, for a grant whose statement could
@@ -373,9 +402,9 @@ func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
 // one.
 var TokenGrantSQL = "SELECT " + grant(true)
 
-func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool, idleMS int64) string {
+func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool, idleMS int64, leave string) string {
 	key, ik := t.ID.literal(), t.ID.Intent().literal()
-	after := afterGrant(t.Shared, fenced, key, ik)
+	after := afterGrant(t.Shared, fenced, key, ik, leave)
 	wait := "length(" + lockFn(false, t.Shared, key) + "::text) + " + after
 	var b strings.Builder
 	b.WriteString("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; ")

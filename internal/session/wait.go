@@ -90,7 +90,7 @@ func (w *serverWait) run(first bool) (int64, error) {
 		if last && !time.Now().Before(end) && w.bounces > 0 {
 			return 0, errBouncedAtDeadline // given back to a writer, and the deadline has come
 		}
-		sql := WaitSQL(w.t, ms, w.cfg.Fencing, requeue, w.intent, w.idleMS())
+		sql := WaitSQL(w.t, ms, w.cfg.Fencing, requeue, w.intent, w.idleMS(), w.seq, w.idle)
 		if len(w.alts) > 0 {
 			sql = WaitAnySQL(w.t, w.alts, ms, requeue, w.intent)
 		}
@@ -107,6 +107,9 @@ func (w *serverWait) run(first bool) (int64, error) {
 		case err == nil && r == resultBounced:
 			w.bounces++ // also in the last slice: it waits again, until the deadline (pause)
 		default:
+			if err == nil && r >= resultAcquired {
+				w.intent, w.idle, w.seq = false, false, 0 // given back with the grant (leaveCond)
+			}
 			return r, err
 		}
 	}
@@ -184,6 +187,14 @@ func (w *serverWait) yielded() (bool, error) {
 var ErrYielded = errors.New("advlock: the wait gave its session up for another wait")
 
 type yieldKey struct{}
+
+type contendedKey struct{}
+
+// WithContended returns ctx whose wait skips the prepared try it would begin with (its first statement, JoinSQL,
+// tries the key first anyway): its caller found the key held a moment ago.
+func WithContended(ctx context.Context) context.Context {
+	return context.WithValue(ctx, contendedKey{}, true)
+}
 
 type altsKey struct{}
 
@@ -285,23 +296,6 @@ func (w *serverWait) idleMS() int64 {
 		k = DefaultKeepalive
 	}
 	return FrozenAfter(k).Milliseconds()
-}
-
-// leave gives the intent back and leaves the key's line once the wait was granted (the lock then holds only its
-// key), restoring the session's idle_session_timeout when the wait set one: one round trip, bounded like a try. An
-// error puts the session in doubt.
-func (w *serverWait) leave() error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(w.ctx), w.slack+w.rtt)
-	defer cancel()
-	r, err := w.conn.QueryInt(ctx, w.comment()+LeaveSQL(w.t, w.intent, w.seq > 0, w.idle)) // the comment: Inspect's fold
-	if err == nil && r != 1 {
-		err = fmt.Errorf("the session no longer held the key's intent or its place in the key's line")
-	}
-	if err != nil {
-		return fmt.Errorf("give the key's intent and place in line back after the grant: %w; session closed", err)
-	}
-	w.intent, w.idle, w.seq = false, false, 0
-	return nil
 }
 
 // slice returns when the next slice of a wait ends (at most the wait slice away, at most ctx's deadline), whether
