@@ -123,8 +123,8 @@ func ticketsGiven(id ID, lo, hi int64) string {
 // JoinSQL is a wait's statement when its first try did not pass (or, for a wait that publishes its start, its first
 // statement): a try of the key (a reader's passes only while no writer's intent stands), and when it fails the wait
 // joins the key's line: it takes the ticket one past the newest held (1 when none is), in its own mode. It never
-// waits. It yields a grant, -1 (standby), -5 (doubt), 0 (another wait took that ticket at the same moment: send it
-// again), or resultJoined less 8*seq + 4 (a head writer took the key's intent too) + 2 (the head: no member in
+// waits. It yields a grant, -1 (standby), -5 (doubt), 0 (other waits took every one of the joinSpan tickets past
+// the newest at the same moment: send it again), or resultJoined less 8*seq + 4 (a head writer took the key's intent too) + 2 (the head: no member in
 // front of it) + 1 (the session got an idle_session_timeout of idleMS, see intentIdle: a member that stays silent
 // holds up every wait behind it).
 //
@@ -138,7 +138,7 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 	}
 	intent := "0"
 	if !t.Shared {
-		intent = "CASE WHEN m.head THEN CASE WHEN " + lockFn(true, false, ik) + " THEN 4 ELSE 0 END ELSE 0 END"
+		intent = "CASE WHEN j.head THEN CASE WHEN " + lockFn(true, false, ik) + " THEN 4 ELSE 0 END ELSE 0 END"
 	}
 	half, ring := strconv.Itoa(ringHalf), strconv.Itoa(lineMask)
 	newest := "CASE WHEN count(*) = 0 THEN 0 WHEN max(x.p) - min(x.p) > " + half + " THEN max(x.p) FILTER (WHERE x.p <= " + half +
@@ -147,9 +147,15 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 	if !t.Shared {
 		flag = "length(" + lockFn(false, true, t.ID.Waiting().literal()) + "::text) + "
 	}
-	join := "(SELECT CASE WHEN " + lockFn(true, t.Shared, ticketArgs(t.ID, "m.seq")) + " THEN " + flag + strconv.Itoa(resultJoined) +
-		" - 8 * m.seq - 2 * m.head::int - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'") + " - " + intent + " ELSE 0 END" +
-		" FROM (SELECT (" + newest + ") % " + ring + " + 1 AS seq, " + head + " AS head FROM " + places(t.ID, "0") + " x) m)"
+	// The ticket one past the newest, or when another wait took it at the same moment (joins that came together),
+	// the first free of the next joinSpan: those in between joined in front of it. Only a wait that took the very
+	// next one is the head, when the line was empty.
+	seq := "(m.newest + g.s - 1) % " + ring + " + 1"
+	join := "(SELECT CASE WHEN j.seq IS NULL THEN 0 ELSE " + flag + strconv.Itoa(resultJoined) +
+		" - 8 * j.seq - 2 * j.head::int - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'") + " - " + intent + " END" +
+		" FROM (SELECT " + seq + " AS seq, m.head AND g.s = 1 AS head FROM (SELECT " + newest + " AS newest, " + head + " AS head FROM " +
+		places(t.ID, "0") + " x) m LEFT JOIN LATERAL (SELECT s FROM generate_series(1, " + strconv.Itoa(joinSpan) + ") s WHERE " +
+		lockFn(true, t.Shared, ticketArgs(t.ID, "(m.newest + s - 1) % "+ring+" + 1")) + " LIMIT 1) g ON true) j)"
 	var b strings.Builder
 	b.WriteString("SELECT CASE WHEN pg_is_in_recovery() THEN -1")
 	if t.Shared {
@@ -163,6 +169,10 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 	b.WriteString(" ELSE " + join + " END")
 	return b.String()
 }
+
+// joinSpan is how many tickets past the newest a join tries, in order, in one statement: waits that join together
+// take the next ones in turn instead of sending their joins again.
+const joinSpan = 16
 
 // joined decodes JoinSQL's result for a wait that joined: its place, whether it is the head, whether it took the
 // intent, and whether it set the session's idle_session_timeout.

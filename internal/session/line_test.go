@@ -279,3 +279,72 @@ func TestGrantLeavesLine(t *testing.T) {
 		must(x, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	}
 }
+
+// Waits that join together take places one after another in the statement that joins them: of 12 joins sent at
+// once behind a holder, each gets a place of its own, places 1 to 12, and exactly one is the head.
+func TestJoinsTogether(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	k := ID{V: time.Now().UnixNano()}
+	w := Target{ID: k}
+	holder := conn()
+	if _, err := q(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1"); err != nil {
+		t.Fatal(err)
+	}
+	const n = 12
+	cs := make([]*pgx.Conn, n)
+	for i := range cs {
+		cs[i] = conn()
+	}
+	type res struct {
+		seq   int64
+		head  bool
+		sends int
+		err   error
+	}
+	out := make(chan res, n)
+	start := make(chan struct{})
+	for _, c := range cs {
+		go func() {
+			<-start
+			for sends := 1; ; sends++ {
+				r, err := q(c, JoinSQL(w, false, 15000))
+				if err != nil || r > resultJoined && r != resultNotHeld {
+					out <- res{err: fmt.Errorf("join: %d %v", r, err)}
+					return
+				}
+				if r <= resultJoined {
+					seq, head, _, _ := joined(r)
+					out <- res{seq: seq, head: head, sends: sends}
+					return
+				}
+			}
+		}()
+	}
+	close(start)
+	seen, heads, resent := map[int64]bool{}, 0, 0
+	for range n {
+		r := <-out
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		if seen[r.seq] || r.seq < 1 || r.seq > n {
+			t.Errorf("place %d: taken twice, or outside 1 to %d", r.seq, n)
+		}
+		seen[r.seq] = true
+		if r.head {
+			heads++
+		}
+		resent += r.sends - 1
+	}
+	t.Logf("12 joins at once: %d sent again", resent)
+	if heads != 1 {
+		t.Errorf("%d heads, want 1", heads)
+	}
+	for _, c := range append(cs, holder) {
+		if _, err := q(c, "SELECT length(pg_advisory_unlock_all()::text) + 1"); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

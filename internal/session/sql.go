@@ -296,14 +296,13 @@ func leaveCond(t Target, seq int64, intent, idle bool) string {
 	if intent {
 		parts = append(parts, unlockFn(false, t.ID.Intent().literal()))
 	}
+	if idle {
+		parts = append(parts, "set_config('idle_session_timeout', '0', false) IS NOT NULL")
+	}
 	if len(parts) == 0 {
 		return ""
 	}
-	s := "(" + strings.Join(parts, " AND ") + ")"
-	if idle {
-		s = "(" + s + " AND set_config('idle_session_timeout', '0', false) IS NOT NULL)"
-	}
-	return s
+	return "(" + strings.Join(parts, " AND ") + ")"
 }
 
 // LeaveSQL is leaveCond as a statement of its own: 1 when all of it was there.

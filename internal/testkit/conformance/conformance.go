@@ -63,6 +63,7 @@ type Harness struct {
 type suite struct {
 	be     Backend
 	shared bool // Lockers use shared sessions (the default); else a session per lock
+	refs   *queueRefs
 }
 
 // Run runs the suite against be: in both modes (shared sessions, the default, and a session per lock) when the
@@ -71,12 +72,13 @@ func Run(t *testing.T, be Backend) {
 	if be.CancelIterations == 0 {
 		be.CancelIterations = 1000
 	}
+	refs := new(queueRefs) // PostgreSQL's own queue, measured once for both session modes
 	if !be.Shares {
-		(&suite{be: be}).run(t)
+		(&suite{be: be, refs: refs}).run(t)
 		return
 	}
-	t.Run("shared", func(t *testing.T) { (&suite{be: be, shared: true}).run(t) })
-	t.Run("dedicated", func(t *testing.T) { (&suite{be: be}).run(t) })
+	t.Run("shared", func(t *testing.T) { (&suite{be: be, shared: true, refs: refs}).run(t) })
+	t.Run("dedicated", func(t *testing.T) { (&suite{be: be, refs: refs}).run(t) })
 }
 
 // endsContexts are the subtests that end contexts while statements run (see Backend.NoCancel); Close ends the
