@@ -894,6 +894,27 @@ func writers(ctx context.Context, cs []contender, tag string) map[string]writers
 			continue
 		}
 		key := tag + "-" + c.name
+		// Warm up, uncounted: every client takes the key in turn once, each waiting for the others, so that each has
+		// opened what waiting takes (connections, checks, a session of its own for advlock) before the counting
+		// starts, as raw pgx's connections are made: a client that connects while the others take turns joins the
+		// line late, and is counted as passed over by its own start.
+		warmErrs := make([]error, writersN)
+		var warm sync.WaitGroup
+		for i, cl := range clients {
+			warm.Add(1)
+			go func() {
+				defer warm.Done()
+				warmErrs[i] = cl.cycle(ctx, key+"-warm", func() { time.Sleep(5 * time.Millisecond) })
+			}()
+		}
+		warm.Wait()
+		if err == nil {
+			err = errors.Join(warmErrs...)
+		}
+		if !check(c, wWriters, err) {
+			closeAll()
+			continue
+		}
 		counts := make([]int, writersN)
 		longest := make([]time.Duration, writersN)
 		errs := make([]error, writersN)
