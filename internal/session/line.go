@@ -111,15 +111,6 @@ func rowTicketArgs(id ID) string {
 	return derivedArgs(id.Pair, "((l.classid::text::int8 << 32) | l.objid::text::int8)")
 }
 
-// ticketsGiven is an SQL condition that gives back every ticket of id's line numbered lo to hi that this session
-// holds (once each: a session holds its own ticket once, and a ticket it waited for at most once, see LineSQL),
-// true when every unlock found its lock. It reads pg_locks.
-func ticketsGiven(id ID, lo, hi int64) string {
-	return "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(id)) +
-		" ELSE " + unlockFn(false, rowTicketArgs(id)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
-		lineRows(id, lo, hi) + "), true)"
-}
-
 // JoinSQL is a wait's statement when its first try did not pass (or, for a wait that publishes its start, its first
 // statement): a try of the key (a reader's passes only while no writer's intent stands), and when it fails the wait
 // joins the key's line: it takes the ticket one past the newest held (1 when none is), in its own mode. It never
@@ -157,7 +148,9 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 		places(t.ID, "0") + " x) m LEFT JOIN LATERAL (SELECT s FROM generate_series(1, " + strconv.Itoa(joinSpan) + ") s WHERE " +
 		lockFn(true, t.Shared, ticketArgs(t.ID, "(m.newest + s - 1) % "+ring+" + 1")) + " LIMIT 1) g ON true) j)"
 	var b strings.Builder
-	b.WriteString("SELECT CASE WHEN pg_is_in_recovery() THEN -1")
+	// The join waits only for the line's flag, which a try holds exclusively for a moment: a role's or a pool's
+	// lock_timeout must not end it after the ticket was taken (the wait would be settled without its place).
+	b.WriteString("SET LOCAL lock_timeout = 0; SELECT CASE WHEN pg_is_in_recovery() THEN -1")
 	if t.Shared {
 		b.WriteString(" WHEN " + lockFn(true, true, key) + " THEN CASE WHEN " + noIntent(ik) + " THEN " + grant(fenced) +
 			" WHEN " + unlockFn(true, key) + " THEN " + join + " ELSE -5 END")
@@ -190,7 +183,18 @@ func joined(r int64) (seq int64, head, intent, idle bool) {
 // idle_session_timeout was set as it joined) resultHeadNow. A ticket granted as a slice ended
 // survives the timeout error: the next statement finds the session holding a ticket in front of its own and gives
 // it back (resultAdvanced) before it looks again.
-func LineSQL(t Target, seq, ms int64) string {
+func LineSQL(t Target, seq, ms int64) string { return lineSQL(t, seq, ms, false) }
+
+// lineSQL is LineSQL; again says that the statement before it ended at a slice's end (55P03), which may have been
+// raised only after that statement found the wait the head and took the intent (a lock_timeout that fired as the
+// ticket in front was granted surfaces at the statement's next check for interrupts): then the intent is taken only
+// when pg_locks says the session does not hold it already, which a try would take a second time (and the grant's
+// leave give back once).
+func lineSQL(t Target, seq, ms int64, again bool) string {
+	takeIntent := lockFn(true, false, t.ID.Intent().literal())
+	if again {
+		takeIntent = "CASE WHEN " + ownHeld(Target{ID: t.ID.Intent()}) + " THEN true ELSE " + takeIntent + " END"
+	}
 	writers := ""
 	if t.Shared {
 		writers = " AND x.mode = 'ExclusiveLock'"
@@ -203,7 +207,7 @@ func LineSQL(t Target, seq, ms int64) string {
 	if t.Shared {
 		b.WriteString(" WHEN p.o IS NULL THEN " + strconv.Itoa(resultHead))
 	} else { // the head writer takes the intent in the statement that found it the head: no reader's try between
-		b.WriteString(" WHEN p.o IS NULL THEN CASE WHEN " + lockFn(true, false, t.ID.Intent().literal()) + " THEN " +
+		b.WriteString(" WHEN p.o IS NULL THEN CASE WHEN " + takeIntent + " THEN " +
 			strconv.Itoa(resultHeadNow) + " ELSE " + strconv.Itoa(resultHead) + " END")
 	}
 	// Granted the ticket in front, the wait gives it back and looks again at once (pg_locks, read anew): with no
@@ -212,7 +216,7 @@ func LineSQL(t Target, seq, ms int64) string {
 	front := ticketArgs(t.ID, "p.o")
 	head := strconv.Itoa(resultHead)
 	if !t.Shared {
-		head = "CASE WHEN " + lockFn(true, false, t.ID.Intent().literal()) + " THEN " + strconv.Itoa(resultHeadNow) + " ELSE " + head + " END"
+		head = "CASE WHEN " + takeIntent + " THEN " + strconv.Itoa(resultHeadNow) + " ELSE " + head + " END"
 	}
 	stillFront := "EXISTS (SELECT 1 FROM " + places(t.ID, strconv.FormatInt(seq, 10)) + " x WHERE" + inFront +
 		" AND x.pid <> pg_backend_pid()" + writers + ")"
@@ -235,12 +239,30 @@ func straysGiven(id ID, seq int64) string {
 		lineRows(id, 1, lineMask) + " AND " + d + " > 0 AND " + d + " < " + strconv.Itoa(ringHalf) + "), true)"
 }
 
-// leaveSQL is an SQL condition that gives back the session's place in t's line (its ticket, and any ticket it
-// holds from a wait for the member in front of it; a writer's hold of the line's flag): true when all was there.
-func leaveSQL(t Target) string {
-	s := ticketsGiven(t.ID, 1, lineMask)
-	if !t.Shared {
-		s = "(" + s + " AND " + unlockFn(true, t.ID.Waiting().literal()) + ")"
+// leaveHeldCond is leaveCond for a grant in a statement sent again after a slice's end (WaitSQL's requeue): the
+// statement before it may have been granted and left the line already, its error raised only after (a lock_timeout
+// that fired as the grant was made surfaces at the statement's next check for interrupts; with fencing, nextval
+// waits for its sequence under the same lock_timeout), and an unlock there rolls nothing back. So it gives back
+// whichever of the line's locks the session holds, as pg_locks says (its tickets, the line's flag, the key's
+// intent: each held once), and restores the session's idle_session_timeout (a set_config that the error rolled
+// back); true when every unlock found its lock.
+func leaveHeldCond(t Target, idle bool) string {
+	id := t.ID
+	sub := "1"
+	if id.Pair {
+		sub = "2"
+	}
+	row := func(x ID) string {
+		c, o := uint64(x.V)>>32, uint64(uint32(x.V))
+		return "(l.classid = '" + strconv.FormatUint(c, 10) + "'::oid AND l.objid = '" + strconv.FormatUint(o, 10) + "'::oid)"
+	}
+	rows := "(" + lineRows(id, 1, lineMask) + " OR l.locktype = 'advisory' AND l.objsubid = " + sub + " AND (" + row(id.Waiting()) +
+		" OR " + row(id.Intent()) + ") AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))"
+	s := "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(id)) +
+		" ELSE " + unlockFn(false, rowTicketArgs(id)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
+		rows + "), true)"
+	if idle {
+		s = "(" + s + " AND set_config('idle_session_timeout', '0', false) IS NOT NULL)"
 	}
 	return s
 }

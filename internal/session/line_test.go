@@ -187,7 +187,11 @@ func TestLineRing(t *testing.T) {
 // lineConns gives a test connections of its own to the server and a reader of a statement's last answer (the
 // simple protocol: LineSQL's texts hold several statements).
 func lineConns(t *testing.T, ctx context.Context) (conn func() *pgx.Conn, q func(*pgx.Conn, string) (int64, error)) {
-	url := pgtest.URL(t)
+	return lineConnsTo(t, ctx, pgtest.URL(t))
+}
+
+// lineConnsTo is lineConns to the database at url.
+func lineConnsTo(t *testing.T, ctx context.Context, url string) (conn func() *pgx.Conn, q func(*pgx.Conn, string) (int64, error)) {
 	conn = func() *pgx.Conn {
 		c, err := pgx.Connect(ctx, url)
 		if err != nil {
@@ -347,4 +351,128 @@ func TestJoinsTogether(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+}
+
+// A grant's error may come after the grant left the line: a fenced grant whose nextval waits for its sequence
+// (locked by an ALTER SEQUENCE) past the slice's lock_timeout has given its ticket, the flag and the intent back
+// and still fails with 55P03. The statement sent next, the requeue, takes the grant the server made (a token, not
+// doubt) and finds nothing of the line to give back, and the session holds the key alone; a settle instead leaves
+// it holding nothing. Both statements judge what the session holds by pg_locks.
+func TestGrantErrorAfterLeave(t *testing.T) {
+	if testing.Short() {
+		t.Skip("makes a database")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	conn, q := lineConnsTo(t, ctx, url)
+	must := func(x *pgx.Conn, sql string) int64 {
+		t.Helper()
+		v, err := q(x, sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	setup := conn()
+	if _, err := setup.Exec(ctx, "CREATE SEQUENCE "+FenceSeq); err != nil {
+		t.Fatal(err)
+	}
+	held := func(x *pgx.Conn) []string {
+		t.Helper()
+		rows, err := setup.Query(ctx, "SELECT mode || ' ' || ((classid::int8 << 32) | objid::int8) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1 ORDER BY 1", x.PgConn().PID())
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	for _, settle := range []bool{false, true} {
+		t.Run(fmt.Sprintf("settle=%v", settle), func(t *testing.T) {
+			k := ID{V: time.Now().UnixNano()}
+			w := Target{ID: k}
+			holder, seqLock, a := conn(), conn(), conn()
+			must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+			if _, err := seqLock.Exec(ctx, "BEGIN; ALTER SEQUENCE "+FenceSeq+" CACHE 1"); err != nil {
+				t.Fatal(err)
+			}
+			seq, head, intent, idle := joined(must(a, JoinSQL(w, true, 15000)))
+			if !head || !intent || !idle {
+				t.Fatalf("the join: place %d head %v intent %v idle %v", seq, head, intent, idle)
+			}
+			failed := make(chan error, 1)
+			go func() { _, err := q(a, WaitSQL(w, 1000, true, false, intent, 15000, seq, idle)); failed <- err }()
+			time.Sleep(200 * time.Millisecond)
+			must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+			if err := <-failed; SQLState(err) != "55P03" {
+				t.Fatalf("the grant whose nextval waited past the slice: %v, want 55P03", err)
+			}
+			key := "ExclusiveLock " + strconv.FormatInt(k.V, 10)
+			if got := held(a); len(got) != 1 || got[0] != key {
+				t.Fatalf("after the failed grant the session holds %q, want only [%s] (the line left before the error)", got, key)
+			}
+			if _, err := seqLock.Exec(ctx, "COMMIT"); err != nil {
+				t.Fatal(err)
+			}
+			if settle {
+				if r := must(a, SettleSQL(w, intent, true, idle)); r != 1 {
+					t.Fatalf("the settle: %d, want 1", r)
+				}
+				if got := held(a); len(got) != 0 {
+					t.Fatalf("after the settle the session holds %q, want nothing", got)
+				}
+			} else {
+				if r := must(a, WaitSQL(w, 1000, true, true, intent, 15000, seq, idle)); r < 1 {
+					t.Fatalf("the requeue: %d, want the grant's token", r)
+				}
+				if got := held(a); len(got) != 1 || got[0] != key {
+					t.Fatalf("after the requeue the session holds %q, want only [%s]", got, key)
+				}
+			}
+			var setting string
+			if err := a.QueryRow(ctx, "SHOW idle_session_timeout").Scan(&setting); err != nil || setting != "0" {
+				t.Fatalf("idle_session_timeout: %q %v, want 0 (restored)", setting, err)
+			}
+			must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+		})
+	}
+}
+
+// A LineSQL sent after a slice's end may find the session holding the key's intent already: the statement before
+// it took it as it found the wait the head, and its lock_timeout error was raised only after. The intent is then
+// not taken a second time (the grant's leave gives it back once): one unlock later the session holds none.
+func TestLineAgainTakesIntentOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	k := ID{V: time.Now().UnixNano()}
+	w := Target{ID: k}
+	holder, a := conn(), conn()
+	must := func(x *pgx.Conn, sql string) int64 {
+		t.Helper()
+		v, err := q(x, sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+	seq, head, intent, _ := joined(must(a, JoinSQL(w, false, 15000)))
+	if !head || !intent {
+		t.Fatalf("the join: head %v intent %v, want both", head, intent)
+	}
+	// The client took the slice's end for a wait still in the line: its next statement is a LineSQL, sent again.
+	if r := must(a, lineSQL(w, seq, 50, true)); r != resultHeadNow {
+		t.Fatalf("the line statement sent again: %d, want %d (the head, holding the intent)", r, resultHeadNow)
+	}
+	must(a, "SELECT pg_advisory_unlock("+k.Intent().literal()+")::int")
+	if n := must(holder, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = "+strconv.Itoa(int(a.PgConn().PID()))+
+		" AND classid = "+strconv.FormatUint(uint64(k.Intent().V)>>32, 10)+" AND objid = "+strconv.FormatUint(uint64(uint32(k.Intent().V)), 10)); n != 0 {
+		t.Fatal("one unlock of the intent left it held: the line statement took it a second time")
+	}
+	must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 }

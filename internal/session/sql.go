@@ -384,9 +384,14 @@ func ownHeld(t Target) string {
 // A grant gives back, in the statement that granted it, what the wait held to get there (leaveCond: its place in
 // the key's line seq, the intent, the session's idle_session_timeout when idle), so that the next member of the
 // line moves up as the grant is made, and the grant costs no round trip more; an unlock there that finds nothing
-// yields -5 (doubt).
+// yields -5 (doubt). A requeue gives back what pg_locks says the session holds instead (leaveHeldCond): the
+// statement before it may have left the line before its error.
 func WaitSQL(t Target, ms int64, fenced, requeue, intent bool, idleMS, seq int64, idle bool) string {
-	return waitSQL(t, nil, ms, fenced, requeue, intent, idleMS, leaveCond(t, seq, intent, idle))
+	leave := leaveCond(t, seq, intent, idle)
+	if requeue && leave != "" {
+		leave = leaveHeldCond(t, idle)
+	}
+	return waitSQL(t, nil, ms, fenced, requeue, intent, idleMS, leave)
 }
 
 // WaitAnySQL is WaitSQL for an exclusive wait for t that takes any of alts instead when one is free: each of its
@@ -439,17 +444,17 @@ func SharedNowSQL(t Target) string {
 
 // SettleSQL leaves a session that waited for t and was not granted holding nothing, whether or not a grant raced
 // the wait's end (a try passes on a session that holds the key already; then one unlock, and pg_locks says whether
-// a second is needed), with line also its place in the key's line (LineSQL), and with intent also gives the key's intent back (with idle, restoring the session's
+// a second is needed), with line also its place in the key's line (LineSQL) and whatever it holds of the line and
+// the key's intent (leaveHeldCond), and with intent also gives the key's intent back (with idle, restoring the session's
 // idle_session_timeout: intentIdle). It yields 1 when the session holds
 // nothing afterwards; anything else puts the session in doubt.
 func SettleSQL(t Target, intent, line, idle bool) string {
 	key := t.ID.literal()
 	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
 		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
-	if line {
-		s += " * CASE WHEN " + leaveSQL(t) + " THEN 1 ELSE 0 END"
-	}
-	if intent && !t.Shared {
+	if line { // what pg_locks says it holds of the line and the intent: its last statement's error may have come late
+		s += " * CASE WHEN " + leaveHeldCond(t, false) + " THEN 1 ELSE 0 END"
+	} else if intent && !t.Shared {
 		s += " * " + unlockFn(false, t.ID.Intent().literal()) + "::int"
 	}
 	if idle {

@@ -142,9 +142,11 @@ func (w *serverWait) queue() (r int64, err error, done bool) {
 
 // inLine waits in the line, one slice at a time, until the wait is its head.
 func (w *serverWait) inLine() (int64, error, bool) {
+	again := false
 	for {
 		end, last, ms := slice(w.ctx, w.cfg)
-		r, err := w.statement(end, w.comment()+LineSQL(w.t, w.seq, ms))
+		r, err := w.statement(end, w.comment()+lineSQL(w.t, w.seq, ms, again))
+		again = SQLState(err) == "55P03"
 		switch {
 		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
 			if yielded, err := w.yielded(); yielded || err != nil {
