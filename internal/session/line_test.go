@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -48,14 +49,7 @@ func TestLineStatements(t *testing.T) {
 	for _, k := range []ID{{V: now}, {Pair: true, V: now}, {V: 6138966170140998771}} { // the last one's tickets from -2^63
 		pair := k.Pair
 		t.Run(fmt.Sprintf("pair=%v,%d", pair, k.V), func(t *testing.T) {
-			must = func(c *pgx.Conn, sql string) int64 {
-				t.Helper()
-				r, err := q(c, sql)
-				if err != nil {
-					t.Fatal(err)
-				}
-				return r
-			}
+			must = mustQ(t, q)
 			w, r := Target{ID: k}, Target{ID: k, Shared: true}
 			holder, a, b, c := conn(), conn(), conn(), conn()
 			must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
@@ -137,14 +131,7 @@ func TestLineRing(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	conn, q := lineConns(t, ctx)
-	must := func(c *pgx.Conn, sql string) int64 {
-		t.Helper()
-		r, err := q(c, sql)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return r
-	}
+	must := mustQ(t, q)
 	k := ID{V: time.Now().UnixNano()}
 	w := Target{ID: k}
 	holder, end1, end2, a, b := conn(), conn(), conn(), conn(), conn()
@@ -225,14 +212,7 @@ func TestGrantLeavesLine(t *testing.T) {
 	k := ID{V: time.Now().UnixNano()}
 	w, r := Target{ID: k}, Target{ID: k, Shared: true}
 	holder, a, c := conn(), conn(), conn()
-	must := func(x *pgx.Conn, sql string) int64 {
-		t.Helper()
-		v, err := q(x, sql)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return v
-	}
+	must := mustQ(t, q)
 	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
 	seq, head, intent, idle := joined(must(a, JoinSQL(w, false, 15000)))
 	if seq != 1 || !head || !intent || !idle {
@@ -257,28 +237,10 @@ func TestGrantLeavesLine(t *testing.T) {
 	if v := <-moved; v != resultHead {
 		t.Fatalf("the reader behind the granted writer: %d, want %d (the head)", v, resultHead)
 	}
-	var rows []string
-	res, err := holder.Query(ctx, "SELECT mode || ' ' || ((classid::int8 << 32) | objid::int8) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1", a.PgConn().PID())
-	if err != nil {
-		t.Fatal(err)
+	if got, want := advisoryHeld(t, ctx, holder, a), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+		t.Fatalf("the granted writer's locks: %q, want only [%s]", got, want)
 	}
-	for res.Next() {
-		var s string
-		if err := res.Scan(&s); err != nil {
-			t.Fatal(err)
-		}
-		rows = append(rows, s)
-	}
-	if res.Err() != nil {
-		t.Fatal(res.Err())
-	}
-	if want := "ExclusiveLock " + strconv.FormatInt(k.V, 10); len(rows) != 1 || rows[0] != want {
-		t.Fatalf("the granted writer's locks: %q, want only [%s]", rows, want)
-	}
-	var setting string
-	if err := a.QueryRow(ctx, "SHOW idle_session_timeout").Scan(&setting); err != nil || setting != "0" {
-		t.Fatalf("the granted writer's idle_session_timeout: %q %v, want 0 (restored)", setting, err)
-	}
+	idleRestored(t, ctx, a)
 	for _, x := range []*pgx.Conn{a, c} {
 		must(x, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	}
@@ -366,30 +328,12 @@ func TestGrantErrorAfterLeave(t *testing.T) {
 	defer cancel()
 	url := pgtest.FreshDB(t, pgtest.URL(t))
 	conn, q := lineConnsTo(t, ctx, url)
-	must := func(x *pgx.Conn, sql string) int64 {
-		t.Helper()
-		v, err := q(x, sql)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return v
-	}
+	must := mustQ(t, q)
 	setup := conn()
 	if _, err := setup.Exec(ctx, "CREATE SEQUENCE "+FenceSeq); err != nil {
 		t.Fatal(err)
 	}
-	held := func(x *pgx.Conn) []string {
-		t.Helper()
-		rows, err := setup.Query(ctx, "SELECT mode || ' ' || ((classid::int8 << 32) | objid::int8) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1 ORDER BY 1", x.PgConn().PID())
-		if err != nil {
-			t.Fatal(err)
-		}
-		s, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s
-	}
+	held := func(x *pgx.Conn) []string { return advisoryHeld(t, ctx, setup, x) }
 	for _, settle := range []bool{false, true} {
 		t.Run(fmt.Sprintf("settle=%v", settle), func(t *testing.T) {
 			k := ID{V: time.Now().UnixNano()}
@@ -432,10 +376,7 @@ func TestGrantErrorAfterLeave(t *testing.T) {
 					t.Fatalf("after the requeue the session holds %q, want only [%s]", got, key)
 				}
 			}
-			var setting string
-			if err := a.QueryRow(ctx, "SHOW idle_session_timeout").Scan(&setting); err != nil || setting != "0" {
-				t.Fatalf("idle_session_timeout: %q %v, want 0 (restored)", setting, err)
-			}
+			idleRestored(t, ctx, a)
 			must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 		})
 	}
@@ -451,14 +392,7 @@ func TestLineAgainTakesIntentOnce(t *testing.T) {
 	k := ID{V: time.Now().UnixNano()}
 	w := Target{ID: k}
 	holder, a := conn(), conn()
-	must := func(x *pgx.Conn, sql string) int64 {
-		t.Helper()
-		v, err := q(x, sql)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return v
-	}
+	must := mustQ(t, q)
 	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
 	seq, head, intent, _ := joined(must(a, JoinSQL(w, false, 15000)))
 	if !head || !intent {
@@ -469,10 +403,45 @@ func TestLineAgainTakesIntentOnce(t *testing.T) {
 		t.Fatalf("the line statement sent again: %d, want %d (the head, holding the intent)", r, resultHeadNow)
 	}
 	must(a, "SELECT pg_advisory_unlock("+k.Intent().literal()+")::int")
-	if n := must(holder, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = "+strconv.Itoa(int(a.PgConn().PID()))+
-		" AND classid = "+strconv.FormatUint(uint64(k.Intent().V)>>32, 10)+" AND objid = "+strconv.FormatUint(uint64(uint32(k.Intent().V)), 10)); n != 0 {
-		t.Fatal("one unlock of the intent left it held: the line statement took it a second time")
+	if got := advisoryHeld(t, ctx, holder, a); slices.Contains(got, "ExclusiveLock "+strconv.FormatInt(k.Intent().V, 10)) {
+		t.Fatalf("one unlock of the intent left it held (%q): the line statement took it a second time", got)
 	}
 	must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+}
+
+// mustQ is q failing the test on an error.
+func mustQ(t *testing.T, q func(*pgx.Conn, string) (int64, error)) func(*pgx.Conn, string) int64 {
+	return func(c *pgx.Conn, sql string) int64 {
+		t.Helper()
+		v, err := q(c, sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+}
+
+// advisoryHeld lists the advisory locks x's session holds or waits for, as "mode number", read through obs.
+func advisoryHeld(t *testing.T, ctx context.Context, obs, x *pgx.Conn) []string {
+	t.Helper()
+	rows, err := obs.Query(ctx, "SELECT mode || ' ' || ((classid::int8 << 32) | objid::int8) FROM pg_locks WHERE locktype = 'advisory' AND pid = $1 ORDER BY 1",
+		x.PgConn().PID())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// idleRestored fails the test unless x's session has an idle_session_timeout of 0, as before its wait.
+func idleRestored(t *testing.T, ctx context.Context, x *pgx.Conn) {
+	t.Helper()
+	var setting string
+	if err := x.QueryRow(ctx, "SHOW idle_session_timeout").Scan(&setting); err != nil || setting != "0" {
+		t.Fatalf("idle_session_timeout: %q %v, want 0 (restored)", setting, err)
+	}
 }
