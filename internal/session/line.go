@@ -185,8 +185,8 @@ func joined(r int64) (seq int64, head, intent, idle bool) {
 // it back (resultAdvanced) before it looks again.
 func LineSQL(t Target, seq, ms int64) string { return lineSQL(t, seq, ms, false) }
 
-// lineSQL is LineSQL; again says that the statement before it ended at a slice's end (55P03), which may have been
-// raised only after that statement found the wait the head and took the intent (a lock_timeout that fired as the
+// lineSQL is LineSQL; again says that a statement of the wait before it ended at a slice's end (55P03), which may
+// have been raised only after that statement found the wait the head and took the intent (a lock_timeout that fired as the
 // ticket in front was granted surfaces at the statement's next check for interrupts): then the intent is taken only
 // when pg_locks says the session does not hold it already, which a try would take a second time (and the grant's
 // leave give back once).
@@ -239,8 +239,9 @@ func straysGiven(id ID, seq int64) string {
 		lineRows(id, 1, lineMask) + " AND " + d + " > 0 AND " + d + " < " + strconv.Itoa(ringHalf) + "), true)"
 }
 
-// leaveHeldCond is leaveCond for a grant in a statement sent again after a slice's end (WaitSQL's requeue): the
-// statement before it may have been granted and left the line already, its error raised only after (a lock_timeout
+// leaveHeldCond is leaveCond for a grant in a statement sent after a slice's end (WaitSQL's requeue, and every
+// later statement of that wait: serverWait.timedOut): a statement before it may have been granted and left the
+// line already, its error raised only after (a lock_timeout
 // that fired as the grant was made surfaces at the statement's next check for interrupts; with fencing, nextval
 // waits for its sequence under the same lock_timeout), and an unlock there rolls nothing back. So it gives back
 // whichever of the line's locks the session holds, as pg_locks says (its tickets, the line's flag, the key's

@@ -445,3 +445,63 @@ func idleRestored(t *testing.T, ctx context.Context, x *pgx.Conn) {
 		t.Fatalf("idle_session_timeout: %q %v, want 0 (restored)", setting, err)
 	}
 }
+
+// A reader whose grant left the line before its slice's error (its fenced nextval held up by an ALTER SEQUENCE),
+// then gave the key back in its requeue (the writer behind it had moved up and taken the intent), is granted in a
+// later statement of its wait: every statement of the wait after its first 55P03 gives back what pg_locks says it
+// holds (serverWait.timedOut), not its ticket a second time (which answered doubt, -5, and closed the session).
+func TestBouncedReaderAfterLateError(t *testing.T) {
+	if testing.Short() {
+		t.Skip("makes a database")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	conn, q := lineConnsTo(t, ctx, url)
+	must := mustQ(t, q)
+	holder, seqLock, rc, wc := conn(), conn(), conn(), conn()
+	if _, err := holder.Exec(ctx, "CREATE SEQUENCE "+FenceSeq); err != nil {
+		t.Fatal(err)
+	}
+	k := ID{V: time.Now().UnixNano()}
+	r, w := Target{ID: k, Shared: true}, Target{ID: k}
+	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+	if _, err := seqLock.Exec(ctx, "BEGIN; ALTER SEQUENCE "+FenceSeq+" CACHE 1"); err != nil {
+		t.Fatal(err)
+	}
+	rseq, rhead, _, ridle := joined(must(rc, JoinSQL(r, true, 15000)))
+	wseq, whead, _, _ := joined(must(wc, JoinSQL(w, true, 15000)))
+	if !rhead || whead || wseq != rseq+1 {
+		t.Fatalf("joins: the reader place %d head %v, the writer place %d head %v", rseq, rhead, wseq, whead)
+	}
+	rw := &serverWait{t: r, cfg: Config{Fencing: true}, seq: rseq, idle: ridle}
+	moved, failed := make(chan int64, 1), make(chan error, 1)
+	go func() { v, _ := q(wc, LineSQL(w, wseq, 10000)); moved <- v }()
+	go func() { _, err := q(rc, rw.waitText(1000, false)); failed <- err }()
+	time.Sleep(200 * time.Millisecond)
+	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	if v := <-moved; v != resultHeadNow {
+		t.Fatalf("the writer behind the granted reader: %d, want %d (the head, with the intent)", v, resultHeadNow)
+	}
+	if err := <-failed; SQLState(err) != "55P03" {
+		t.Fatalf("the reader's grant whose nextval waited past the slice: %v, want 55P03", err)
+	}
+	rw.timedOut = true // as run notes it
+	if _, err := seqLock.Exec(ctx, "COMMIT"); err != nil {
+		t.Fatal(err)
+	}
+	if v := must(rc, rw.waitText(1000, true)); v != resultBounced {
+		t.Fatalf("the reader's requeue with the writer's intent standing: %d, want %d (given back)", v, resultBounced)
+	}
+	if v := must(wc, WaitSQL(w, 10000, true, false, true, 15000, wseq, false)); v < 1 {
+		t.Fatalf("the writer: %d, want a token", v)
+	}
+	must(wc, "SELECT pg_advisory_unlock("+k.literal()+")::int")
+	if v := must(rc, rw.waitText(1000, false)); v < 1 {
+		t.Fatalf("the reader's next statement once the writer let go: %d, want a token", v)
+	}
+	if got, want := advisoryHeld(t, ctx, holder, rc), "ShareLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+		t.Fatalf("the granted reader holds %q, want only [%s]", got, want)
+	}
+	idleRestored(t, ctx, rc)
+}

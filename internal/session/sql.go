@@ -385,7 +385,8 @@ func ownHeld(t Target) string {
 // the key's line seq, the intent, the session's idle_session_timeout when idle), so that the next member of the
 // line moves up as the grant is made, and the grant costs no round trip more; an unlock there that finds nothing
 // yields -5 (doubt). A requeue gives back what pg_locks says the session holds instead (leaveHeldCond): the
-// statement before it may have left the line before its error.
+// statement before it may have left the line before its error (serverWait does so for every statement of a wait
+// after its first 55P03).
 func WaitSQL(t Target, ms int64, fenced, requeue, intent bool, idleMS, seq int64, idle bool) string {
 	leave := leaveCond(t, seq, intent, idle)
 	if requeue && leave != "" {
@@ -452,10 +453,8 @@ func SettleSQL(t Target, intent, line, idle bool) string {
 	key := t.ID.literal()
 	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
 		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
-	if line { // what pg_locks says it holds of the line and the intent: its last statement's error may have come late
+	if line || intent { // what pg_locks says it holds of the line and the intent: its last error may have come late
 		s += " * CASE WHEN " + leaveHeldCond(t, false) + " THEN 1 ELSE 0 END"
-	} else if intent && !t.Shared {
-		s += " * " + unlockFn(false, t.ID.Intent().literal()) + "::int"
 	}
 	if idle {
 		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"

@@ -33,20 +33,25 @@ const DefaultWaitSlice = 900 * time.Millisecond
 //   - The wait publishes when it began (a comment in front of each statement, which pg_stat_activity shows), so
 //     that Inspect and advlock ls report the whole wait, not the current slice.
 type serverWait struct {
-	ctx     context.Context
-	conn    Conn
-	t       Target
-	cfg     Config
-	tag     string    // a published wait's comment body for deadlock detection ("w=... h=..."), or ""
-	start   time.Time // when the wait began
-	intent  bool      // the session holds t's intent
-	seq     int64     // the wait's place in its key's line (see line.go), or 0
-	idle    bool      // taking it gave the session an idle_session_timeout (intentIdle), to be restored
-	slack   time.Duration
-	rtt     time.Duration // the longest answer delay seen past a statement's expected answer
-	bounces int           // shared waits given back in a row because a writer's intent stood
-	yield   func() bool   // asked after each whole slice: give the session up for another wait (WithYield)
-	alts    []ID          // keys any of which will do instead of t, tried in each statement (WithAlternatives)
+	ctx    context.Context
+	conn   Conn
+	t      Target
+	cfg    Config
+	tag    string    // a published wait's comment body for deadlock detection ("w=... h=..."), or ""
+	start  time.Time // when the wait began
+	intent bool      // the session holds t's intent
+	seq    int64     // the wait's place in its key's line (see line.go), or 0
+	// timedOut: a statement of this wait ended at a slice's end (55P03). Such an error can surface after the rest
+	// of its statement ran (a lock_timeout that fired as a lock was granted is raised at the statement's next check
+	// for interrupts), so from then on what the session holds of the line and the intent is read from pg_locks by
+	// the statements that give it back or take it (leaveHeldCond, lineSQL's again), not taken from the answers.
+	timedOut bool
+	idle     bool // taking it gave the session an idle_session_timeout (intentIdle), to be restored
+	slack    time.Duration
+	rtt      time.Duration // the longest answer delay seen past a statement's expected answer
+	bounces  int           // shared waits given back in a row because a writer's intent stood
+	yield    func() bool   // asked after each whole slice: give the session up for another wait (WithYield)
+	alts     []ID          // keys any of which will do instead of t, tried in each statement (WithAlternatives)
 }
 
 // bounceBackoff is how long a shared wait that was given back (a writer's intent stood) waits before it is sent
@@ -90,12 +95,9 @@ func (w *serverWait) run(first bool) (int64, error) {
 		if last && !time.Now().Before(end) && w.bounces > 0 {
 			return 0, errBouncedAtDeadline // given back to a writer, and the deadline has come
 		}
-		sql := WaitSQL(w.t, ms, w.cfg.Fencing, requeue, w.intent, w.idleMS(), w.seq, w.idle)
-		if len(w.alts) > 0 {
-			sql = WaitAnySQL(w.t, w.alts, ms, requeue, w.intent)
-		}
-		r, err := w.statement(end, w.comment()+sql)
+		r, err := w.statement(end, w.comment()+w.waitText(ms, requeue))
 		requeue = false
+		w.timedOut = w.timedOut || SQLState(err) == "55P03"
 		switch {
 		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
 			requeue, w.bounces = true, 0 // a whole slice waited in the queue
@@ -113,6 +115,20 @@ func (w *serverWait) run(first bool) (int64, error) {
 			return r, err
 		}
 	}
+}
+
+// waitText is the wait's next statement for the key itself (WaitSQL, or WaitAnySQL with alternatives), a slice of
+// ms. Its grant gives back what the wait holds of the key's line and the intent: what the answers said, until a
+// statement of the wait ended at a slice's end; from then on what pg_locks says (see timedOut).
+func (w *serverWait) waitText(ms int64, requeue bool) string {
+	if len(w.alts) > 0 {
+		return WaitAnySQL(w.t, w.alts, ms, requeue, w.intent)
+	}
+	leave := leaveCond(w.t, w.seq, w.intent, w.idle)
+	if w.timedOut && leave != "" {
+		leave = leaveHeldCond(w.t, w.idle)
+	}
+	return waitSQL(w.t, nil, ms, w.cfg.Fencing, requeue, w.intent, w.idleMS(), leave)
 }
 
 // joinTries bounds how often a wait tries to join its key's line when other waits take the same ticket at the
@@ -142,11 +158,10 @@ func (w *serverWait) queue() (r int64, err error, done bool) {
 
 // inLine waits in the line, one slice at a time, until the wait is its head.
 func (w *serverWait) inLine() (int64, error, bool) {
-	again := false
 	for {
 		end, last, ms := slice(w.ctx, w.cfg)
-		r, err := w.statement(end, w.comment()+lineSQL(w.t, w.seq, ms, again))
-		again = SQLState(err) == "55P03"
+		r, err := w.statement(end, w.comment()+lineSQL(w.t, w.seq, ms, w.timedOut))
+		w.timedOut = w.timedOut || SQLState(err) == "55P03"
 		switch {
 		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
 			if yielded, err := w.yielded(); yielded || err != nil {
