@@ -373,8 +373,9 @@ func ownHeld(t Target) string {
 // error), so a wait sent again after a timeout (requeue) first tries the key: the try passes on a session that
 // holds it already (PostgreSQL's re-entrancy), as it does on a free key, and fails at once otherwise, which is
 // the usual case and costs the server a few microseconds. When it passes, the session holds the key once or twice:
-// one unlock, then pg_locks says which (the only read of the lock table, once per wait at most, as the wait ends),
-// so that the key is held exactly once when the statement yields a grant.
+// one unlock, then pg_locks says which (a read of the lock table once per wait at most, as the wait ends; a wait
+// in a line reads it too as it leaves the line, once it has had a slice's end: leaveHeldCond), so that the key is
+// held exactly once when the statement yields a grant.
 //
 // An exclusive wait that holds no intent yet takes it when no other session holds it, and then yields
 // resultIntentNow (or resultIntentIdle, having given the session an idle_session_timeout of idleMS: intentIdle)
