@@ -470,7 +470,10 @@ func (c *campaign) start(s *slot) error {
 		err := cmd.Wait()
 		s.mu.Lock()
 		killed, stopped := s.killed, s.stopped
-		if !killed && (!stopped || err != nil) {
+		// A worker ended by the stop's SIGTERM itself was stopped before it began: it catches SIGTERM first thing
+		// (runWorker), before any operation, so only one that was still starting (one just restarted after a
+		// SIGKILL, say, under CI's load) dies of it.
+		if !killed && (!stopped || err != nil && !terminated(err)) {
 			out, _ := os.ReadFile(s.stderr.Name())
 			if len(out) > 2000 {
 				out = out[len(out)-2000:]
@@ -494,6 +497,16 @@ func (c *campaign) start(s *slot) error {
 		}
 	}()
 	return nil
+}
+
+// terminated reports whether a process's exit error says SIGTERM ended it.
+func terminated(err error) bool {
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) {
+		return false
+	}
+	ws, ok := ee.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGTERM
 }
 
 func (c *campaign) signal(s *slot, sig syscall.Signal) {
