@@ -141,21 +141,10 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 	// The ticket one past the newest, or when another wait took it at the same moment (joins that came together),
 	// the first free of the next joinSpan: those in between joined in front of it. Only a wait that took the very
 	// next one is the head, when the line was empty.
-	//
-	// A wait that read an empty line and took place 1 checks, after taking it, that no other member holds a place
-	// now: between its read and its try, a wait may have joined at 1, been granted and left, and a third joined at
-	// 2 and become the head; place 1 would then be in front of that head, and two heads would wait for the key.
-	// It gives the place back and joins again (0), behind them.
 	seq := "(m.newest + g.s - 1) % " + ring + " + 1"
-	others := " AND x.pid <> pg_backend_pid()"
-	if t.Shared {
-		others += " AND x.mode = 'ExclusiveLock'"
-	}
-	stale := "m.head AND g.s = 1 AND EXISTS (SELECT 1 FROM " + places(t.ID, "0") + " x WHERE true" + others + ")"
-	join := "(SELECT CASE WHEN j.seq IS NULL THEN 0 WHEN j.stale THEN CASE WHEN " + unlockFn(t.Shared, ticketArgs(t.ID, "j.seq")) +
-		" THEN 0 ELSE -5 END ELSE " + flag + strconv.Itoa(resultJoined) +
+	join := "(SELECT CASE WHEN j.seq IS NULL THEN 0 ELSE " + flag + strconv.Itoa(resultJoined) +
 		" - 8 * j.seq - 2 * j.head::int - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'") + " - " + intent + " END" +
-		" FROM (SELECT " + seq + " AS seq, m.head AND g.s = 1 AS head, " + stale + " AS stale FROM (SELECT " + newest + " AS newest, " + head + " AS head FROM " +
+		" FROM (SELECT " + seq + " AS seq, m.head AND g.s = 1 AS head FROM (SELECT " + newest + " AS newest, " + head + " AS head FROM " +
 		places(t.ID, "0") + " x) m LEFT JOIN LATERAL (SELECT s FROM generate_series(1, " + strconv.Itoa(joinSpan) + ") s WHERE " +
 		lockFn(true, t.Shared, ticketArgs(t.ID, "(m.newest + s - 1) % "+ring+" + 1")) + " LIMIT 1) g ON true) j)"
 	var b strings.Builder

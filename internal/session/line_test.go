@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -505,50 +504,4 @@ func TestBouncedReaderAfterLateError(t *testing.T) {
 		t.Fatalf("the granted reader holds %q, want only [%s]", got, want)
 	}
 	idleRestored(t, ctx, rc)
-}
-
-// A join that read an empty line, and took place 1 only after another wait had joined at 1, been granted and left
-// while a third joined at 2 and became the head, gives place 1 back and joins again, behind that head: it would
-// otherwise be a second head in front of it. The join's read is held up by hand (pg_sleep after its read).
-func TestJoinAfterStaleRead(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	conn, q := lineConns(t, ctx)
-	must := mustQ(t, q)
-	k := ID{V: time.Now().UnixNano()}
-	w := Target{ID: k}
-	holder, j, a, b := conn(), conn(), conn(), conn()
-	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
-	slow := strings.Replace(JoinSQL(w, false, 15000), " AS newest, ", " + 0 * length(pg_sleep(1.5)::text) AS newest, ", -1)
-	if slow == JoinSQL(w, false, 15000) {
-		t.Fatal("the join's read of the line is not where the test holds it up")
-	}
-	stale := make(chan int64, 1)
-	go func() { v, _ := q(j, slow); stale <- v }()
-	time.Sleep(300 * time.Millisecond) // j read the line empty, and sleeps
-	aseq, ahead, aintent, aidle := joined(must(a, JoinSQL(w, false, 15000)))
-	bseq, bhead, _, _ := joined(must(b, JoinSQL(w, false, 15000)))
-	if aseq != 1 || !ahead || bseq != 2 || bhead {
-		t.Fatalf("joins: a place %d head %v, b place %d head %v", aseq, ahead, bseq, bhead)
-	}
-	granted := make(chan int64, 1)
-	go func() { v, _ := q(a, WaitSQL(w, 5000, false, false, aintent, 15000, aseq, aidle)); granted <- v }()
-	time.Sleep(50 * time.Millisecond)
-	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-	if v := <-granted; v != resultAcquired {
-		t.Fatalf("a's wait: %d, want a grant", v)
-	}
-	if v := must(b, LineSQL(w, bseq, 2000)); v != resultHeadNow {
-		t.Fatalf("b once a left: %d, want %d (the head)", v, resultHeadNow)
-	}
-	if v := <-stale; v != resultNotHeld {
-		seq, head, _, _ := joined(v)
-		t.Fatalf("the join that read the line empty: %d (place %d head %v), want %d (place given back, sent again)", v, seq, head, resultNotHeld)
-	}
-	if seq, head, _, _ := joined(must(j, JoinSQL(w, false, 15000))); seq != 3 || head {
-		t.Fatalf("the join sent again: place %d head %v, want 3 behind b", seq, head)
-	}
-	for _, x := range []*pgx.Conn{a, b, j} {
-		must(x, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-	}
 }
