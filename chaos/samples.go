@@ -183,13 +183,11 @@ var flags = func() map[session.ID]string {
 	return m
 }()
 
-// ticketOf reports whether id is a ticket of the line of a key the workers take, or that line's flag, and that key.
+// ticketOf reports whether id is a ticket of the line of a key the workers take (or its door, place 0, which a
+// join holds for a moment), or that line's flag, and that key.
 func ticketOf(id session.ID) (string, bool) {
 	if k, ok := flags[id]; ok {
 		return k, true
-	}
-	if id.V&session.LineMask == 0 {
-		return "", false
 	}
 	k, ok := lines[session.ID{Pair: id.Pair, V: id.V &^ session.LineMask}]
 	return k, ok

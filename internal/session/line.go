@@ -50,7 +50,8 @@ const (
 	resultJoined   = -1000
 )
 
-// lineBase is the first number of id's block of tickets (ticket 0, never taken).
+// lineBase is the first number of id's block of tickets: ticket 0, never a place, is the line's door, which a join
+// holds for the moment it reads the line and takes its ticket (see JoinSQL).
 func (id ID) lineBase() ID {
 	d := id.derived(0x6164766c6f636b51) // "advlockQ"
 	d.V &^= lineMask
@@ -67,10 +68,11 @@ func (id ID) Ticket(seq int64) ID {
 	return b
 }
 
-// InLine reports whether x is a ticket of id's line, and its place.
+// InLine reports whether x is a ticket of id's line, and its place: 0 for the line's door, which a wait holds or
+// waits for as it joins the line.
 func (id ID) InLine(x ID) (int64, bool) {
 	b := id.lineBase()
-	if x.Pair != id.Pair || x.V&^lineMask != b.V || x.V&lineMask == 0 {
+	if x.Pair != id.Pair || x.V&^lineMask != b.V {
 		return 0, false
 	}
 	return x.V & lineMask, true
@@ -113,8 +115,8 @@ func rowTicketArgs(id ID) string {
 
 // JoinSQL is a wait's statement when its first try did not pass (or, for a wait that publishes its start, its first
 // statement): a try of the key (a reader's passes only while no writer's intent stands), and when it fails the wait
-// joins the key's line: it takes the ticket one past the newest held (1 when none is), in its own mode. It never
-// waits. It yields a grant, -1 (standby), -5 (doubt), 0 (other waits took every one of the joinSpan tickets past
+// joins the key's line: it takes the ticket one past the newest held (1 when none is), in its own mode. It waits
+// only for what other joins hold for a moment (the line's door, its flag). It yields a grant, -1 (standby), -5 (doubt), 0 (other waits took every one of the joinSpan tickets past
 // the newest at the same moment: send it again), or resultJoined less 8*seq + 4 (a head writer took the key's intent too) + 2 (the head: no member in
 // front of it) + 1 (the session got an idle_session_timeout of idleMS, see intentIdle: a member that stays silent
 // holds up every wait behind it).
@@ -147,6 +149,12 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 		" FROM (SELECT " + seq + " AS seq, m.head AND g.s = 1 AS head FROM (SELECT " + newest + " AS newest, " + head + " AS head FROM " +
 		places(t.ID, "0") + " x) m LEFT JOIN LATERAL (SELECT s FROM generate_series(1, " + strconv.Itoa(joinSpan) + ") s WHERE " +
 		lockFn(true, t.Shared, ticketArgs(t.ID, "(m.newest + s - 1) % "+ring+" + 1")) + " LIMIT 1) g ON true) j)"
+	// Joins of one key pass its line's door one at a time (a lock of the transaction, held from before the join's
+	// read of pg_locks until its statement ends): otherwise a join's read could be stale by the time it takes its
+	// ticket (another wait joined at 1, was granted and left while a third joined at 2 and became the head, and
+	// place 1, read empty, was a second head in front of it). Joins that come together pass in the order the
+	// server queued them for the door.
+	join = "(CASE WHEN length(pg_advisory_xact_lock(" + ticketArgs(t.ID, "0") + ")::text) = 0 THEN " + join + " END)"
 	var b strings.Builder
 	// The join waits only for the line's flag, which a try holds exclusively for a moment: a role's or a pool's
 	// lock_timeout must not end it after the ticket was taken (the wait would be settled without its place).

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -28,7 +29,10 @@ func TestTickets(t *testing.T) {
 				t.Errorf("pair=%v: the other space's key claims ticket %d", pair, seq)
 			}
 		}
-		for _, x := range []ID{k, k.Intent(), k.Linger(), k.lineBase(), {Pair: !pair, V: k.Ticket(1).V}, (ID{Pair: pair, V: k.V + 1}).Ticket(1)} {
+		if seq, ok := k.InLine(k.lineBase()); !ok || seq != 0 {
+			t.Errorf("pair=%v: the line's door: InLine = %d, %v, want place 0", pair, seq, ok)
+		}
+		for _, x := range []ID{k, k.Intent(), k.Linger(), {Pair: !pair, V: k.Ticket(1).V}, (ID{Pair: pair, V: k.V + 1}).Ticket(1)} {
 			if _, ok := k.InLine(x); ok {
 				t.Errorf("pair=%v: %v is not a ticket of %v", pair, x, k)
 			}
@@ -504,4 +508,81 @@ func TestBouncedReaderAfterLateError(t *testing.T) {
 		t.Fatalf("the granted reader holds %q, want only [%s]", got, want)
 	}
 	idleRestored(t, ctx, rc)
+}
+
+// Joins of one key pass its line's door one at a time, each reading the line and taking its ticket in between: a
+// join whose read was held up (pg_sleep after it, by hand) still takes place 1 as the head, and the joins sent
+// meanwhile wait for the door (pg_locks) and then take places 2 and 3 behind it. Without the door they took 1 and 2
+// during the sleep, and could be granted and leave while the join slept, which then took place 1 again in front of
+// the wait that had become the head (two heads).
+func TestJoinDoor(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	must := mustQ(t, q)
+	for _, k := range []ID{{V: time.Now().UnixNano()}, {Pair: true, V: time.Now().UnixNano()}} {
+		w := Target{ID: k}
+		holder, j, a, b, obs := conn(), conn(), conn(), conn(), conn()
+		must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+		slow := strings.Replace(JoinSQL(w, false, 15000), " AS newest, ", " + 0 * length(pg_sleep(1)::text) AS newest, ", -1)
+		if slow == JoinSQL(w, false, 15000) {
+			t.Fatal("the join's read of the line is not where the test holds it up")
+		}
+		type res struct {
+			who string
+			v   int64
+			err error
+		}
+		done := make(chan res, 3)
+		send := func(who string, c *pgx.Conn, sql string) {
+			go func() { v, err := q(c, sql); done <- res{who, v, err} }()
+		}
+		send("j", j, slow)
+		time.Sleep(200 * time.Millisecond) // j holds the door, and sleeps
+		send("a", a, JoinSQL(w, false, 15000))
+		awaitDoor(t, ctx, obs, k, 1)
+		send("b", b, JoinSQL(w, false, 15000))
+		awaitDoor(t, ctx, obs, k, 2)
+		got := map[string]res{}
+		for range 3 {
+			r := <-done
+			got[r.who] = r
+		}
+		for _, who := range []string{"j", "a", "b"} {
+			r := got[who]
+			if r.err != nil {
+				t.Fatalf("%s's join: %v", who, r.err)
+			}
+			seq, head, _, _ := joined(r.v)
+			if want := map[string]int64{"j": 1, "a": 2, "b": 3}[who]; seq != want || head != (who == "j") {
+				t.Errorf("join %s: place %d, head %v; want j at 1 the head, a at 2, b at 3", who, seq, head)
+			}
+		}
+		for _, x := range []*pgx.Conn{holder, j, a, b} {
+			must(x, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+		}
+	}
+}
+
+// awaitDoor waits until n sessions wait for the door of k's line (pg_locks), and fails the test after 5 s.
+func awaitDoor(t *testing.T, ctx context.Context, obs *pgx.Conn, k ID, n int) {
+	t.Helper()
+	d := k.lineBase()
+	sub, c, o := 1, uint64(d.V)>>32, uint64(uint32(d.V))
+	if k.Pair {
+		sub = 2
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var got int
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objsubid = $1 AND classid = $2::int8::oid AND objid = $3::int8::oid",
+			sub, int64(c), int64(o)).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d waits for the door of the line, want %d", got, n)
+		}
+	}
 }
