@@ -79,38 +79,25 @@ func (id ID) InLine(x ID) (int64, bool) {
 }
 
 // lineRows is an SQL condition on a pg_locks row (alias l): an advisory lock of this database that is a ticket of
-// id's line numbered from lo to hi.
-func lineRows(id ID, lo, hi int64) string {
-	b := id.lineBase()
-	sub := "1"
-	if id.Pair {
-		sub = "2"
-	}
-	c, o := uint64(b.V)>>32, uint64(uint32(b.V))
+// the wait's line numbered from lo to hi.
+func lineRows(n nums, lo, hi int64) string {
 	return "l.locktype = 'advisory' AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())" +
-		" AND l.objsubid = " + sub + " AND l.classid = '" + strconv.FormatUint(c, 10) + "'::oid" +
-		" AND l.objid BETWEEN '" + strconv.FormatUint(o+uint64(lo), 10) + "'::oid AND '" + strconv.FormatUint(o+uint64(hi), 10) + "'::oid"
+		" AND l.objsubid = " + n.sub() + " AND l.classid = ((" + n.door + " >> 32) & 4294967295)::oid" +
+		" AND l.objid BETWEEN (" + n.doorObj() + " + " + strconv.FormatInt(lo, 10) + ")::oid AND (" + n.doorObj() + " + " + strconv.FormatInt(hi, 10) + ")::oid"
 }
 
-// ticketArgs renders the ticket numbered by the SQL expression seq as lock function arguments. The base is
-// parenthesized before its cast: -9223372036854775808::int8 would cast the positive number first, which overflows.
-func ticketArgs(id ID, seq string) string {
-	return derivedArgs(id.Pair, "(("+strconv.FormatInt(id.lineBase().V, 10)+")::int8 + "+seq+")")
-}
-
-// places is an SQL subquery over the tickets of id's line that are held (or, with waits, waited for too): each
-// one's place p (1 to lineMask), its pid, mode and whether granted, and d, how far behind seq it is going round
-// the ring (0: seq itself; less than ringHalf: in front of seq).
-func places(id ID, seq string) string {
-	lo := strconv.FormatUint(uint64(uint32(id.lineBase().V)), 10)
+// places is an SQL subquery over the tickets of the wait's line that are held: each one's place p (1 to
+// lineMask), its pid, mode, and d, how far behind seq (an SQL expression) it is going round the ring (0: seq
+// itself; less than ringHalf: in front of seq).
+func places(n nums, seq string) string {
 	m := strconv.Itoa(lineMask)
 	return "(SELECT x.p, x.pid, x.mode, (((" + seq + ") - x.p) % " + m + " + " + m + ") % " + m + " AS d FROM (SELECT l.objid::text::int8 - " +
-		lo + " AS p, l.pid, l.mode FROM pg_catalog.pg_locks l WHERE l.granted AND " + lineRows(id, 1, lineMask) + ") x)"
+		n.doorObj() + " AS p, l.pid, l.mode FROM pg_catalog.pg_locks l WHERE l.granted AND " + lineRows(n, 1, lineMask) + ") x)"
 }
 
-// rowTicketArgs renders the ticket of a pg_locks row (alias l) as lock function arguments.
-func rowTicketArgs(id ID) string {
-	return derivedArgs(id.Pair, "((l.classid::text::int8 << 32) | l.objid::text::int8)")
+// rowTicketArgs renders the lock of a pg_locks row (alias l) as lock function arguments.
+func rowTicketArgs(n nums) string {
+	return n.args("((l.classid::text::int8 << 32) | l.objid::text::int8)")
 }
 
 // JoinSQL is a wait's statement when its first try did not pass (or, for a wait that publishes its start, its first
@@ -124,7 +111,12 @@ func rowTicketArgs(id ID) string {
 // The newest ticket held is the greatest number, but when the numbers went round the ring (the greatest and the
 // least are more than half the ring apart): then it is the greatest of those in the ring's first half.
 func JoinSQL(t Target, fenced bool, idleMS int64) string {
-	key, ik := t.ID.literal(), t.ID.Intent().literal()
+	return joinStmt(t, literalNums(t.ID, 0, 0, idleMS), fenced).String()
+}
+
+// joinStmt is JoinSQL with the wait's numbers n.
+func joinStmt(t Target, n nums, fenced bool) stmt {
+	key, ik := n.args(n.key), n.args(n.intent)
 	head := "count(*) = 0"
 	if t.Shared {
 		head = "count(*) FILTER (WHERE x.mode = 'ExclusiveLock') = 0"
@@ -138,37 +130,37 @@ func JoinSQL(t Target, fenced bool, idleMS int64) string {
 		") ELSE max(x.p) END"
 	flag := "" // a writer holds the line's flag while it is in the line; a try that holds it exclusively for a moment is waited for
 	if !t.Shared {
-		flag = "length(" + lockFn(false, true, t.ID.Waiting().literal()) + "::text) + "
+		flag = "length(" + lockFn(false, true, n.args(n.flag)) + "::text) + "
 	}
 	// The ticket one past the newest, or when another wait took it at the same moment (joins that came together),
 	// the first free of the next joinSpan: those in between joined in front of it. Only a wait that took the very
 	// next one is the head, when the line was empty.
 	seq := "(m.newest + g.s - 1) % " + ring + " + 1"
 	join := "(SELECT CASE WHEN j.seq IS NULL THEN 0 ELSE " + flag + strconv.Itoa(resultJoined) +
-		" - 8 * j.seq - 2 * j.head::int - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'") + " - " + intent + " END" +
+		" - 8 * j.seq - 2 * j.head::int - " + intentIdle(n.idle+"::text") + " - " + intent + " END" +
 		" FROM (SELECT " + seq + " AS seq, m.head AND g.s = 1 AS head FROM (SELECT " + newest + " AS newest, " + head + " AS head FROM " +
-		places(t.ID, "0") + " x) m LEFT JOIN LATERAL (SELECT s FROM generate_series(1, " + strconv.Itoa(joinSpan) + ") s WHERE " +
-		lockFn(true, t.Shared, ticketArgs(t.ID, "(m.newest + s - 1) % "+ring+" + 1")) + " LIMIT 1) g ON true) j)"
+		places(n, "0") + " x) m LEFT JOIN LATERAL (SELECT s FROM generate_series(1, " + strconv.Itoa(joinSpan) + ") s WHERE " +
+		lockFn(true, t.Shared, n.ticket("(m.newest + s - 1) % "+ring+" + 1")) + " LIMIT 1) g ON true) j)"
 	// Joins of one key pass its line's door one at a time (a lock of the transaction, held from before the join's
 	// read of pg_locks until its statement ends): otherwise a join's read could be stale by the time it takes its
 	// ticket (another wait joined at 1, was granted and left while a third joined at 2 and became the head, and
 	// place 1, read empty, was a second head in front of it). Joins that come together pass in the order the
 	// server queued them for the door.
-	join = "(CASE WHEN length(pg_advisory_xact_lock(" + ticketArgs(t.ID, "0") + ")::text) = 0 THEN " + join + " END)"
+	join = "(CASE WHEN length(pg_advisory_xact_lock(" + n.args(n.door) + ")::text) = 0 THEN " + join + " END)"
 	var b strings.Builder
-	// The join waits only for the line's flag, which a try holds exclusively for a moment: a role's or a pool's
-	// lock_timeout must not end it after the ticket was taken (the wait would be settled without its place).
-	b.WriteString("SET LOCAL lock_timeout = 0; SELECT CASE WHEN pg_is_in_recovery() THEN -1")
+	b.WriteString("SELECT CASE WHEN pg_is_in_recovery() THEN -1")
 	if t.Shared {
 		b.WriteString(" WHEN " + lockFn(true, true, key) + " THEN CASE WHEN " + noIntent(ik) + " THEN " + grant(fenced) +
 			" WHEN " + unlockFn(true, key) + " THEN " + join + " ELSE -5 END")
 	} else {
-		wf := t.ID.Waiting().literal()
+		wf := n.args(n.flag)
 		b.WriteString(" WHEN " + lockFn(true, false, key) + " THEN CASE WHEN " + noWriterWaits(wf) + " THEN " + grant(fenced) +
 			" WHEN " + unlockFn(false, key) + " THEN " + join + " ELSE -5 END")
 	}
 	b.WriteString(" ELSE " + join + " END")
-	return b.String()
+	// The join waits only for what other joins hold for a moment: a role's or a pool's lock_timeout must not end it
+	// after the ticket was taken (the wait would be settled without its place).
+	return stmt{prefix: "SET LOCAL lock_timeout = 0; ", body: b.String()}
 }
 
 // joinSpan is how many tickets past the newest a join tries, in order, in one statement: waits that join together
@@ -191,17 +183,57 @@ func joined(r int64) (seq int64, head, intent, idle bool) {
 // idle_session_timeout was set as it joined) resultHeadNow. A ticket granted as a slice ended
 // survives the timeout error: the next statement finds the session holding a ticket in front of its own and gives
 // it back (resultAdvanced) before it looks again.
-func LineSQL(t Target, seq, ms int64) string { return lineSQL(t, seq, ms, false) }
+func LineSQL(t Target, seq, ms int64) string { return lineSQL(t, seq, ms, false, nil) }
+
+// LineWaitSQL is LineSQL for a member that, once no member is in front of it, goes on to wait for the key itself in
+// the same statement, as WaitSQL does (fenced: its grant draws a token; idle: the join gave the session an
+// idle_session_timeout, which the grant restores): the head queues for the key the moment the member in front of
+// it is granted (and leaves the line), not a round trip later, so that the key passes to it inside the server when
+// its holder lets go. The key's wait gets what is left of the statement's lock_timeout of ms (at least 1 ms), so
+// the statement runs no longer than a slice. It yields what LineSQL does before the head is found, and then what
+// WaitSQL does: a grant (it left the line: leaveCond, or after a slice's end leaveHeldCond), -4 (a reader granted
+// past a writer's intent gave the key back, and keeps its place) or -5; resultHead when a head writer could not
+// take the key's intent (another session holds it: the wait goes on with WaitSQL). Not granted within ms, it fails
+// with 55P03, and the wait does not know whether it was the head by then (or took the intent): its next statement
+// is sent with again.
+func LineWaitSQL(t Target, seq, ms int64, fenced, idle bool) string {
+	return lineSQL(t, seq, ms, false, &lineWait{fenced, idle})
+}
+
+// lineWait says that a line statement goes on to wait for the key once its member is the head (LineWaitSQL).
+type lineWait struct{ fenced, idle bool }
+
+// keyWait is what a line statement that found its member the head does with lw: wait for the key under what is left
+// of the statement's lock_timeout of n.ms, then what a grant does (afterGrant, leaving the line). With lw nil it
+// yields head (resultHead or resultHeadNow) instead.
+func (lw *lineWait) keyWait(t Target, n nums, again bool, head int) string {
+	if lw == nil {
+		return strconv.Itoa(head)
+	}
+	leave := leaveCond(t, n, true, !t.Shared, lw.idle) // a writer took the intent as it found itself the head
+	if again {
+		leave = leaveHeldCond(n, lw.idle)
+	}
+	key := n.args(n.key)
+	left := "greatest(1, " + n.ms + " - (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000)::int8)"
+	return "CASE WHEN set_config('lock_timeout', " + left + "::text, true) IS NULL THEN -5 ELSE length(" + lockFn(false, t.Shared, key) +
+		"::text) + " + afterGrant(t.Shared, lw.fenced, key, n.args(n.intent), leave) + " END"
+}
 
 // lineSQL is LineSQL; again says that a statement of the wait before it ended at a slice's end (55P03), which may
 // have been raised only after that statement found the wait the head and took the intent (a lock_timeout that fired as the
 // ticket in front was granted surfaces at the statement's next check for interrupts): then the intent is taken only
 // when pg_locks says the session does not hold it already, which a try would take a second time (and the grant's
 // leave give back once).
-func lineSQL(t Target, seq, ms int64, again bool) string {
-	takeIntent := lockFn(true, false, t.ID.Intent().literal())
+func lineSQL(t Target, seq, ms int64, again bool, lw *lineWait) string {
+	return lineStmt(t, literalNums(t.ID, seq, ms, 0), ms, again, lw).String()
+}
+
+// lineStmt is lineSQL with the wait's numbers n (its slice also ms, which its settings name as a literal).
+func lineStmt(t Target, n nums, ms int64, again bool, lw *lineWait) stmt {
+	takeIntent := lockFn(true, false, n.args(n.intent))
 	if again {
-		takeIntent = "CASE WHEN " + ownHeld(Target{ID: t.ID.Intent()}) + " THEN true ELSE " + takeIntent + " END"
+		takeIntent = "CASE WHEN " + ownRow(n, n.intent, false) + " THEN true ELSE " + takeIntent + " END"
 	}
 	writers := ""
 	if t.Shared {
@@ -209,42 +241,38 @@ func lineSQL(t Target, seq, ms int64, again bool) string {
 	}
 	inFront := " x.d > 0 AND x.d < " + strconv.Itoa(ringHalf)
 	var b strings.Builder
-	b.WriteString("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; ")
 	b.WriteString("SELECT CASE WHEN " + liftTimeout + " THEN -5 WHEN pg_is_in_recovery() THEN -1")
-	b.WriteString(" WHEN p.mine > 0 THEN CASE WHEN " + straysGiven(t.ID, seq) + " THEN " + strconv.Itoa(resultAdvanced) + " ELSE -5 END")
+	b.WriteString(" WHEN p.mine > 0 THEN CASE WHEN " + straysGiven(n) + " THEN " + strconv.Itoa(resultAdvanced) + " ELSE -5 END")
 	if t.Shared {
-		b.WriteString(" WHEN p.o IS NULL THEN " + strconv.Itoa(resultHead))
+		b.WriteString(" WHEN p.o IS NULL THEN " + lw.keyWait(t, n, again, resultHead))
 	} else { // the head writer takes the intent in the statement that found it the head: no reader's try between
 		b.WriteString(" WHEN p.o IS NULL THEN CASE WHEN " + takeIntent + " THEN " +
-			strconv.Itoa(resultHeadNow) + " ELSE " + strconv.Itoa(resultHead) + " END")
+			lw.keyWait(t, n, again, resultHeadNow) + " ELSE " + strconv.Itoa(resultHead) + " END")
 	}
 	// Granted the ticket in front, the wait gives it back and looks again at once (pg_locks, read anew): with no
 	// member left in front it is the head now (for a writer, with the intent), which saves the round trip of
 	// another statement before it queues for the key the member that left holds.
-	front := ticketArgs(t.ID, "p.o")
-	head := strconv.Itoa(resultHead)
+	front := n.ticket("p.o")
+	head := lw.keyWait(t, n, again, resultHead)
 	if !t.Shared {
-		head = "CASE WHEN " + takeIntent + " THEN " + strconv.Itoa(resultHeadNow) + " ELSE " + head + " END"
+		head = "CASE WHEN " + takeIntent + " THEN " + lw.keyWait(t, n, again, resultHeadNow) + " ELSE " + strconv.Itoa(resultHead) + " END"
 	}
-	stillFront := "EXISTS (SELECT 1 FROM " + places(t.ID, strconv.FormatInt(seq, 10)) + " x WHERE" + inFront +
-		" AND x.pid <> pg_backend_pid()" + writers + ")"
+	stillFront := "EXISTS (SELECT 1 FROM " + places(n, n.seq) + " x WHERE" + inFront + " AND x.pid <> pg_backend_pid()" + writers + ")"
 	b.WriteString(" ELSE length(" + lockFn(false, t.Shared, front) + "::text) + CASE WHEN NOT " + unlockFn(t.Shared, front) +
 		" THEN -5 WHEN " + stillFront + " THEN " + strconv.Itoa(resultAdvanced) + " ELSE " + head + " END END")
 	b.WriteString(" FROM (SELECT (array_agg(x.p ORDER BY x.d) FILTER (WHERE x.pid <> pg_backend_pid()" + writers + "))[1] AS o," +
-		" count(*) FILTER (WHERE x.pid = pg_backend_pid()) AS mine FROM " + places(t.ID, strconv.FormatInt(seq, 10)) +
-		" x WHERE" + inFront + ") p")
-	return b.String()
+		" count(*) FILTER (WHERE x.pid = pg_backend_pid()) AS mine FROM " + places(n, n.seq) + " x WHERE" + inFront + ") p")
+	return stmt{prefix: "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; ", body: b.String()}
 }
 
-// straysGiven is ticketsGiven for the tickets in front of place seq (see LineSQL): true when every unlock found
-// its lock.
-func straysGiven(id ID, seq int64) string {
+// straysGiven is true when the session holds no ticket in front of its place n.seq (see LineSQL), having given back
+// each one it held: true when every unlock found its lock.
+func straysGiven(n nums) string {
 	m := strconv.Itoa(lineMask)
-	d := "(((" + strconv.FormatInt(seq, 10) + " - (l.objid::text::int8 - " + strconv.FormatUint(uint64(uint32(id.lineBase().V)), 10) +
-		")) % " + m + " + " + m + ") % " + m + ")"
-	return "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(id)) +
-		" ELSE " + unlockFn(false, rowTicketArgs(id)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
-		lineRows(id, 1, lineMask) + " AND " + d + " > 0 AND " + d + " < " + strconv.Itoa(ringHalf) + "), true)"
+	d := "(((" + n.seq + " - (l.objid::text::int8 - " + n.doorObj() + ")) % " + m + " + " + m + ") % " + m + ")"
+	return "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(n)) +
+		" ELSE " + unlockFn(false, rowTicketArgs(n)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
+		lineRows(n, 1, lineMask) + " AND " + d + " > 0 AND " + d + " < " + strconv.Itoa(ringHalf) + "), true)"
 }
 
 // leaveHeldCond is leaveCond for a grant in a statement sent after a slice's end (WaitSQL's requeue, and every
@@ -255,23 +283,23 @@ func straysGiven(id ID, seq int64) string {
 // whichever of the line's locks the session holds, as pg_locks says (its tickets, the line's flag, the key's
 // intent: each held once), and restores the session's idle_session_timeout (a set_config that the error rolled
 // back); true when every unlock found its lock.
-func leaveHeldCond(t Target, idle bool) string {
-	id := t.ID
-	sub := "1"
-	if id.Pair {
-		sub = "2"
-	}
-	row := func(x ID) string {
-		c, o := uint64(x.V)>>32, uint64(uint32(x.V))
-		return "(l.classid = '" + strconv.FormatUint(c, 10) + "'::oid AND l.objid = '" + strconv.FormatUint(o, 10) + "'::oid)"
-	}
-	rows := "(" + lineRows(id, 1, lineMask) + " OR l.locktype = 'advisory' AND l.objsubid = " + sub + " AND (" + row(id.Waiting()) +
-		" OR " + row(id.Intent()) + ") AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))"
-	s := "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(id)) +
-		" ELSE " + unlockFn(false, rowTicketArgs(id)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
+func leaveHeldCond(n nums, idle bool) string {
+	rows := "(" + lineRows(n, 1, lineMask) + " OR " + n.row(n.flag) + " OR " + n.row(n.intent) + ")"
+	s := "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(n)) +
+		" ELSE " + unlockFn(false, rowTicketArgs(n)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
 		rows + "), true)"
 	if idle {
 		s = "(" + s + " AND set_config('idle_session_timeout', '0', false) IS NOT NULL)"
 	}
 	return s
+}
+
+// ownRow is an SQL condition: the session holds the lock e (an int8 expression of the wait's key space) in the
+// mode shared says.
+func ownRow(n nums, e string, shared bool) string {
+	mode := "ExclusiveLock"
+	if shared {
+		mode = "ShareLock"
+	}
+	return "EXISTS (SELECT 1 FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND l.mode = '" + mode + "' AND " + n.row(e) + ")"
 }

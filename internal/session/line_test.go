@@ -90,8 +90,8 @@ func TestLineStatements(t *testing.T) {
 			}
 			// b's wait for a's ticket was granted as its slice ended (taken here by hand): its next statement gives
 			// it back. A ticket past its own place is not touched by its waits, and is given back as it leaves.
-			must(b, "SELECT length(pg_advisory_lock("+ticketArgs(k, "1")+")::text) + 1")
-			must(b, "SELECT length(pg_advisory_lock("+ticketArgs(k, "7")+")::text) + 1")
+			must(b, "SELECT length(pg_advisory_lock("+literalNums(k, 0, 0, 0).ticket("1")+")::text) + 1")
+			must(b, "SELECT length(pg_advisory_lock("+literalNums(k, 0, 0, 0).ticket("7")+")::text) + 1")
 			if got := must(b, LineSQL(w, 2, 2000)); got != resultAdvanced {
 				t.Fatalf("the second writer holding the ticket in front of it: %d, want %d (given back)", got, resultAdvanced)
 			}
@@ -140,8 +140,8 @@ func TestLineRing(t *testing.T) {
 	w := Target{ID: k}
 	holder, end1, end2, a, b := conn(), conn(), conn(), conn(), conn()
 	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
-	must(end1, "SELECT length(pg_advisory_lock("+ticketArgs(k, strconv.Itoa(lineMask-1))+")::text) + 1")
-	must(end2, "SELECT length(pg_advisory_lock("+ticketArgs(k, strconv.Itoa(lineMask))+")::text) + 1")
+	must(end1, "SELECT length(pg_advisory_lock("+literalNums(k, 0, 0, 0).ticket(strconv.Itoa(lineMask-1))+")::text) + 1")
+	must(end2, "SELECT length(pg_advisory_lock("+literalNums(k, 0, 0, 0).ticket(strconv.Itoa(lineMask))+")::text) + 1")
 	for i, c := range []*pgx.Conn{a, b} {
 		res := must(c, JoinSQL(w, false, 15000))
 		if seq, head, _, _ := joined(res); res > resultJoined || seq != int64(i+1) || head {
@@ -403,7 +403,7 @@ func TestLineAgainTakesIntentOnce(t *testing.T) {
 		t.Fatalf("the join: head %v intent %v, want both", head, intent)
 	}
 	// The client took the slice's end for a wait still in the line: its next statement is a LineSQL, sent again.
-	if r := must(a, lineSQL(w, seq, 50, true)); r != resultHeadNow {
+	if r := must(a, lineSQL(w, seq, 50, true, nil)); r != resultHeadNow {
 		t.Fatalf("the line statement sent again: %d, want %d (the head, holding the intent)", r, resultHeadNow)
 	}
 	must(a, "SELECT pg_advisory_unlock("+k.Intent().literal()+")::int")
@@ -481,7 +481,10 @@ func TestBouncedReaderAfterLateError(t *testing.T) {
 	rw := &serverWait{t: r, cfg: Config{Fencing: true}, seq: rseq, idle: ridle}
 	moved, failed := make(chan int64, 1), make(chan error, 1)
 	go func() { v, _ := q(wc, LineSQL(w, wseq, 10000)); moved <- v }()
-	go func() { _, err := q(rc, rw.waitText(1000, false)); failed <- err }()
+	go func() {
+		_, err := q(rc, rw.waitText(1000, false, literalNums(k, rseq, 1000, 15000)).String())
+		failed <- err
+	}()
 	time.Sleep(200 * time.Millisecond)
 	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	if v := <-moved; v != resultHeadNow {
@@ -494,14 +497,14 @@ func TestBouncedReaderAfterLateError(t *testing.T) {
 	if _, err := seqLock.Exec(ctx, "COMMIT"); err != nil {
 		t.Fatal(err)
 	}
-	if v := must(rc, rw.waitText(1000, true)); v != resultBounced {
+	if v := must(rc, rw.waitText(1000, true, literalNums(k, rseq, 1000, 15000)).String()); v != resultBounced {
 		t.Fatalf("the reader's requeue with the writer's intent standing: %d, want %d (given back)", v, resultBounced)
 	}
 	if v := must(wc, WaitSQL(w, 10000, true, false, true, 15000, wseq, false)); v < 1 {
 		t.Fatalf("the writer: %d, want a token", v)
 	}
 	must(wc, "SELECT pg_advisory_unlock("+k.literal()+")::int")
-	if v := must(rc, rw.waitText(1000, false)); v < 1 {
+	if v := must(rc, rw.waitText(1000, false, literalNums(k, rseq, 1000, 15000)).String()); v < 1 {
 		t.Fatalf("the reader's next statement once the writer let go: %d, want a token", v)
 	}
 	if got, want := advisoryHeld(t, ctx, holder, rc), "ShareLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
@@ -584,5 +587,216 @@ func awaitDoor(t *testing.T, ctx context.Context, obs *pgx.Conn, k ID, n int) {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d waits for the door of the line, want %d", got, n)
 		}
+	}
+}
+
+// A member whose line statement finds it the head goes on to wait for the key in that statement (LineWaitSQL): when
+// the head in front of it is granted (and leaves the line), the writer behind it waits for the key itself in the
+// server's queue, holding the intent, with no statement of its own between, and is granted as the key is freed,
+// holding the key alone; the reader behind it then does the same in shared mode.
+func TestLineWaitQueuesAtOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	must := mustQ(t, q)
+	k := ID{V: time.Now().UnixNano()}
+	w, r := Target{ID: k}, Target{ID: k, Shared: true}
+	holder, a, b, c, obs := conn(), conn(), conn(), conn(), conn()
+	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+	aseq, _, aintent, aidle := joined(must(a, JoinSQL(w, false, 15000)))
+	bseq, _, _, bidle := joined(must(b, JoinSQL(w, false, 15000)))
+	cseq, _, _, cidle := joined(must(c, JoinSQL(r, false, 15000)))
+	if aseq != 1 || bseq != 2 || cseq != 3 {
+		t.Fatalf("places %d %d %d, want 1 2 3", aseq, bseq, cseq)
+	}
+	ag, bg, cg := make(chan int64, 1), make(chan int64, 1), make(chan int64, 1)
+	go func() { v, _ := q(a, WaitSQL(w, 5000, false, false, aintent, 15000, aseq, aidle)); ag <- v }()
+	go func() { v, _ := q(b, LineWaitSQL(w, bseq, 5000, false, bidle)); bg <- v }()
+	go func() { v, _ := q(c, LineWaitSQL(r, cseq, 5000, false, cidle)); cg <- v }()
+	awaitKeyWait(t, ctx, obs, a, k)
+	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	if v := <-ag; v != resultAcquired {
+		t.Fatalf("a, the head, once the key was freed: %d, want a grant", v)
+	}
+	awaitKeyWait(t, ctx, obs, b, k) // b's statement, sent before a's grant, now waits for the key a holds
+	if got := advisoryHeld(t, ctx, obs, b); !slices.Contains(got, "ExclusiveLock "+strconv.FormatInt(k.Intent().V, 10)) {
+		t.Fatalf("b waits for the key without the intent: %q", got)
+	}
+	must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	if v := <-bg; v != resultAcquired {
+		t.Fatalf("b once a let go: %d, want a grant", v)
+	}
+	if got, want := advisoryHeld(t, ctx, obs, b), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+		t.Fatalf("b's locks once granted: %q, want only [%s]", got, want)
+	}
+	idleRestored(t, ctx, b)
+	awaitKeyWait(t, ctx, obs, c, k)
+	must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	if v := <-cg; v != resultAcquired {
+		t.Fatalf("c, the reader, once b let go: %d, want a grant", v)
+	}
+	if got, want := advisoryHeld(t, ctx, obs, c), "ShareLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+		t.Fatalf("c's locks once granted: %q, want only [%s]", got, want)
+	}
+	idleRestored(t, ctx, c)
+	must(c, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+}
+
+// A line statement that waited most of its slice for the member in front waits for the key only for what is left
+// of the slice (a statement holds its snapshot for no longer than a slice), and a member whose statement ended so,
+// holding the intent it took as it found itself the head, is granted by its next statement (sent with again),
+// holding the key alone.
+func TestLineWaitWithinSlice(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	must := mustQ(t, q)
+	k := ID{V: time.Now().UnixNano()}
+	w := Target{ID: k}
+	holder, a, b, obs := conn(), conn(), conn(), conn()
+	must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+	aseq, _, aintent, aidle := joined(must(a, JoinSQL(w, false, 15000)))
+	bseq, _, _, bidle := joined(must(b, JoinSQL(w, false, 15000)))
+	type res struct {
+		err  error
+		took time.Duration
+	}
+	done := make(chan res, 1)
+	start := time.Now()
+	go func() { _, err := q(b, LineWaitSQL(w, bseq, 1000, false, bidle)); done <- res{err, time.Since(start)} }()
+	time.Sleep(800 * time.Millisecond)
+	must(a, LeaveSQL(w, aseq, aintent, aidle)) // a gives up its place: b is the head
+	got := <-done
+	if SQLState(got.err) != "55P03" || got.took > 1500*time.Millisecond {
+		t.Fatalf("b's statement: %v after %v, want 55P03 about 1 s after it was sent (a fresh lock_timeout for the key: 1.8 s)", got.err, got.took)
+	}
+	if held := advisoryHeld(t, ctx, obs, b); !slices.Contains(held, "ExclusiveLock "+strconv.FormatInt(k.Intent().V, 10)) {
+		t.Fatalf("b after its slice: %q, want the intent it took as the head", held)
+	}
+	granted := make(chan int64, 1)
+	go func() { v, _ := q(b, lineSQL(w, bseq, 5000, true, &lineWait{false, bidle})); granted <- v }()
+	awaitKeyWait(t, ctx, obs, b, k)
+	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	if v := <-granted; v != resultAcquired {
+		t.Fatalf("b's next statement once the key was freed: %d, want a grant", v)
+	}
+	if held, want := advisoryHeld(t, ctx, obs, b), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(held) != 1 || held[0] != want {
+		t.Fatalf("b's locks once granted: %q, want only [%s]", held, want)
+	}
+	idleRestored(t, ctx, b)
+	must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+}
+
+// awaitKeyWait waits until x's session waits for k itself (pg_locks, through obs), and fails the test after 5 s.
+func awaitKeyWait(t *testing.T, ctx context.Context, obs, x *pgx.Conn, k ID) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		var n int
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND pid = $1 AND objsubid = $3 AND ((classid::int8 << 32) | objid::int8) = $2",
+			x.PgConn().PID(), k.V, map[bool]int{false: 1, true: 2}[k.Pair]).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pid %d does not wait for the key", x.PgConn().PID())
+		}
+	}
+}
+
+// The statements of a wait prepared once per session, with the wait's numbers as parameters (stmt.prepared), do
+// what the literal ones do: a session that has not prepared one answers 26000 and has run nothing; prepared, a
+// writer's join takes place 1 as the head with the intent, a reader's place 2; the writer's wait is granted as the
+// key is freed and leaves the line, and the reader's line statement then waits for the key and is granted as the
+// writer lets go, each holding the key alone: int8 and pair keys, the pair's derived numbers as pairs.
+func TestPreparedStatements(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	must := mustQ(t, q)
+	now := time.Now().UnixNano()
+	for _, k := range []ID{{V: now}, {Pair: true, V: now}} {
+		w, r := Target{ID: k}, Target{ID: k, Shared: true}
+		holder, a, b, obs := conn(), conn(), conn(), conn()
+		must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+		exec := func(c *pgx.Conn, s stmt, seq, ms int64) int64 {
+			t.Helper()
+			run, prepare := s.prepared(numValues(k, seq, ms, 15000))
+			v, err := q(c, run)
+			if SQLState(err) == "26000" {
+				must(c, prepare)
+				v, err = q(c, run)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			return v
+		}
+		join := joinStmt(w, params(k), false)
+		run, _ := join.prepared(numValues(k, 0, 0, 15000))
+		if _, err := q(a, run); SQLState(err) != "26000" {
+			t.Fatalf("a join not prepared on the session: %v, want 26000", err)
+		}
+		if got := advisoryHeld(t, ctx, obs, a); len(got) != 0 {
+			t.Fatalf("the session after its unprepared statement holds %q", got)
+		}
+		aseq, ahead, aintent, aidle := joined(exec(a, join, 0, 0))
+		bseq, bhead, _, bidle := joined(exec(b, joinStmt(r, params(k), false), 0, 0))
+		if aseq != 1 || !ahead || !aintent || !aidle || bseq != 2 || bhead || !bidle {
+			t.Fatalf("joins: a place %d head %v intent %v idle %v; b place %d head %v idle %v", aseq, ahead, aintent, aidle, bseq, bhead, bidle)
+		}
+		if got := advisoryHeld(t, ctx, obs, a); !slices.Contains(got, "ExclusiveLock "+strconv.FormatInt(k.Intent().V, 10)) {
+			t.Fatalf("a after its join: %q, want the intent (of the key's space)", got)
+		}
+		aw := &serverWait{t: w, seq: aseq, intent: aintent, idle: aidle}
+		ag, bg := make(chan int64, 1), make(chan int64, 1)
+		go func() {
+			s := aw.waitText(5000, false, params(k))
+			run, prepare := s.prepared(numValues(k, aseq, 5000, 15000))
+			v, err := q(a, run)
+			if SQLState(err) == "26000" {
+				if _, err = q(a, prepare); err == nil {
+					v, err = q(a, run)
+				}
+			}
+			if err != nil {
+				v = -100
+			}
+			ag <- v
+		}()
+		awaitKeyWait(t, ctx, obs, a, k)
+		go func() {
+			s := lineStmt(r, params(k), 5000, false, &lineWait{false, bidle})
+			run, prepare := s.prepared(numValues(k, bseq, 5000, 15000))
+			v, err := q(b, run)
+			if SQLState(err) == "26000" {
+				if _, err = q(b, prepare); err == nil {
+					v, err = q(b, run)
+				}
+			}
+			if err != nil {
+				v = -100
+			}
+			bg <- v
+		}()
+		must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+		if v := <-ag; v != resultAcquired {
+			t.Fatalf("a once the key was freed: %d, want a grant", v)
+		}
+		if got, want := advisoryHeld(t, ctx, obs, a), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+			t.Fatalf("a's locks once granted: %q, want only [%s]", got, want)
+		}
+		idleRestored(t, ctx, a)
+		awaitKeyWait(t, ctx, obs, b, k)
+		must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+		if v := <-bg; v != resultAcquired {
+			t.Fatalf("b once a let go: %d, want a grant", v)
+		}
+		if got, want := advisoryHeld(t, ctx, obs, b), "ShareLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+			t.Fatalf("b's locks once granted: %q, want only [%s]", got, want)
+		}
+		idleRestored(t, ctx, b)
+		must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	}
 }

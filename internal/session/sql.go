@@ -285,16 +285,18 @@ func intentIdle(ms string) string {
 // all of it was there. It reads no pg_locks: a wait that is the head of its line holds no ticket but its own (a
 // ticket in front of it, granted as a slice ended, was given back by the LineSQL that found it the head). "" when
 // there is nothing to give back.
-func leaveCond(t Target, seq int64, intent, idle bool) string {
+func leaveCond(t Target, n nums, line, intent, idle bool) string {
+	// The intent first, the ticket last: the member behind, woken by the ticket's release, takes the intent at once
+	// (a try), which must find it free. (The grant holds the key meanwhile: no reader or try passes it.)
 	var parts []string
-	if seq > 0 {
-		parts = append(parts, unlockFn(t.Shared, ticketArgs(t.ID, strconv.FormatInt(seq, 10))))
-		if !t.Shared {
-			parts = append(parts, unlockFn(true, t.ID.Waiting().literal()))
-		}
-	}
 	if intent {
-		parts = append(parts, unlockFn(false, t.ID.Intent().literal()))
+		parts = append(parts, unlockFn(false, n.args(n.intent)))
+	}
+	if line {
+		if !t.Shared {
+			parts = append(parts, unlockFn(true, n.args(n.flag)))
+		}
+		parts = append(parts, unlockFn(t.Shared, n.ticket(n.seq)))
 	}
 	if idle {
 		parts = append(parts, "set_config('idle_session_timeout', '0', false) IS NOT NULL")
@@ -307,7 +309,7 @@ func leaveCond(t Target, seq int64, intent, idle bool) string {
 
 // LeaveSQL is leaveCond as a statement of its own: 1 when all of it was there.
 func LeaveSQL(t Target, seq int64, intent, idle bool) string {
-	c := leaveCond(t, seq, intent, idle)
+	c := leaveCond(t, literalNums(t.ID, seq, 0, 0), seq > 0, intent, idle)
 	if c == "" {
 		return "SELECT 1"
 	}
@@ -389,18 +391,20 @@ func ownHeld(t Target) string {
 // statement before it may have left the line before its error (serverWait does so for every statement of a wait
 // after its first 55P03).
 func WaitSQL(t Target, ms int64, fenced, requeue, intent bool, idleMS, seq int64, idle bool) string {
-	leave := leaveCond(t, seq, intent, idle)
+	n := literalNums(t.ID, seq, ms, idleMS)
+	leave := leaveCond(t, n, seq > 0, intent, idle)
 	if requeue && leave != "" {
-		leave = leaveHeldCond(t, idle)
+		leave = leaveHeldCond(n, idle)
 	}
-	return waitSQL(t, nil, ms, fenced, requeue, intent, idleMS, leave)
+	return waitStmt(t, n, nil, ms, fenced, requeue, intent, leave).String()
 }
 
 // WaitAnySQL is WaitSQL for an exclusive wait for t that takes any of alts instead when one is free: each of its
 // statements tries alts in order before it waits for t, and yields 2+i for alts[i], 1 for t (never a token: a
 // fenced caller draws it next, TokenGrantSQL).
 func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
-	return waitSQL(t, alts, ms, false, requeue, intent, 0, leaveCond(t, 0, intent, false))
+	n := literalNums(t.ID, 0, ms, 0)
+	return waitStmt(t, n, alts, ms, false, requeue, intent, leaveCond(t, n, false, intent, false)).String()
 }
 
 // TokenGrantSQL draws a grant's token (see grant) in a statement of its own, for a grant whose statement could
@@ -408,16 +412,17 @@ func WaitAnySQL(t Target, alts []ID, ms int64, requeue, intent bool) string {
 // one.
 var TokenGrantSQL = "SELECT " + grant(true)
 
-func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool, idleMS int64, leave string) string {
-	key, ik := t.ID.literal(), t.ID.Intent().literal()
+// waitStmt is WaitSQL (WaitAnySQL with alts) with the wait's numbers n (its slice also ms, which its settings name
+// as a literal) and what its grant gives back, leave.
+func waitStmt(t Target, n nums, alts []ID, ms int64, fenced, requeue, intent bool, leave string) stmt {
+	key, ik := n.args(n.key), n.args(n.intent)
 	after := afterGrant(t.Shared, fenced, key, ik, leave)
 	wait := "length(" + lockFn(false, t.Shared, key) + "::text) + " + after
 	var b strings.Builder
-	b.WriteString("SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; ")
 	b.WriteString("SELECT CASE WHEN " + liftTimeout + " THEN -5 WHEN pg_is_in_recovery() THEN -1")
 	if requeue {
 		b.WriteString(" WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
-			" WHEN " + ownHeld(t) + " THEN " + after + " WHEN " + lockFn(true, t.Shared, key) + " THEN " + after +
+			" WHEN " + ownRow(n, n.key, t.Shared) + " THEN " + after + " WHEN " + lockFn(true, t.Shared, key) + " THEN " + after +
 			" ELSE " + wait + " END")
 	} else if !t.Shared {
 		b.WriteString(" WHEN " + lockFn(true, false, key) + " THEN " + after) // free now: no reader to wait behind
@@ -430,10 +435,10 @@ func waitSQL(t Target, alts []ID, ms int64, fenced, requeue, intent bool, idleMS
 		// that whether it holds it is known): a writer behind other writers cannot tell that readers hold the key
 		// (a shared try fails while an exclusive request waits), and once the writer that held the intent lets
 		// go, one of those still waiting must hold it for the readers to wait again.
-		b.WriteString(" WHEN " + lockFn(true, false, ik) + " THEN -6 - " + intentIdle("'"+strconv.FormatInt(idleMS, 10)+"'"))
+		b.WriteString(" WHEN " + lockFn(true, false, ik) + " THEN -6 - " + intentIdle(n.idle+"::text"))
 	}
 	b.WriteString(" ELSE " + wait + " END")
-	return b.String()
+	return stmt{prefix: "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = " + strconv.FormatInt(ms, 10) + "; ", body: b.String()}
 }
 
 // SharedNowSQL tells a writer's session whether t's key could be taken in shared mode now (it is free, or readers
@@ -455,7 +460,7 @@ func SettleSQL(t Target, intent, line, idle bool) string {
 	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
 		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
 	if line || intent { // what pg_locks says it holds of the line and the intent: its last error may have come late
-		s += " * CASE WHEN " + leaveHeldCond(t, false) + " THEN 1 ELSE 0 END"
+		s += " * CASE WHEN " + leaveHeldCond(literalNums(t.ID, 0, 0, 0), false) + " THEN 1 ELSE 0 END"
 	}
 	if idle {
 		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"

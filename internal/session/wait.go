@@ -95,7 +95,7 @@ func (w *serverWait) run(first bool) (int64, error) {
 		if last && !time.Now().Before(end) && w.bounces > 0 {
 			return 0, errBouncedAtDeadline // given back to a writer, and the deadline has come
 		}
-		r, err := w.statement(end, w.comment()+w.waitText(ms, requeue))
+		r, err := w.waitStatement(end, ms, requeue)
 		requeue = false
 		w.timedOut = w.timedOut || SQLState(err) == "55P03"
 		switch {
@@ -117,18 +117,41 @@ func (w *serverWait) run(first bool) (int64, error) {
 	}
 }
 
-// waitText is the wait's next statement for the key itself (WaitSQL, or WaitAnySQL with alternatives), a slice of
-// ms. Its grant gives back what the wait holds of the key's line and the intent: what the answers said, until a
-// statement of the wait ended at a slice's end; from then on what pg_locks says (see timedOut).
-func (w *serverWait) waitText(ms int64, requeue bool) string {
+// waitStatement sends the wait's next statement for the key itself (WaitSQL, or WaitAnySQL with alternatives), a
+// slice of ms ending at end. Its grant gives back what the wait holds of the key's line and the intent: what the
+// answers said, until a statement of the wait ended at a slice's end; from then on what pg_locks says (see
+// timedOut).
+func (w *serverWait) waitStatement(end time.Time, ms int64, requeue bool) (int64, error) {
 	if len(w.alts) > 0 {
-		return WaitAnySQL(w.t, w.alts, ms, requeue, w.intent)
+		return w.statement(end, w.comment()+WaitAnySQL(w.t, w.alts, ms, requeue, w.intent))
 	}
-	leave := leaveCond(w.t, w.seq, w.intent, w.idle)
+	return w.prepared(w.waitText(ms, requeue, params(w.t.ID)), ms, func(sql string) (int64, error) {
+		return w.statement(end, sql)
+	})
+}
+
+// waitText is the wait's next WaitSQL with its numbers n.
+func (w *serverWait) waitText(ms int64, requeue bool, n nums) stmt {
+	leave := leaveCond(w.t, n, w.seq > 0, w.intent, w.idle)
 	if w.timedOut && leave != "" {
-		leave = leaveHeldCond(w.t, w.idle)
+		leave = leaveHeldCond(n, w.idle)
 	}
-	return waitSQL(w.t, nil, ms, w.cfg.Fencing, requeue, w.intent, w.idleMS(), leave)
+	return waitStmt(w.t, n, nil, ms, w.cfg.Fencing, requeue, w.intent, leave)
+}
+
+// prepared sends s, whose body names the wait's numbers as numParams (its slice ms), as a statement prepared on the
+// wait's session (see stmt.prepared) with send; a session that has not prepared it yet answers 26000 (the statement
+// ran nothing), and is sent the statement that prepares it, then s again.
+func (w *serverWait) prepared(s stmt, ms int64, send func(string) (int64, error)) (int64, error) {
+	run, prepare := s.prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
+	r, err := send(w.comment() + run)
+	if SQLState(err) != "26000" {
+		return r, err
+	}
+	if _, err := w.between("prepare a statement of the wait", prepare); err != nil && SQLState(err) != "42P05" {
+		return 0, err
+	}
+	return send(w.comment() + run)
 }
 
 // joinTries bounds how often a wait tries to join its key's line when other waits take the same ticket at the
@@ -140,7 +163,9 @@ const joinTries = 50
 // ended there (granted by the join's try, failed, or not granted by its deadline), with run's result.
 func (w *serverWait) queue() (r int64, err error, done bool) {
 	for range joinTries {
-		r, err := w.between("join the key's line", w.comment()+JoinSQL(w.t, w.cfg.Fencing, w.idleMS()))
+		r, err := w.prepared(joinStmt(w.t, params(w.t.ID), w.cfg.Fencing), 0, func(sql string) (int64, error) {
+			return w.between("join the key's line", sql)
+		})
 		switch {
 		case err != nil || r > resultJoined && r != resultNotHeld:
 			return r, err, true // granted, or standby, or in doubt
@@ -156,11 +181,15 @@ func (w *serverWait) queue() (r int64, err error, done bool) {
 	return 0, nil, false
 }
 
-// inLine waits in the line, one slice at a time, until the wait is its head.
+// inLine waits in the line, one slice at a time, until the wait is its head, and then for the key in the same
+// statement (LineWaitSQL): done with a grant, or when the wait ended; not done when the wait goes on with WaitSQL
+// (a head writer that could not take the key's intent, a reader that gave the key back to a writer's intent).
 func (w *serverWait) inLine() (int64, error, bool) {
 	for {
 		end, last, ms := slice(w.ctx, w.cfg)
-		r, err := w.statement(end, w.comment()+lineSQL(w.t, w.seq, ms, w.timedOut))
+		r, err := w.prepared(lineStmt(w.t, params(w.t.ID), ms, w.timedOut, &lineWait{w.cfg.Fencing, w.idle}), ms, func(sql string) (int64, error) {
+			return w.statement(end, sql)
+		})
 		w.timedOut = w.timedOut || SQLState(err) == "55P03"
 		switch {
 		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
@@ -168,10 +197,15 @@ func (w *serverWait) inLine() (int64, error, bool) {
 				return 0, err, true
 			}
 		case err == nil && r == resultAdvanced:
-		case err == nil && (r == resultHead || r == resultHeadNow):
-			w.intent = w.intent || r == resultHeadNow
+		case err == nil && r == resultHead:
+			return 0, nil, false
+		case err == nil && r == resultBounced:
+			w.bounces++ // the head reader keeps its place, and waits again with WaitSQL
 			return 0, nil, false
 		default:
+			if err == nil && r >= resultAcquired {
+				w.intent, w.idle, w.seq = false, false, 0 // given back with the grant
+			}
 			return r, err, true
 		}
 	}
