@@ -224,7 +224,8 @@ func (lw *lineWait) keyWait(t Target, n nums, again bool, head int) string {
 // have been raised only after that statement found the wait the head and took the intent (a lock_timeout that fired as the
 // ticket in front was granted surfaces at the statement's next check for interrupts): then the intent is taken only
 // when pg_locks says the session does not hold it already, which a try would take a second time (and the grant's
-// leave give back once).
+// leave give back once); and with lw, a session that holds the key already (a grant of the statement before, see
+// lineStmt) is granted at once.
 func lineSQL(t Target, seq, ms int64, again bool, lw *lineWait) string {
 	return lineStmt(t, literalNums(t.ID, seq, ms, 0), ms, again, lw).String()
 }
@@ -242,6 +243,13 @@ func lineStmt(t Target, n nums, ms int64, again bool, lw *lineWait) stmt {
 	inFront := " x.d > 0 AND x.d < " + strconv.Itoa(ringHalf)
 	var b strings.Builder
 	b.WriteString("SELECT CASE WHEN " + liftTimeout + " THEN -5 WHEN pg_is_in_recovery() THEN -1")
+	if again && lw != nil {
+		// The statement before may have been granted the key just as its slice ended (the lock survives the
+		// error), or granted it, left the line and then failed (a late lock_timeout, a fenced nextval): then the
+		// wait is granted now, without waiting in the line (it holds no place in front of which another member
+		// would wait for it, or holds one that the member behind waits for).
+		b.WriteString(" WHEN " + ownRow(n, n.key, t.Shared) + " THEN " + afterGrant(t.Shared, lw.fenced, n.args(n.key), n.args(n.intent), leaveHeldCond(n, lw.idle)))
+	}
 	b.WriteString(" WHEN p.mine > 0 THEN CASE WHEN " + straysGiven(n) + " THEN " + strconv.Itoa(resultAdvanced) + " ELSE -5 END")
 	if t.Shared {
 		b.WriteString(" WHEN p.o IS NULL THEN " + lw.keyWait(t, n, again, resultHead))
@@ -285,9 +293,11 @@ func straysGiven(n nums) string {
 // back); true when every unlock found its lock.
 func leaveHeldCond(n nums, idle bool) string {
 	rows := "(" + lineRows(n, 1, lineMask) + " OR " + n.row(n.flag) + " OR " + n.row(n.intent) + ")"
-	s := "coalesce((SELECT bool_and(CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(n)) +
-		" ELSE " + unlockFn(false, rowTicketArgs(n)) + " END) FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
-		rows + "), true)"
+	// The intent first, the tickets last, as leaveCond does; a volatile output is computed after its query's sort,
+	// and the subquery (sorted, OFFSET 0) is not merged into the aggregate's.
+	s := "coalesce((SELECT bool_and(u.ok) FROM (SELECT CASE WHEN l.mode = 'ShareLock' THEN " + unlockFn(true, rowTicketArgs(n)) +
+		" ELSE " + unlockFn(false, rowTicketArgs(n)) + " END AS ok FROM pg_catalog.pg_locks l WHERE l.pid = pg_backend_pid() AND l.granted AND " +
+		rows + " ORDER BY CASE WHEN " + n.row(n.intent) + " THEN 0 WHEN " + n.row(n.flag) + " THEN 1 ELSE 2 END OFFSET 0) u), true)"
 	if idle {
 		s = "(" + s + " AND set_config('idle_session_timeout', '0', false) IS NOT NULL)"
 	}

@@ -800,3 +800,107 @@ func TestPreparedStatements(t *testing.T) {
 		must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	}
 }
+
+// A line statement sent after a slice's end (again) takes a grant that the statement before it was given: the key
+// granted as the slice ended, the lock surviving the error (the session holds the key, its intent, the line's flag
+// and its ticket), or granted and then failed after it left the line (it holds the key alone, and the wait behind
+// it is the head now, at place 1, in front of its old place). It answers a grant at once, the session holding the
+// key once (one unlock frees it), and nothing of the line; before, it waited for the key again (held twice: an
+// unlock left it held) or for the new head's ticket while holding the key.
+func TestLineAgainTakesRacedGrant(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	must := mustQ(t, q)
+	once := func(t *testing.T, obs, x *pgx.Conn, k ID, mode string) {
+		t.Helper()
+		if got, want := advisoryHeld(t, ctx, obs, x), mode+" "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+			t.Fatalf("after the grant: %q, want only [%s]", got, want)
+		}
+		must(x, "SELECT pg_advisory_unlock"+map[bool]string{false: "", true: "_shared"}[mode == "ShareLock"]+"("+k.literal()+")::int")
+		if got := advisoryHeld(t, ctx, obs, x); len(got) != 0 {
+			t.Fatalf("after one unlock: %q, want nothing (the key was held twice)", got)
+		}
+	}
+	t.Run("granted as the slice ended", func(t *testing.T) {
+		for _, shared := range []bool{false, true} {
+			k := ID{V: time.Now().UnixNano()}
+			w, m := Target{ID: k}, Target{ID: k, Shared: shared}
+			holder, a, x, obs := conn(), conn(), conn(), conn()
+			must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+			aseq, _, aintent, aidle := joined(must(a, JoinSQL(w, false, 15000)))
+			seq, _, _, idle := joined(must(x, JoinSQL(m, false, 15000)))
+			must(a, LeaveSQL(w, aseq, aintent, aidle))
+			// What x's line statement did before its error: found itself the head, took the intent (a writer),
+			// waited for the key and was granted it.
+			if !shared {
+				must(x, "SELECT pg_try_advisory_lock("+k.Intent().literal()+")::int")
+			}
+			must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+			must(x, "SELECT length("+lockFn(false, shared, k.literal())+"::text) + 1")
+			if v := must(x, lineSQL(m, seq, 1000, true, &lineWait{false, idle})); v != resultAcquired {
+				t.Fatalf("shared=%v: the statement after the slice's end: %d, want a grant", shared, v)
+			}
+			once(t, obs, x, k, map[bool]string{false: "ExclusiveLock", true: "ShareLock"}[shared])
+			idleRestored(t, ctx, x)
+		}
+	})
+	t.Run("granted, left the line, then failed", func(t *testing.T) {
+		k := ID{V: time.Now().UnixNano()}
+		w := Target{ID: k}
+		holder, a, x, nx, obs := conn(), conn(), conn(), conn(), conn()
+		must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+		aseq, _, aintent, aidle := joined(must(a, JoinSQL(w, false, 15000)))
+		seq, _, _, idle := joined(must(x, JoinSQL(w, false, 15000)))
+		must(a, LeaveSQL(w, aseq, aintent, aidle))
+		must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+		// x was granted and left the line (its fenced nextval then failed): it holds the key alone.
+		must(x, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+		must(x, LeaveSQL(w, seq, false, idle))
+		nseq, nhead, _, _ := joined(must(nx, JoinSQL(w, false, 15000)))
+		if nseq != 1 || !nhead {
+			t.Fatalf("the next join: place %d head %v, want 1, the head", nseq, nhead)
+		}
+		done := make(chan int64, 1)
+		go func() { v, _ := q(x, lineSQL(w, seq, 2000, true, &lineWait{false, idle})); done <- v }()
+		select {
+		case v := <-done:
+			if v != resultAcquired {
+				t.Fatalf("the statement after the late error: %d, want a grant", v)
+			}
+		case <-time.After(1500 * time.Millisecond):
+			t.Fatal("the statement after the late error waits (for the new head's ticket) while its session holds the key")
+		}
+		once(t, obs, x, k, "ExclusiveLock")
+		if got := advisoryHeld(t, ctx, obs, nx); !slices.Contains(got, "ExclusiveLock "+strconv.FormatInt(k.Ticket(1).V, 10)) {
+			t.Fatalf("the new head: %q, want its ticket still held", got)
+		}
+		must(nx, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	})
+}
+
+// A writer in the line whose statement ended at a slice's end asks pg_locks whether it holds the intent before it
+// gives its session up (WithYield): heldIntentSharedNowSQL is 1 only when it holds it and readers (or nobody) hold
+// the key.
+func TestHeldIntentSharedNow(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	conn, q := lineConns(t, ctx)
+	must := mustQ(t, q)
+	k := ID{V: time.Now().UnixNano()}
+	w := Target{ID: k}
+	reader, x := conn(), conn()
+	must(reader, "SELECT length(pg_advisory_lock_shared("+k.literal()+")::text) + 1")
+	if v := must(x, heldIntentSharedNowSQL(w)); v != 0 {
+		t.Fatalf("without the intent: %d, want 0", v)
+	}
+	must(x, "SELECT pg_try_advisory_lock("+k.Intent().literal()+")::int")
+	if v := must(x, heldIntentSharedNowSQL(w)); v != 1 {
+		t.Fatalf("holding the intent, a reader holding the key: %d, want 1", v)
+	}
+	must(reader, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	must(reader, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
+	if v := must(x, heldIntentSharedNowSQL(w)); v != 0 {
+		t.Fatalf("holding the intent, a writer holding the key: %d, want 0", v)
+	}
+}

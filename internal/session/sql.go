@@ -449,6 +449,13 @@ func SharedNowSQL(t Target) string {
 	return "SELECT CASE WHEN " + lockFn(true, true, key) + " THEN " + unlockFn(true, key) + "::int ELSE 0 END"
 }
 
+// heldIntentSharedNowSQL is SharedNowSQL for a writer that may hold t's intent: 1 only when it does, and t's key
+// could be taken in shared mode now.
+func heldIntentSharedNowSQL(t Target) string {
+	n := literalNums(t.ID, 0, 0, 0)
+	return "SELECT CASE WHEN " + ownRow(n, n.intent, false) + " THEN (" + SharedNowSQL(t) + ") ELSE 0 END"
+}
+
 // SettleSQL leaves a session that waited for t and was not granted holding nothing, whether or not a grant raced
 // the wait's end (a try passes on a session that holds the key already; then one unlock, and pg_locks says whether
 // a second is needed), with line also its place in the key's line (LineSQL) and whatever it holds of the line and

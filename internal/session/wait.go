@@ -84,18 +84,17 @@ func (w *serverWait) run(first bool) (int64, error) {
 			return r, err
 		}
 	}
-	requeue := false
+	requeue := w.timedOut // a statement in the line ended at a slice's end: its key's wait may have been granted as it did
 	for {
 		if d := bounceBackoff(w.bounces); d > 0 {
 			if err := w.pause(d); err != nil {
 				return 0, err
 			}
 		}
-		end, last, ms := slice(w.ctx, w.cfg)
-		if last && !time.Now().Before(end) && w.bounces > 0 {
+		if end, last, _ := slice(w.ctx, w.cfg); last && !time.Now().Before(end) && w.bounces > 0 {
 			return 0, errBouncedAtDeadline // given back to a writer, and the deadline has come
 		}
-		r, err := w.waitStatement(end, ms, requeue)
+		r, err, last := w.waitStatement(requeue)
 		requeue = false
 		w.timedOut = w.timedOut || SQLState(err) == "55P03"
 		switch {
@@ -117,17 +116,39 @@ func (w *serverWait) run(first bool) (int64, error) {
 	}
 }
 
-// waitStatement sends the wait's next statement for the key itself (WaitSQL, or WaitAnySQL with alternatives), a
-// slice of ms ending at end. Its grant gives back what the wait holds of the key's line and the intent: what the
-// answers said, until a statement of the wait ended at a slice's end; from then on what pg_locks says (see
-// timedOut).
-func (w *serverWait) waitStatement(end time.Time, ms int64, requeue bool) (int64, error) {
+// waitStatement sends the wait's next statement for the key itself (WaitSQL, or WaitAnySQL with alternatives), one
+// slice. Its grant gives back what the wait holds of the key's line and the intent: what the answers said, until a
+// statement of the wait ended at a slice's end; from then on what pg_locks says (see timedOut).
+func (w *serverWait) waitStatement(requeue bool) (int64, error, bool) {
 	if len(w.alts) > 0 {
-		return w.statement(end, w.comment()+WaitAnySQL(w.t, w.alts, ms, requeue, w.intent))
+		end, last, ms := slice(w.ctx, w.cfg)
+		r, err := w.statement(end, w.comment()+WaitAnySQL(w.t, w.alts, ms, requeue, w.intent))
+		return r, err, last
 	}
-	return w.prepared(w.waitText(ms, requeue, params(w.t.ID)), ms, func(sql string) (int64, error) {
-		return w.statement(end, sql)
-	})
+	return w.sliced(func(n nums, ms int64) stmt { return w.waitText(ms, requeue, n) }, !requeue && !w.timedOut)
+}
+
+// sliced sends one slice of the wait: build's statement for a slice of ms, bounded by the slice's end; last says
+// that the slice ends at the deadline. With prepare, the statement is prepared on the session (see prepared), and
+// sent again for a slice of its own once prepared. Only the statements of a wait that has not had a slice's end are
+// prepared: they are the ones a contended key sends at every turn; those after a slice's end, sent once a slice,
+// differ from wait to wait in what they give back (each prepared text costs its session about 0.25 MB).
+func (w *serverWait) sliced(build func(n nums, ms int64) stmt, prepare bool) (r int64, err error, last bool) {
+	for tries := 0; ; tries++ {
+		end, last, ms := slice(w.ctx, w.cfg)
+		if !prepare {
+			r, err := w.statement(end, w.comment()+build(literalNums(w.t.ID, w.seq, ms, w.idleMS()), ms).String())
+			return r, err, last
+		}
+		run, prep := build(params(w.t.ID), ms).prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
+		r, err := w.statement(end, w.comment()+run)
+		if SQLState(err) != "26000" || tries > 0 {
+			return r, err, last
+		}
+		if _, err := w.between("prepare a statement of the wait", prep); err != nil && SQLState(err) != "42P05" {
+			return 0, err, last
+		}
+	}
 }
 
 // waitText is the wait's next WaitSQL with its numbers n.
@@ -139,11 +160,12 @@ func (w *serverWait) waitText(ms int64, requeue bool, n nums) stmt {
 	return waitStmt(w.t, n, nil, ms, w.cfg.Fencing, requeue, w.intent, leave)
 }
 
-// prepared sends s, whose body names the wait's numbers as numParams (its slice ms), as a statement prepared on the
-// wait's session (see stmt.prepared) with send; a session that has not prepared it yet answers 26000 (the statement
-// ran nothing), and is sent the statement that prepares it, then s again.
-func (w *serverWait) prepared(s stmt, ms int64, send func(string) (int64, error)) (int64, error) {
-	run, prepare := s.prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
+// prepared sends s, whose body names the wait's numbers as numParams, as a statement prepared on the wait's
+// session (see stmt.prepared) with send: a session that has not prepared it yet answers 26000 (the statement ran
+// nothing), and is sent the statement that prepares it, then s again. For a statement that does not wait (the
+// join); see sliced for those that do.
+func (w *serverWait) prepared(s stmt, send func(string) (int64, error)) (int64, error) {
+	run, prepare := s.prepared(numValues(w.t.ID, w.seq, 0, w.idleMS()))
 	r, err := send(w.comment() + run)
 	if SQLState(err) != "26000" {
 		return r, err
@@ -163,7 +185,7 @@ const joinTries = 50
 // ended there (granted by the join's try, failed, or not granted by its deadline), with run's result.
 func (w *serverWait) queue() (r int64, err error, done bool) {
 	for range joinTries {
-		r, err := w.prepared(joinStmt(w.t, params(w.t.ID), w.cfg.Fencing), 0, func(sql string) (int64, error) {
+		r, err := w.prepared(joinStmt(w.t, params(w.t.ID), w.cfg.Fencing), func(sql string) (int64, error) {
 			return w.between("join the key's line", sql)
 		})
 		switch {
@@ -186,10 +208,10 @@ func (w *serverWait) queue() (r int64, err error, done bool) {
 // (a head writer that could not take the key's intent, a reader that gave the key back to a writer's intent).
 func (w *serverWait) inLine() (int64, error, bool) {
 	for {
-		end, last, ms := slice(w.ctx, w.cfg)
-		r, err := w.prepared(lineStmt(w.t, params(w.t.ID), ms, w.timedOut, &lineWait{w.cfg.Fencing, w.idle}), ms, func(sql string) (int64, error) {
-			return w.statement(end, sql)
-		})
+		again := w.timedOut
+		r, err, last := w.sliced(func(n nums, ms int64) stmt {
+			return lineStmt(w.t, n, ms, again, &lineWait{w.cfg.Fencing, w.idle})
+		}, !again)
 		w.timedOut = w.timedOut || SQLState(err) == "55P03"
 		switch {
 		case SQLState(err) == "55P03" && !last && w.ctx.Err() == nil:
@@ -198,6 +220,7 @@ func (w *serverWait) inLine() (int64, error, bool) {
 			}
 		case err == nil && r == resultAdvanced:
 		case err == nil && r == resultHead:
+			w.intent = false // a head writer that could not take it (nor held it: lineStmt's again)
 			return 0, nil, false
 		case err == nil && r == resultBounced:
 			w.bounces++ // the head reader keeps its place, and waits again with WaitSQL
@@ -219,10 +242,16 @@ func (w *serverWait) yielded() (bool, error) {
 	if w.yield == nil || !w.yield() {
 		return false, nil
 	}
+	sql := SharedNowSQL(w.t)
 	if !w.intent {
-		return true, ErrYielded
+		if w.t.Shared || w.seq == 0 || !w.timedOut {
+			return true, ErrYielded
+		}
+		// A writer in the line whose statement ended at a slice's end may have found itself the head and taken
+		// the intent in it (the error said nothing of that): pg_locks says.
+		sql = heldIntentSharedNowSQL(w.t)
 	}
-	r, err := w.between("ask whether readers hold the key", SharedNowSQL(w.t))
+	r, err := w.between("ask whether readers hold the key", sql)
 	if err != nil {
 		return false, err
 	}
