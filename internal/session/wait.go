@@ -136,15 +136,17 @@ func (w *serverWait) waitStatement(requeue bool) (int64, error, bool) {
 func (w *serverWait) sliced(build func(n nums, ms int64) stmt, prepare bool) (r int64, err error, last bool) {
 	for tries := 0; ; tries++ {
 		end, last, ms := slice(w.ctx, w.cfg)
-		if !prepare {
+		if !prepare || tries > 1 {
 			r, err := w.statement(end, w.comment()+build(literalNums(w.t.ID, w.seq, ms, w.idleMS()), ms).String())
 			return r, err, last
 		}
 		run, prep := build(params(w.t.ID), ms).prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
 		r, err := w.statement(end, w.comment()+run)
-		if SQLState(err) != "26000" || tries > 0 {
+		if SQLState(err) != "26000" {
 			return r, err, last
 		}
+		// Not prepared on the session: prepare it, and send it again (a session that lost it once more, something
+		// between that drops what a session prepared, gets it as literals).
 		if _, err := w.between("prepare a statement of the wait", prep); err != nil && SQLState(err) != "42P05" {
 			return 0, err, last
 		}
@@ -162,9 +164,9 @@ func (w *serverWait) waitText(ms int64, requeue bool, n nums) stmt {
 
 // prepared sends s, whose body names the wait's numbers as numParams, as a statement prepared on the wait's
 // session (see stmt.prepared) with send: a session that has not prepared it yet answers 26000 (the statement ran
-// nothing), and is sent the statement that prepares it, then s again. For a statement that does not wait (the
-// join); see sliced for those that do.
-func (w *serverWait) prepared(s stmt, send func(string) (int64, error)) (int64, error) {
+// nothing), and is sent the statement that prepares it, then s again (and literal, s with its numbers as literals,
+// should that fail so once more). For a statement that does not wait (the join); see sliced for those that do.
+func (w *serverWait) prepared(s stmt, literal func() stmt, send func(string) (int64, error)) (int64, error) {
 	run, prepare := s.prepared(numValues(w.t.ID, w.seq, 0, w.idleMS()))
 	r, err := send(w.comment() + run)
 	if SQLState(err) != "26000" {
@@ -173,7 +175,10 @@ func (w *serverWait) prepared(s stmt, send func(string) (int64, error)) (int64, 
 	if _, err := w.between("prepare a statement of the wait", prepare); err != nil && SQLState(err) != "42P05" {
 		return 0, err
 	}
-	return send(w.comment() + run)
+	if r, err = send(w.comment() + run); SQLState(err) == "26000" {
+		return send(w.comment() + literal().String()) // something between drops what the session prepared
+	}
+	return r, err
 }
 
 // joinTries bounds how often a wait tries to join its key's line when other waits take the same ticket at the
@@ -185,7 +190,8 @@ const joinTries = 50
 // ended there (granted by the join's try, failed, or not granted by its deadline), with run's result.
 func (w *serverWait) queue() (r int64, err error, done bool) {
 	for range joinTries {
-		r, err := w.prepared(joinStmt(w.t, params(w.t.ID), w.cfg.Fencing), func(sql string) (int64, error) {
+		literal := func() stmt { return joinStmt(w.t, literalNums(w.t.ID, 0, 0, w.idleMS()), w.cfg.Fencing) }
+		r, err := w.prepared(joinStmt(w.t, params(w.t.ID), w.cfg.Fencing), literal, func(sql string) (int64, error) {
 			return w.between("join the key's line", sql)
 		})
 		switch {

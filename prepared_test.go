@@ -1,0 +1,82 @@
+package advlock_test
+
+import (
+	"context"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock"
+	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/conformance"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+)
+
+// A contended wait's statements are prepared on its session; one whose session loses them between statements (here
+// each is deallocated just before every EXECUTE of it, as something between the client and the server that resets
+// sessions would) prepares them again and, lost once more, sends them as they are: the wait is still granted, once
+// the holder lets go, and its session holds the key (pg_locks).
+func TestWaitPreparedLost(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	holder, err := advlock.Open(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Close()
+	var lost atomic.Int64
+	waiter, err := advlock.Open(ctx, url, conformance.WithWrap(func(c session.Conn) session.Conn { return losing{c, &lost} }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer waiter.Close()
+	key := conformance.Key(t)
+	held, err := holder.Lock(ctx, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *advlock.Lock, 1)
+	go func() {
+		l, err := waiter.Lock(ctx, key)
+		if err != nil {
+			t.Errorf("the wait: %v", err)
+		}
+		got <- l
+	}()
+	time.Sleep(300 * time.Millisecond)
+	if err := held.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l := <-got
+	if l == nil {
+		return
+	}
+	defer l.Unlock(ctx)
+	if lost.Load() < 2 {
+		t.Fatalf("%d prepared statements lost: the wait did not send any", lost.Load())
+	}
+	obs := pgtest.Conn(t, url)
+	var n int
+	v, _ := key.Int64()
+	if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock' AND objsubid = 1 AND ((classid::int8 << 32) | objid::int8) = $1 AND pid <> pg_backend_pid()", v).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("sessions holding the key: %d %v, want 1", n, err)
+	}
+}
+
+// losing deallocates each statement advlock prepared just before it is executed.
+type losing struct {
+	session.Conn
+	lost *atomic.Int64
+}
+
+func (c losing) QueryInt(ctx context.Context, sql string, args ...any) (int64, error) {
+	if _, rest, ok := strings.Cut(sql, "EXECUTE advlock_"); ok {
+		name, _, _ := strings.Cut(rest, "(")
+		if _, err := c.Conn.QueryInt(ctx, "DEALLOCATE advlock_"+name+"; SELECT 1"); err == nil {
+			c.lost.Add(1)
+		}
+	}
+	return c.Conn.QueryInt(ctx, sql, args...)
+}
