@@ -241,9 +241,7 @@ func TestGrantLeavesLine(t *testing.T) {
 	if v := <-moved; v != resultHead {
 		t.Fatalf("the reader behind the granted writer: %d, want %d (the head)", v, resultHead)
 	}
-	if got, want := advisoryHeld(t, ctx, holder, a), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
-		t.Fatalf("the granted writer's locks: %q, want only [%s]", got, want)
-	}
+	holdsOnly(t, ctx, holder, a, "ExclusiveLock", k)
 	idleRestored(t, ctx, a)
 	for _, x := range []*pgx.Conn{a, c} {
 		must(x, "SELECT length(pg_advisory_unlock_all()::text) + 1")
@@ -441,6 +439,26 @@ func advisoryHeld(t *testing.T, ctx context.Context, obs, x *pgx.Conn) []string 
 	return s
 }
 
+// holdsOnly fails the test unless x's session holds k in mode (ExclusiveLock, ShareLock) and no other advisory
+// lock, as read through obs.
+func holdsOnly(t *testing.T, ctx context.Context, obs, x *pgx.Conn, mode string, k ID) {
+	t.Helper()
+	if got, want := advisoryHeld(t, ctx, obs, x), mode+" "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
+		t.Fatalf("pid %d holds %q, want only [%s]", x.PgConn().PID(), got, want)
+	}
+}
+
+// grantedAlone fails the test unless the statement of x that answers on got was granted, and x's session then
+// holds k alone in mode, with its idle_session_timeout restored.
+func grantedAlone(t *testing.T, ctx context.Context, obs, x *pgx.Conn, got <-chan int64, mode string, k ID) {
+	t.Helper()
+	if v := <-got; v != resultAcquired {
+		t.Fatalf("pid %d's wait: %d, want a grant", x.PgConn().PID(), v)
+	}
+	holdsOnly(t, ctx, obs, x, mode, k)
+	idleRestored(t, ctx, x)
+}
+
 // idleRestored fails the test unless x's session has an idle_session_timeout of 0, as before its wait.
 func idleRestored(t *testing.T, ctx context.Context, x *pgx.Conn) {
 	t.Helper()
@@ -507,9 +525,7 @@ func TestBouncedReaderAfterLateError(t *testing.T) {
 	if v := must(rc, rw.waitText(1000, false, literalNums(k, rseq, 1000, 15000)).String()); v < 1 {
 		t.Fatalf("the reader's next statement once the writer let go: %d, want a token", v)
 	}
-	if got, want := advisoryHeld(t, ctx, holder, rc), "ShareLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
-		t.Fatalf("the granted reader holds %q, want only [%s]", got, want)
-	}
+	holdsOnly(t, ctx, holder, rc, "ShareLock", k)
 	idleRestored(t, ctx, rc)
 }
 
@@ -623,27 +639,15 @@ func TestLineWaitQueuesAtOnce(t *testing.T) {
 		t.Fatalf("b waits for the key without the intent: %q", got)
 	}
 	must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-	if v := <-bg; v != resultAcquired {
-		t.Fatalf("b once a let go: %d, want a grant", v)
-	}
-	if got, want := advisoryHeld(t, ctx, obs, b), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
-		t.Fatalf("b's locks once granted: %q, want only [%s]", got, want)
-	}
-	idleRestored(t, ctx, b)
+	grantedAlone(t, ctx, obs, b, bg, "ExclusiveLock", k)
 	awaitKeyWait(t, ctx, obs, c, k)
 	must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-	if v := <-cg; v != resultAcquired {
-		t.Fatalf("c, the reader, once b let go: %d, want a grant", v)
-	}
-	if got, want := advisoryHeld(t, ctx, obs, c), "ShareLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
-		t.Fatalf("c's locks once granted: %q, want only [%s]", got, want)
-	}
-	idleRestored(t, ctx, c)
+	grantedAlone(t, ctx, obs, c, cg, "ShareLock", k)
 	must(c, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 }
 
-// A line statement that waited most of its slice for the member in front waits for the key only for what is left
-// of the slice (a statement holds its snapshot for no longer than a slice), and a member whose statement ended so,
+// A line statement that waited most of its slice (1.6 s of 2) for the member in front waits for the key only for
+// what is left of the slice (a statement holds its snapshot for no longer than a slice), and a member whose statement ended so,
 // holding the intent it took as it found itself the head, is granted by its next statement (sent with again),
 // holding the key alone.
 func TestLineWaitWithinSlice(t *testing.T) {
@@ -663,12 +667,12 @@ func TestLineWaitWithinSlice(t *testing.T) {
 	}
 	done := make(chan res, 1)
 	start := time.Now()
-	go func() { _, err := q(b, LineWaitSQL(w, bseq, 1000, false, bidle)); done <- res{err, time.Since(start)} }()
-	time.Sleep(800 * time.Millisecond)
+	go func() { _, err := q(b, LineWaitSQL(w, bseq, 2000, false, bidle)); done <- res{err, time.Since(start)} }()
+	time.Sleep(1600 * time.Millisecond)
 	must(a, LeaveSQL(w, aseq, aintent, aidle)) // a gives up its place: b is the head
 	got := <-done
-	if SQLState(got.err) != "55P03" || got.took > 1500*time.Millisecond {
-		t.Fatalf("b's statement: %v after %v, want 55P03 about 1 s after it was sent (a fresh lock_timeout for the key: 1.8 s)", got.err, got.took)
+	if SQLState(got.err) != "55P03" || got.took > 3*time.Second {
+		t.Fatalf("b's statement: %v after %v, want 55P03 about 2 s after it was sent (a fresh lock_timeout for the key: 3.6 s)", got.err, got.took)
 	}
 	if held := advisoryHeld(t, ctx, obs, b); !slices.Contains(held, "ExclusiveLock "+strconv.FormatInt(k.Intent().V, 10)) {
 		t.Fatalf("b after its slice: %q, want the intent it took as the head", held)
@@ -677,13 +681,7 @@ func TestLineWaitWithinSlice(t *testing.T) {
 	go func() { v, _ := q(b, lineSQL(w, bseq, 5000, true, &lineWait{false, bidle})); granted <- v }()
 	awaitKeyWait(t, ctx, obs, b, k)
 	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-	if v := <-granted; v != resultAcquired {
-		t.Fatalf("b's next statement once the key was freed: %d, want a grant", v)
-	}
-	if held, want := advisoryHeld(t, ctx, obs, b), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(held) != 1 || held[0] != want {
-		t.Fatalf("b's locks once granted: %q, want only [%s]", held, want)
-	}
-	idleRestored(t, ctx, b)
+	grantedAlone(t, ctx, obs, b, granted, "ExclusiveLock", k)
 	must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 }
 
@@ -720,14 +718,19 @@ func TestPreparedStatements(t *testing.T) {
 		w, r := Target{ID: k}, Target{ID: k, Shared: true}
 		holder, a, b, obs := conn(), conn(), conn(), conn()
 		must(holder, "SELECT length(pg_advisory_lock("+k.literal()+")::text) + 1")
-		exec := func(c *pgx.Conn, s stmt, seq, ms int64) int64 {
-			t.Helper()
+		send := func(c *pgx.Conn, s stmt, seq, ms int64) (int64, error) { // prepared first if the session has not
 			run, prepare := s.prepared(numValues(k, seq, ms, 15000))
 			v, err := q(c, run)
 			if SQLState(err) == "26000" {
-				must(c, prepare)
-				v, err = q(c, run)
+				if _, err = q(c, prepare); err == nil {
+					v, err = q(c, run)
+				}
 			}
+			return v, err
+		}
+		exec := func(c *pgx.Conn, s stmt, seq, ms int64) int64 {
+			t.Helper()
+			v, err := send(c, s, seq, ms)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -751,52 +754,17 @@ func TestPreparedStatements(t *testing.T) {
 		}
 		aw := &serverWait{t: w, seq: aseq, intent: aintent, idle: aidle}
 		ag, bg := make(chan int64, 1), make(chan int64, 1)
-		go func() {
-			s := aw.waitText(5000, false, params(k))
-			run, prepare := s.prepared(numValues(k, aseq, 5000, 15000))
-			v, err := q(a, run)
-			if SQLState(err) == "26000" {
-				if _, err = q(a, prepare); err == nil {
-					v, err = q(a, run)
-				}
-			}
-			if err != nil {
-				v = -100
-			}
-			ag <- v
-		}()
+		go func() { v, _ := send(a, aw.waitText(5000, false, params(k)), aseq, 5000); ag <- v }()
 		awaitKeyWait(t, ctx, obs, a, k)
 		go func() {
-			s := lineStmt(r, params(k), 5000, false, &lineWait{false, bidle})
-			run, prepare := s.prepared(numValues(k, bseq, 5000, 15000))
-			v, err := q(b, run)
-			if SQLState(err) == "26000" {
-				if _, err = q(b, prepare); err == nil {
-					v, err = q(b, run)
-				}
-			}
-			if err != nil {
-				v = -100
-			}
+			v, _ := send(b, lineStmt(r, params(k), 5000, false, &lineWait{false, bidle}), bseq, 5000)
 			bg <- v
 		}()
 		must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-		if v := <-ag; v != resultAcquired {
-			t.Fatalf("a once the key was freed: %d, want a grant", v)
-		}
-		if got, want := advisoryHeld(t, ctx, obs, a), "ExclusiveLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
-			t.Fatalf("a's locks once granted: %q, want only [%s]", got, want)
-		}
-		idleRestored(t, ctx, a)
+		grantedAlone(t, ctx, obs, a, ag, "ExclusiveLock", k)
 		awaitKeyWait(t, ctx, obs, b, k)
 		must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-		if v := <-bg; v != resultAcquired {
-			t.Fatalf("b once a let go: %d, want a grant", v)
-		}
-		if got, want := advisoryHeld(t, ctx, obs, b), "ShareLock "+strconv.FormatInt(k.V, 10); len(got) != 1 || got[0] != want {
-			t.Fatalf("b's locks once granted: %q, want only [%s]", got, want)
-		}
-		idleRestored(t, ctx, b)
+		grantedAlone(t, ctx, obs, b, bg, "ShareLock", k)
 		must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	}
 }
