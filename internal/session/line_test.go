@@ -459,6 +459,15 @@ func grantedAlone(t *testing.T, ctx context.Context, obs, x *pgx.Conn, got <-cha
 	idleRestored(t, ctx, x)
 }
 
+// passes has from let go of every advisory lock it holds (k among them) once to waits for k, and fails the test
+// unless to's statement, which answers on got, is then granted, to holding k alone in mode.
+func passes(t *testing.T, ctx context.Context, obs *pgx.Conn, must func(*pgx.Conn, string) int64, from, to *pgx.Conn, got <-chan int64, mode string, k ID) {
+	t.Helper()
+	awaitKeyWait(t, ctx, obs, to, k)
+	must(from, "SELECT length(pg_advisory_unlock_all()::text) + 1")
+	grantedAlone(t, ctx, obs, to, got, mode, k)
+}
+
 // idleRestored fails the test unless x's session has an idle_session_timeout of 0, as before its wait.
 func idleRestored(t *testing.T, ctx context.Context, x *pgx.Conn) {
 	t.Helper()
@@ -640,16 +649,14 @@ func TestLineWaitQueuesAtOnce(t *testing.T) {
 	}
 	must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	grantedAlone(t, ctx, obs, b, bg, "ExclusiveLock", k)
-	awaitKeyWait(t, ctx, obs, c, k)
-	must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-	grantedAlone(t, ctx, obs, c, cg, "ShareLock", k)
+	passes(t, ctx, obs, must, b, c, cg, "ShareLock", k)
 	must(c, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 }
 
 // A line statement that waited most of its slice (1.6 s of 2) for the member in front waits for the key only for
-// what is left of the slice (a statement holds its snapshot for no longer than a slice), and a member whose statement ended so,
-// holding the intent it took as it found itself the head, is granted by its next statement (sent with again),
-// holding the key alone.
+// what is left of the slice (a statement holds its snapshot for no longer than a slice), and a member whose
+// statement ended so, holding the intent it took as it found itself the head, is granted by its next statement
+// (sent with again), holding the key alone.
 func TestLineWaitWithinSlice(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -679,9 +686,7 @@ func TestLineWaitWithinSlice(t *testing.T) {
 	}
 	granted := make(chan int64, 1)
 	go func() { v, _ := q(b, lineSQL(w, bseq, 5000, true, &lineWait{false, bidle})); granted <- v }()
-	awaitKeyWait(t, ctx, obs, b, k)
-	must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-	grantedAlone(t, ctx, obs, b, granted, "ExclusiveLock", k)
+	passes(t, ctx, obs, must, holder, b, granted, "ExclusiveLock", k)
 	must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 }
 
@@ -762,9 +767,7 @@ func TestPreparedStatements(t *testing.T) {
 		}()
 		must(holder, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 		grantedAlone(t, ctx, obs, a, ag, "ExclusiveLock", k)
-		awaitKeyWait(t, ctx, obs, b, k)
-		must(a, "SELECT length(pg_advisory_unlock_all()::text) + 1")
-		grantedAlone(t, ctx, obs, b, bg, "ShareLock", k)
+		passes(t, ctx, obs, must, a, b, bg, "ShareLock", k)
 		must(b, "SELECT length(pg_advisory_unlock_all()::text) + 1")
 	}
 }
