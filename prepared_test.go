@@ -15,8 +15,8 @@ import (
 
 // A contended wait's statements are prepared on its session; one whose session loses them between statements (here
 // each is deallocated just before every EXECUTE of it, as something between the client and the server that resets
-// sessions would) prepares them again and, lost once more, sends them as they are: the wait is still granted, once
-// the holder lets go, and its session holds the key (pg_locks).
+// sessions would) sends them as it is when the server says so, and prepares them again with the next: three waits
+// in turn are still granted, once the holder lets go, and the last one's session holds the key (pg_locks).
 func TestWaitPreparedLost(t *testing.T) {
 	url := pgtest.URL(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -33,29 +33,36 @@ func TestWaitPreparedLost(t *testing.T) {
 	}
 	defer waiter.Close()
 	key := conformance.Key(t)
-	held, err := holder.Lock(ctx, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := make(chan *advlock.Lock, 1)
-	go func() {
-		l, err := waiter.Lock(ctx, key)
-		if err != nil {
-			t.Errorf("the wait: %v", err)
+	var l *advlock.Lock
+	for range 3 { // each kind of statement sent again on the connection that prepared it
+		if l != nil {
+			if err := l.Unlock(ctx); err != nil {
+				t.Fatal(err)
+			}
 		}
-		got <- l
-	}()
-	time.Sleep(300 * time.Millisecond)
-	if err := held.Unlock(ctx); err != nil {
-		t.Fatal(err)
-	}
-	l := <-got
-	if l == nil {
-		return
+		held, err := holder.Lock(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make(chan *advlock.Lock, 1)
+		go func() {
+			l, err := waiter.Lock(ctx, key)
+			if err != nil {
+				t.Errorf("the wait: %v", err)
+			}
+			got <- l
+		}()
+		time.Sleep(300 * time.Millisecond)
+		if err := held.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if l = <-got; l == nil {
+			return
+		}
 	}
 	defer l.Unlock(ctx)
 	if lost.Load() < 2 {
-		t.Fatalf("%d prepared statements lost: the wait did not send any", lost.Load())
+		t.Fatalf("%d prepared statements lost: the waits sent none again", lost.Load())
 	}
 	obs := pgtest.Conn(t, url)
 	var n int

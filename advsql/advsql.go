@@ -160,9 +160,10 @@ type pool struct {
 
 // mark is what is known of one driver connection: it was proved a server session of its own, and whether direct.
 type mark struct {
-	direct bool
-	pid    uint32 // the server session's pid
-	used   uint64 // when it was last looked at (pool.uses)
+	direct   bool
+	pid      uint32          // the server session's pid
+	used     uint64          // when it was last looked at (pool.uses)
+	prepared map[string]bool // the statements its session prepared (session.Conn.Prepared)
 }
 
 func (p *pool) Acquire(ctx context.Context) (session.Conn, error) {
@@ -541,6 +542,40 @@ func (a *conn) Verified() (ok, direct bool) {
 	a.p.uses++
 	m.used = a.p.uses
 	return true, m.direct
+}
+
+// Prepared reports what MarkPrepared recorded for the connection (nothing for one not verified).
+func (a *conn) Prepared(name string) bool {
+	if a.pgx != nil {
+		return a.pgx.Prepared(name)
+	}
+	a.p.mu.Lock()
+	defer a.p.mu.Unlock()
+	m := a.p.verified[a.dc]
+	return m != nil && m.prepared[name]
+}
+
+// MarkPrepared records with the connection's mark whether its session prepared name (a connection not verified
+// keeps no record).
+func (a *conn) MarkPrepared(name string, ok bool) {
+	if a.pgx != nil {
+		a.pgx.MarkPrepared(name, ok)
+		return
+	}
+	a.p.mu.Lock()
+	defer a.p.mu.Unlock()
+	m := a.p.verified[a.dc]
+	if m == nil {
+		return
+	}
+	if !ok {
+		delete(m.prepared, name)
+		return
+	}
+	if m.prepared == nil {
+		m.prepared = map[string]bool{}
+	}
+	m.prepared[name] = true
 }
 
 func (a *conn) MarkVerified(direct bool, pid uint32) {

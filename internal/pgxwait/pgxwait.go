@@ -107,6 +107,31 @@ func (r *Reader) MarkVerified(direct bool, pid uint32) {
 	r.PC.CustomData()[pidKey] = pid
 }
 
+const preparedKey = "advlock.prepared"
+
+// Prepared reports whether MarkPrepared recorded name as prepared on the physical connection.
+func (r *Reader) Prepared(name string) bool {
+	m, _ := r.PC.CustomData()[preparedKey].(map[string]bool)
+	return m[name]
+}
+
+// MarkPrepared records whether the physical connection's session has prepared name.
+func (r *Reader) MarkPrepared(name string, ok bool) {
+	m, _ := r.PC.CustomData()[preparedKey].(map[string]bool)
+	if m == nil {
+		if !ok {
+			return
+		}
+		m = map[string]bool{}
+		r.PC.CustomData()[preparedKey] = m
+	}
+	if ok {
+		m[name] = true
+	} else {
+		delete(m, name)
+	}
+}
+
 // ServerPID is the pid MarkVerified recorded (0 before).
 func (r *Reader) ServerPID() uint32 {
 	pid, _ := r.PC.CustomData()[pidKey].(uint32)

@@ -77,14 +77,14 @@ type stmt struct{ prefix, body string }
 func (s stmt) String() string { return s.prefix + s.body }
 
 // prepared returns the query that runs s, whose body names its numbers as numParams, as a statement prepared on
-// the session (with the parameters' values vals), and the statement that prepares it (to send when the query fails
-// with 26000: the session has not prepared it yet). Its name is its text's hash: two texts never share one, so a
-// session that prepared it earlier (a connection back from its pool, a server connection PgBouncer hands on)
-// prepared this very text. Its plan is generic (planned once, with the parameters unknown): the parameters change
-// only which rows of pg_locks match.
-func (s stmt) prepared(vals []int64) (run, prepare string) {
+// the session (with the parameters' values vals), the statement that prepares it (sent in front of run, in the same
+// query, on a session that has not prepared it yet), and its name: its text's hash, so that two texts never share
+// one, and a session that prepared it earlier (a connection back from its pool, a server connection PgBouncer hands
+// on) prepared this very text. Its plan is generic (planned once, with the parameters unknown): the parameters
+// change only which rows of pg_locks match.
+func (s stmt) prepared(vals []int64) (run, prepare, name string) {
 	h := sha256.Sum256([]byte(s.body))
-	name := "advlock_" + hex.EncodeToString(h[:8])
+	name = "advlock_" + hex.EncodeToString(h[:8])
 	var b strings.Builder
 	b.WriteString(s.prefix + "SET LOCAL plan_cache_mode = force_generic_plan; EXECUTE " + name + "(")
 	for i, v := range vals {
@@ -95,5 +95,5 @@ func (s stmt) prepared(vals []int64) (run, prepare string) {
 	}
 	b.WriteString(")")
 	types := strings.TrimSuffix(strings.Repeat("int8, ", len(vals)), ", ")
-	return b.String(), "PREPARE " + name + "(" + types + ") AS " + s.body + "; SELECT 1"
+	return b.String(), "PREPARE " + name + "(" + types + ") AS " + s.body, name
 }

@@ -53,6 +53,12 @@ type Conn interface {
 	// connection.
 	Verified() (ok, direct bool)
 	MarkVerified(direct bool, pid uint32)
+	// Prepared reports whether this physical connection's session prepared the statement name, as MarkPrepared
+	// recorded (a wait's statements, see stmt.prepared). Adapters keep the record with the physical connection; a
+	// record that is wrong costs a round trip (the server says so), never a wrong statement (a name is its text's
+	// hash).
+	Prepared(name string) bool
+	MarkPrepared(name string, ok bool)
 	// ServerPID is the server session's pid (pg_backend_pid) recorded by MarkVerified; 0 before. Through a pooler
 	// in session mode it is the server's, not the pooler's (ClientPID).
 	ServerPID() uint32

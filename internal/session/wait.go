@@ -128,31 +128,6 @@ func (w *serverWait) waitStatement(requeue bool) (int64, error, bool) {
 	return w.sliced(func(n nums, ms int64) stmt { return w.waitText(ms, requeue, n) }, !requeue && !w.timedOut)
 }
 
-// sliced sends one slice of the wait: build's statement for a slice of ms, bounded by the slice's end; last says
-// that the slice ends at the deadline. With prepare, the statement is prepared on the session (see prepared), and
-// sent again for a slice of its own once prepared. Only the statements of a wait that has not had a slice's end are
-// prepared: they are the ones a contended key sends at every turn; those after a slice's end, sent once a slice,
-// differ from wait to wait in what they give back (each prepared text costs its session about 0.25 MB).
-func (w *serverWait) sliced(build func(n nums, ms int64) stmt, prepare bool) (r int64, err error, last bool) {
-	for tries := 0; ; tries++ {
-		end, last, ms := slice(w.ctx, w.cfg)
-		if !prepare || tries > 1 {
-			r, err := w.statement(end, w.comment()+build(literalNums(w.t.ID, w.seq, ms, w.idleMS()), ms).String())
-			return r, err, last
-		}
-		run, prep := build(params(w.t.ID), ms).prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
-		r, err := w.statement(end, w.comment()+run)
-		if SQLState(err) != "26000" {
-			return r, err, last
-		}
-		// Not prepared on the session: prepare it, and send it again (a session that lost it once more, something
-		// between that drops what a session prepared, gets it as literals).
-		if _, err := w.between("prepare a statement of the wait", prep); err != nil && SQLState(err) != "42P05" {
-			return 0, err, last
-		}
-	}
-}
-
 // waitText is the wait's next WaitSQL with its numbers n.
 func (w *serverWait) waitText(ms int64, requeue bool, n nums) stmt {
 	leave := leaveCond(w.t, n, w.seq > 0, w.intent, w.idle)
@@ -162,23 +137,56 @@ func (w *serverWait) waitText(ms int64, requeue bool, n nums) stmt {
 	return waitStmt(w.t, n, nil, ms, w.cfg.Fencing, requeue, w.intent, leave)
 }
 
-// prepared sends s, whose body names the wait's numbers as numParams, as a statement prepared on the wait's
-// session (see stmt.prepared) with send: a session that has not prepared it yet answers 26000 (the statement ran
-// nothing), and is sent the statement that prepares it, then s again (and literal, s with its numbers as literals,
-// should that fail so once more). For a statement that does not wait (the join); see sliced for those that do.
+// sliced sends one slice of the wait: build's statement for a slice of ms, bounded by the slice's end; last says
+// that the slice ends at the deadline. With prepare, the statement is prepared on the session (see
+// execPrepared). Only the statements of a wait that has not had a slice's end are prepared: they are the ones a
+// contended key sends at every turn; those after a slice's end, sent once a slice, differ from wait to wait in what
+// they give back (each prepared text costs its session about 0.25 MB).
+func (w *serverWait) sliced(build func(n nums, ms int64) stmt, prepare bool) (r int64, err error, last bool) {
+	end, last, ms := slice(w.ctx, w.cfg)
+	if prepare {
+		run, def, name := build(params(w.t.ID), ms).prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
+		r, err, sent := w.execPrepared(run, def, name, func(sql string) (int64, error) { return w.statement(end, sql) })
+		if sent {
+			return r, err, last
+		}
+		end, last, ms = slice(w.ctx, w.cfg) // the session lost it: as it is, this once
+	}
+	r, err = w.statement(end, w.comment()+build(literalNums(w.t.ID, w.seq, ms, w.idleMS()), ms).String())
+	return r, err, last
+}
+
+// execPrepared sends run, a statement prepared on the wait's session under name, with send: on a session that has
+// not prepared it (as far as the connection's record says), def in front of it in the same query (one round trip:
+// a PREPARE stands whatever the rest of its query does); on one whose record is wrong, again or not at all. sent is
+// false when the session had lost it (26000: the statement ran nothing): its caller sends it as it is, and the next
+// statement prepares it again.
+func (w *serverWait) execPrepared(run, def, name string, send func(string) (int64, error)) (r int64, err error, sent bool) {
+	if !w.conn.Prepared(name) {
+		r, err := send(w.comment() + def + "; " + run)
+		w.conn.MarkPrepared(name, true)
+		if SQLState(err) != "42P05" {
+			return r, err, true
+		}
+		// Prepared already (a connection whose record went, a server session a pooler handed on): nothing ran.
+	}
+	r, err = send(w.comment() + run)
+	if SQLState(err) == "26000" {
+		w.conn.MarkPrepared(name, false)
+		return 0, nil, false
+	}
+	return r, err, true
+}
+
+// prepared sends s, whose body names the wait's numbers as numParams, prepared on the wait's session (see
+// execPrepared), or literal, s with its numbers as literals, when the session lost it. For a statement that does
+// not wait (the join); see sliced for those that do.
 func (w *serverWait) prepared(s stmt, literal func() stmt, send func(string) (int64, error)) (int64, error) {
-	run, prepare := s.prepared(numValues(w.t.ID, w.seq, 0, w.idleMS()))
-	r, err := send(w.comment() + run)
-	if SQLState(err) != "26000" {
+	run, def, name := s.prepared(numValues(w.t.ID, w.seq, 0, w.idleMS()))
+	if r, err, sent := w.execPrepared(run, def, name, send); sent {
 		return r, err
 	}
-	if _, err := w.between("prepare a statement of the wait", prepare); err != nil && SQLState(err) != "42P05" {
-		return 0, err
-	}
-	if r, err = send(w.comment() + run); SQLState(err) == "26000" {
-		return send(w.comment() + literal().String()) // something between drops what the session prepared
-	}
-	return r, err
+	return send(w.comment() + literal().String())
 }
 
 // joinTries bounds how often a wait tries to join its key's line when other waits take the same ticket at the
