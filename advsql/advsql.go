@@ -552,7 +552,12 @@ func (a *conn) Prepared(name string) bool {
 	a.p.mu.Lock()
 	defer a.p.mu.Unlock()
 	m := a.p.verified[a.dc]
-	return m != nil && m.prepared[name]
+	if m == nil {
+		return false
+	}
+	a.p.uses++
+	m.used = a.p.uses // a connection in use keeps its mark (trimLocked)
+	return m.prepared[name]
 }
 
 // MarkPrepared records with the connection's mark whether its session prepared name (a connection not verified

@@ -48,10 +48,11 @@ type serverWait struct {
 	timedOut bool
 	idle     bool // taking it gave the session an idle_session_timeout (intentIdle), to be restored
 	slack    time.Duration
-	rtt      time.Duration // the longest answer delay seen past a statement's expected answer
-	bounces  int           // shared waits given back in a row because a writer's intent stood
-	yield    func() bool   // asked after each whole slice: give the session up for another wait (WithYield)
-	alts     []ID          // keys any of which will do instead of t, tried in each statement (WithAlternatives)
+	rtt      time.Duration   // the longest answer delay seen past a statement's expected answer
+	bounces  int             // shared waits given back in a row because a writer's intent stood
+	yield    func() bool     // asked after each whole slice: give the session up for another wait (WithYield)
+	alts     []ID            // keys any of which will do instead of t, tried in each statement (WithAlternatives)
+	known    map[string]bool // statements this wait prepared on its session (see execPrepared)
 }
 
 // bounceBackoff is how long a shared wait that was given back (a writer's intent stood) waits before it is sent
@@ -143,39 +144,52 @@ func (w *serverWait) waitText(ms int64, requeue bool, n nums) stmt {
 // contended key sends at every turn; those after a slice's end, sent once a slice, differ from wait to wait in what
 // they give back (each prepared text costs its session about 0.25 MB).
 func (w *serverWait) sliced(build func(n nums, ms int64) stmt, prepare bool) (r int64, err error, last bool) {
-	end, last, ms := slice(w.ctx, w.cfg)
-	if prepare {
+	for prepare {
+		end, last, ms := slice(w.ctx, w.cfg)
 		run, def, name := build(params(w.t.ID), ms).prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
-		r, err, sent := w.execPrepared(run, def, name, func(sql string) (int64, error) { return w.statement(end, sql) })
-		if sent {
+		r, err, how := w.execPrepared(run, def, name, func(sql string) (int64, error) { return w.statement(end, sql) })
+		switch how {
+		case answered:
 			return r, err, last
-		}
-		end, last, ms = slice(w.ctx, w.cfg) // the session lost it: as it is, this once
+		case lost:
+			prepare = false // as it is, this once
+		} // prepared already: sent again, for a slice of its own
 	}
+	end, last, ms := slice(w.ctx, w.cfg)
 	r, err = w.statement(end, w.comment()+build(literalNums(w.t.ID, w.seq, ms, w.idleMS()), ms).String())
 	return r, err, last
 }
 
+// What became of a statement sent prepared (execPrepared).
+const (
+	answered   = iota // the statement ran: its answer is the statement's
+	preparedOK        // it was prepared already (42P05): nothing ran; send it again
+	lost              // the session lost it (26000): nothing ran; send it as it is
+)
+
 // execPrepared sends run, a statement prepared on the wait's session under name, with send: on a session that has
-// not prepared it (as far as the connection's record says), def in front of it in the same query (one round trip:
-// a PREPARE stands whatever the rest of its query does); on one whose record is wrong, again or not at all. sent is
-// false when the session had lost it (26000: the statement ran nothing): its caller sends it as it is, and the next
-// statement prepares it again.
-func (w *serverWait) execPrepared(run, def, name string, send func(string) (int64, error)) (r int64, err error, sent bool) {
-	if !w.conn.Prepared(name) {
+// not prepared it (as far as the connection's record and the wait say), def in front of it in the same query (one
+// round trip: a PREPARE stands whatever the rest of its query does).
+func (w *serverWait) execPrepared(run, def, name string, send func(string) (int64, error)) (r int64, err error, how int) {
+	if !w.conn.Prepared(name) && !w.known[name] {
 		r, err := send(w.comment() + def + "; " + run)
 		w.conn.MarkPrepared(name, true)
-		if SQLState(err) != "42P05" {
-			return r, err, true
+		if w.known == nil {
+			w.known = map[string]bool{}
 		}
-		// Prepared already (a connection whose record went, a server session a pooler handed on): nothing ran.
+		w.known[name] = true // also for a connection that keeps no record (advsql's, its mark trimmed)
+		if SQLState(err) == "42P05" {
+			return 0, nil, preparedOK // a connection whose record went, a server session a pooler handed on
+		}
+		return r, err, answered
 	}
 	r, err = send(w.comment() + run)
 	if SQLState(err) == "26000" {
 		w.conn.MarkPrepared(name, false)
-		return 0, nil, false
+		delete(w.known, name)
+		return 0, nil, lost
 	}
-	return r, err, true
+	return r, err, answered
 }
 
 // prepared sends s, whose body names the wait's numbers as numParams, prepared on the wait's session (see
@@ -183,8 +197,13 @@ func (w *serverWait) execPrepared(run, def, name string, send func(string) (int6
 // not wait (the join); see sliced for those that do.
 func (w *serverWait) prepared(s stmt, literal func() stmt, send func(string) (int64, error)) (int64, error) {
 	run, def, name := s.prepared(numValues(w.t.ID, w.seq, 0, w.idleMS()))
-	if r, err, sent := w.execPrepared(run, def, name, send); sent {
-		return r, err
+	for range 2 {
+		switch r, err, how := w.execPrepared(run, def, name, send); how {
+		case answered:
+			return r, err
+		case lost:
+			return send(w.comment() + literal().String())
+		}
 	}
 	return send(w.comment() + literal().String())
 }
