@@ -147,7 +147,7 @@ func (w *serverWait) sliced(build func(n nums, ms int64) stmt, prepare bool) (r 
 	for prepare {
 		end, last, ms := slice(w.ctx, w.cfg)
 		run, def, name := build(params(w.t.ID), ms).prepared(numValues(w.t.ID, w.seq, ms, w.idleMS()))
-		r, err, how := w.execPrepared(run, def, name, func(sql string) (int64, error) { return w.statement(end, sql) })
+		r, how, err := w.execPrepared(run, def, name, func(sql string) (int64, error) { return w.statement(end, sql) })
 		switch how {
 		case answered:
 			return r, err, last
@@ -170,7 +170,7 @@ const (
 // execPrepared sends run, a statement prepared on the wait's session under name, with send: on a session that has
 // not prepared it (as far as the connection's record and the wait say), def in front of it in the same query (one
 // round trip: a PREPARE stands whatever the rest of its query does).
-func (w *serverWait) execPrepared(run, def, name string, send func(string) (int64, error)) (r int64, err error, how int) {
+func (w *serverWait) execPrepared(run, def, name string, send func(string) (int64, error)) (r int64, how int, err error) {
 	if !w.conn.Prepared(name) && !w.known[name] {
 		r, err := send(w.comment() + def + "; " + run)
 		w.conn.MarkPrepared(name, true)
@@ -179,17 +179,17 @@ func (w *serverWait) execPrepared(run, def, name string, send func(string) (int6
 		}
 		w.known[name] = true // also for a connection that keeps no record (advsql's, its mark trimmed)
 		if SQLState(err) == "42P05" {
-			return 0, nil, preparedOK // a connection whose record went, a server session a pooler handed on
+			return 0, preparedOK, nil // a connection whose record went, a server session a pooler handed on
 		}
-		return r, err, answered
+		return r, answered, err
 	}
 	r, err = send(w.comment() + run)
 	if SQLState(err) == "26000" {
 		w.conn.MarkPrepared(name, false)
 		delete(w.known, name)
-		return 0, nil, lost
+		return 0, lost, nil
 	}
-	return r, err, answered
+	return r, answered, err
 }
 
 // prepared sends s, whose body names the wait's numbers as numParams, prepared on the wait's session (see
@@ -198,7 +198,7 @@ func (w *serverWait) execPrepared(run, def, name string, send func(string) (int6
 func (w *serverWait) prepared(s stmt, literal func() stmt, send func(string) (int64, error)) (int64, error) {
 	run, def, name := s.prepared(numValues(w.t.ID, w.seq, 0, w.idleMS()))
 	for range 2 {
-		switch r, err, how := w.execPrepared(run, def, name, send); how {
+		switch r, how, err := w.execPrepared(run, def, name, send); how {
 		case answered:
 			return r, err
 		case lost:
