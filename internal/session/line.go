@@ -182,7 +182,8 @@ func joined(r int64) (seq int64, head, intent, idle bool) {
 // with it (it had none: JoinSQL takes it only for a wait that joins as the head; the session's
 // idle_session_timeout was set as it joined) resultHeadNow. A ticket granted as a slice ended
 // survives the timeout error: the next statement finds the session holding a ticket in front of its own and gives
-// it back (resultAdvanced) before it looks again.
+// it back (resultAdvanced) before it looks again. A wait sends LineWaitSQL, which goes on to wait for the key where
+// this yields the head; LineSQL is the line's logic alone, which tests take statement by statement.
 func LineSQL(t Target, seq, ms int64) string { return lineSQL(t, seq, ms, false, nil) }
 
 // LineWaitSQL is LineSQL for a member that, once no member is in front of it, goes on to wait for the key itself in

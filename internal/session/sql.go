@@ -348,22 +348,6 @@ func UnlockSQL(t Target) (string, []any) {
 	return unlockSQL[b2i(t.ID.Pair)][b2i(t.Shared)], t.ID.args()
 }
 
-// ownHeld is an SQL condition: this session holds t in t's mode (pg_locks; a read of the whole lock table, so
-// only on the rare paths that need it).
-func ownHeld(t Target) string {
-	classid, objid, sub := uint32(uint64(t.ID.V)>>32), uint32(t.ID.V), 1
-	if t.ID.Pair {
-		sub = 2
-	}
-	mode := "ExclusiveLock"
-	if t.Shared {
-		mode = "ShareLock"
-	}
-	return "EXISTS (SELECT 1 FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted" +
-		" AND classid = " + strconv.FormatUint(uint64(classid), 10) + " AND objid = " + strconv.FormatUint(uint64(objid), 10) +
-		" AND objsubid = " + strconv.Itoa(sub) + " AND mode = '" + mode + "')"
-}
-
 // WaitSQL is a wait in the server bounded by the server: sent as one simple-protocol query (no arguments), its
 // statements run in one implicit transaction whose SET LOCAL lifts any statement_timeout (and transaction_timeout)
 // that a role, database or pool default put on the session and sets lock_timeout to ms, so that a wait not granted
@@ -463,11 +447,11 @@ func heldIntentSharedNowSQL(t Target) string {
 // idle_session_timeout: intentIdle). It yields 1 when the session holds
 // nothing afterwards; anything else puts the session in doubt.
 func SettleSQL(t Target, intent, line, idle bool) string {
-	key := t.ID.literal()
+	key, n := t.ID.literal(), literalNums(t.ID, 0, 0, 0)
 	s := "SELECT CASE WHEN " + lockFn(true, t.Shared, key) + " THEN CASE WHEN NOT " + unlockFn(t.Shared, key) + " THEN -5" +
-		" WHEN " + ownHeld(t) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
+		" WHEN " + ownRow(n, n.key, t.Shared) + " THEN " + unlockFn(t.Shared, key) + "::int ELSE 1 END ELSE 1 END"
 	if line || intent { // what pg_locks says it holds of the line and the intent: its last error may have come late
-		s += " * CASE WHEN " + leaveHeldCond(literalNums(t.ID, 0, 0, 0), false) + " THEN 1 ELSE 0 END"
+		s += " * CASE WHEN " + leaveHeldCond(n, false) + " THEN 1 ELSE 0 END"
 	}
 	if idle {
 		s += " + 0 * length(set_config('idle_session_timeout', '0', false))"
