@@ -11,6 +11,7 @@ import (
 	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/conformance"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // A contended wait's statements are prepared on its session; one whose session loses them between statements (here
@@ -33,6 +34,7 @@ func TestWaitPreparedLost(t *testing.T) {
 	}
 	defer waiter.Close()
 	key := conformance.Key(t)
+	obs := pgtest.Conn(t, url)
 	var l *advlock.Lock
 	for range 3 { // each kind of statement sent again on the connection that prepared it
 		if l != nil {
@@ -52,7 +54,7 @@ func TestWaitPreparedLost(t *testing.T) {
 			}
 			got <- l
 		}()
-		time.Sleep(300 * time.Millisecond)
+		waiting(t, ctx, obs, key) // the wait is in the server's queue (it joined the line, prepared or not)
 		if err := held.Unlock(ctx); err != nil {
 			t.Fatal(err)
 		}
@@ -64,7 +66,6 @@ func TestWaitPreparedLost(t *testing.T) {
 	if lost.Load() < 2 {
 		t.Fatalf("%d prepared statements lost: the waits sent none again", lost.Load())
 	}
-	obs := pgtest.Conn(t, url)
 	var n int
 	v, _ := key.Int64()
 	if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock' AND objsubid = 1 AND ((classid::int8 << 32) | objid::int8) = $1 AND pid <> pg_backend_pid()", v).Scan(&n); err != nil || n != 1 {
@@ -86,4 +87,22 @@ func (c losing) QueryInt(ctx context.Context, sql string, args ...any) (int64, e
 		}
 	}
 	return c.Conn.QueryInt(ctx, sql, args...)
+}
+
+// waiting waits until a session waits for key (pg_locks), and fails the test after 10 s.
+func waiting(t *testing.T, ctx context.Context, obs *pgx.Conn, key advlock.Key) {
+	t.Helper()
+	v, _ := key.Int64()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		var n int
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1 AND ((classid::int8 << 32) | objid::int8) = $1", v).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n > 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("nobody waits for the key")
+		}
+	}
 }
