@@ -216,7 +216,9 @@ func (lw *lineWait) keyWait(t Target, n nums, again bool, head int) string {
 		leave = leaveHeldCond(n, lw.idle)
 	}
 	key := n.args(n.key)
-	left := "greatest(1, " + n.ms + " - (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000)::int8)"
+	// The server's wall clock, read twice within the statement, may step between: never more than the slice (a step
+	// back would lengthen it past the client's bound for its answer), at least 1 ms (0 would mean no timeout).
+	left := "least(" + n.ms + ", greatest(1, " + n.ms + " - (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000)::int8))"
 	return "CASE WHEN set_config('lock_timeout', " + left + "::text, true) IS NULL THEN -5 ELSE length(" + lockFn(false, t.Shared, key) +
 		"::text) + " + afterGrant(t.Shared, lw.fenced, key, n.args(n.intent), leave) + " END"
 }
