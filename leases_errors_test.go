@@ -99,6 +99,32 @@ func TestLeaseErrorsSayWhatHappened(t *testing.T) {
 		t.Errorf("Lead without the lease tables, by a role that may not create them: %v, want ErrLeaseTable at once", err)
 	}
 
+	// ErrFencing at once, saying what to run: the same role, the lease tables now there and its own to use, but
+	// USAGE alone on the fencing sequence, which the first grant after a crash moves (UPDATE). It would have
+	// failed only at that grant, after a crash.
+	if _, err := fadmin.Exec(ctx, LeaseTableSQL); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fadmin.Exec(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON "+lease.Table+", "+lease.Timelines+", "+
+		lease.Waits+", "+lease.Boot+" TO "+role); err != nil {
+		t.Fatal(err)
+	}
+	uc := New(pgtest.Pool(t, u.String(), nil), WithLeases())
+	defer uc.Close()
+	if _, err := uc.TryLock(ctx, key(t)); !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "GRANT USAGE, UPDATE ON SEQUENCE") {
+		t.Errorf("TryLock by a role with USAGE alone on the fencing sequence: %v, want ErrFencing saying to grant UPDATE", err)
+	}
+	if _, err := fadmin.Exec(ctx, "GRANT UPDATE ON SEQUENCE "+session.FenceSeq+" TO "+role); err != nil {
+		t.Fatal(err)
+	}
+	uc2 := New(pgtest.Pool(t, u.String(), nil), WithLeases())
+	defer uc2.Close()
+	if lk, err := uc2.TryLock(ctx, key(t)); err != nil {
+		t.Errorf("TryLock once the role may move the fencing sequence: %v", err)
+	} else if err := lk.Unlock(ctx); err != nil {
+		t.Error(err)
+	}
+
 	// ErrUnsupported from a Lead inside Do's fn (a wait without a bound whose caller holds a lease), as Lock says.
 	l := New(pgtest.Pool(t, url, nil), WithLeases())
 	defer l.Close()
@@ -156,8 +182,8 @@ func TestLeaseUpgradeBesideAnotherOwner(t *testing.T) {
 	if _, err := fc.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+"; "+ddl+older+release); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := fc.Exec(ctx, "GRANT USAGE ON SEQUENCE "+session.FenceSeq+" TO "+second+"; GRANT SELECT, INSERT, UPDATE, DELETE ON "+
-		lease.Table+", "+lease.Timelines+", "+lease.Waits+" TO "+second); err != nil {
+	if _, err := fc.Exec(ctx, "GRANT USAGE, UPDATE ON SEQUENCE "+session.FenceSeq+" TO "+second+"; GRANT SELECT, INSERT, UPDATE, DELETE ON "+
+		lease.Table+", "+lease.Timelines+", "+lease.Waits+", "+lease.Boot+" TO "+second); err != nil {
 		t.Fatal(err)
 	}
 	u.User = neturl.User(second)

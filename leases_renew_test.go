@@ -50,7 +50,7 @@ func TestLeaseRenewalsShareStatements(t *testing.T) {
 		err := obs.QueryRow(ctx, `SELECT pg_stat_clear_snapshot()::text || '',
 			coalesce((SELECT calls FROM pg_stat_user_functions WHERE schemaname = 'public' AND funcname = $1), 0),
 			coalesce((SELECT n_tup_upd FROM pg_stat_user_tables WHERE schemaname = 'public' AND relname = $2), 0)`,
-			"advlock_lease_renew_many_v1", "advlock_lease").Scan(new(string), &c, &u)
+			"advlock_lease_renew_many_v2", "advlock_lease").Scan(new(string), &c, &u)
 		if err != nil {
 			t.Fatal(err)
 		}

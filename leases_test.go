@@ -647,50 +647,6 @@ func TestLeaseWaitersQueue(t *testing.T) {
 	}
 }
 
-// A crash never takes back a grant its holder was told of: on a server whose commits do not wait for their WAL
-// (synchronous_commit = off, the WAL writer asleep for 10 s), leases granted just before an immediate stop are all
-// there after the restart, with their terms; a waiter's try then finds them held.
-func TestLeaseGrantSurvivesCrash(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a private PostgreSQL cluster")
-	}
-	c := pgtest.StartCluster(t, "synchronous_commit = off", "wal_writer_delay = '10s'")
-	ctx := ctxT(t, 60*time.Second)
-	pool := pgtest.Pool(t, c.URL, nil)
-	l := New(pool, WithLeases())
-	if _, err := l.TryLock(ctx, key(t)); err != nil { // the first use creates the tables
-		t.Fatal(err)
-	}
-	terms := map[Key]int64{}
-	for range 5 { // each grant flushes the WAL before it answers: nothing else here does
-		k := key(t)
-		lk, err := l.TryLock(ctx, k)
-		if err != nil {
-			t.Fatal(err)
-		}
-		terms[k] = lk.Token()
-	}
-	if err := c.Stop("immediate"); err != nil {
-		t.Fatal(err)
-	}
-	l.Close()
-	pool.Close()
-	if err := c.Start(); err != nil {
-		t.Fatal(err)
-	}
-	obs := pgtest.Conn(t, c.URL)
-	waiter := New(pgtest.Pool(t, c.URL, nil), WithLeases())
-	defer waiter.Close()
-	for k, want := range terms {
-		if term, ok := leaseRow(t, obs, k); !ok || term != want {
-			t.Errorf("after a crash the lease of %s granted before it: term %d (%v), want %d", k, term, ok, want)
-		}
-		if _, err := waiter.TryLock(ctx, k); !errors.Is(err, ErrNotAcquired) {
-			t.Errorf("a try of %s, whose grant preceded the crash: %v, want ErrNotAcquired", k, err)
-		}
-	}
-}
-
 // A TryLock whose ctx ends while its grant is in the server (here a takeover waiting behind a row lock on the key's
 // dead lease) leaves no lease behind: the grant runs to its end, and one that came after the call's deadline is given
 // back. The grant used to be cut (its connection closed) and undone by a delete on another connection, which could

@@ -233,6 +233,13 @@ func Run(ctx context.Context, opt Options) (*Report, error) {
 		// and a promotion that comes meanwhile may wait for it (5 s by default).
 		settings = append(settings, "wal_retrieve_retry_interval = '200ms'")
 	}
+	if opt.Leases {
+		// Grants and renewals commit without waiting for their WAL to be flushed: what the WAL writer has not
+		// written out when the server crashes is lost (with fsync off, what it wrote survives a crash of the
+		// server). Its round is 200 ms by default; at 1 s a crash takes back the last few seconds of them, holders
+		// still in their sections among them, as a server tuned so (or with a slow disk) loses.
+		settings = append(settings, "wal_writer_delay = '"+walWriterDelay.String()+"'")
+	}
 	if c.stepsClock() {
 		// The primary's wall clock steps (clock_step): it runs under libfaketime, and the ledger, whose clock stamps
 		// the holders' writes, on a server of its own whose clock does not.

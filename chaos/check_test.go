@@ -311,6 +311,58 @@ func TestChecker(t *testing.T) {
 		}
 	})
 
+	// A crash (restart_immediate) takes back the last grants and renewals, and the log with them: a holder's term
+	// granted just before it, missing from the log, is no phantom; but it lives until one lease length after the
+	// crash, and a grant of its key before then (a server without the quiet period after a crash) is two leases
+	// at once, unless its holder had released it before the crash. A lease the log has lives as long, its last
+	// renewals maybe lost: its holder writes on. Without the crash the missing term is a phantom.
+	t.Run("crashes", func(t *testing.T) {
+		crash := []Evidence{{Kind: "restart_immediate", At: at(500), Until: at(1200), Worker: -1}}
+		logged := func(term int64, granted int) *LeaseLife {
+			return &LeaseLife{Key: "k", Worker: 1, Granted: at(granted), Renewed: at(granted)}
+		}
+		for _, tc := range []struct {
+			name    string
+			ev      []Evidence
+			cleanA  bool
+			bAt     int
+			aWrites []int
+			want    map[string]int
+		}{
+			{"no crash: a phantom", nil, false, 2600, []int{10, 200}, map[string]int{VPhantom: 1}},
+			{"lost, then the key granted a lease length after the crash", crash, false, 2600, []int{10, 200}, map[string]int{}},
+			{"lost, then the key granted at once after the crash", crash, false, 1300, []int{10, 200}, map[string]int{VOverlap: 1}},
+			{"lost, released before the crash", crash, true, 1300, []int{10, 200}, map[string]int{}},
+			{"lost, its holder writing past a lease length after the crash", crash, false, 5000, []int{10, 2400, 2900}, map[string]int{VOverlap: 1, VNeverTold: 1}},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				h := build(csSpec{"a", 0, "x", 1, tc.cleanA, -1, tc.aWrites, nil}, csSpec{"b", 1, "x", 2, true, -1, []int{tc.bAt, tc.bAt + 50}, nil})
+				h.Leases, h.LeaseLength, h.Evidence = map[int64]*LeaseLife{2: logged(2, tc.bAt)}, 2*time.Second, tc.ev
+				got := kinds(Check(h))
+				if len(got) != len(tc.want) {
+					t.Fatalf("got %v, want %v", got, tc.want)
+				}
+				for k, n := range tc.want {
+					if got[k] != n {
+						t.Fatalf("got %v, want %v", got, tc.want)
+					}
+				}
+			})
+		}
+		// A lease in the log, renewed last at 400 ms (its renewal at 600 ms lost, with the crash at 500): its holder
+		// writes until 2.7 s, within a lease length of the crash (and the slack); without the crash, past the lease's end at 2.4 s.
+		for _, crashed := range []bool{false, true} {
+			h := build(csSpec{"a", 0, "x", 1, true, -1, []int{10, 2700}, nil})
+			h.Leases, h.LeaseLength = map[int64]*LeaseLife{1: {Key: "k", Worker: 0, Granted: at(0), Renewed: at(400)}}, 2*time.Second
+			if crashed {
+				h.Evidence = crash
+			}
+			if got, want := kinds(Check(h))[VOverlap], map[bool]int{false: 1, true: 0}[crashed]; got != want {
+				t.Errorf("a holder writing on after its renewal the log lacks, crash %v: %d overlaps, want %d", crashed, got, want)
+			}
+		}
+	})
+
 	// Belief against belief: the holder of the earlier term stops believing before the later term's grant, on the
 	// real clock; a broken lease's holder may act until its trust has ended, a stopped one or one whose Locker was
 	// closed until just after it resumed or the close.

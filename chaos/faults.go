@@ -223,6 +223,10 @@ func (c *campaign) inject(ctx context.Context) {
 			// From the stop to the server accepting connections again (a crash recovery on a loaded machine can take
 			// seconds): no Locker can read the server meanwhile.
 			f.Worker, f.Held = -1, heldIn(now, "")
+			if c.opt.Leases && kind == "restart_immediate" {
+				c.awaitFreshGrant(ctx)
+				f.At = time.Now()
+			}
 			p := c.primary()
 			if err := p.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
 				c.logf("restart: %v", err)
@@ -231,6 +235,11 @@ func (c *campaign) inject(ctx context.Context) {
 			f.Until = time.Now()
 			f.Detail = fmt.Sprintf("back after %v", f.Until.Sub(f.At).Round(time.Millisecond))
 			c.record(f)
+			if c.opt.Leases && kind == "restart_immediate" {
+				// Nothing is granted for a lease length after a crash (its quiet period): the server grants a while
+				// before the next fault, so that a crash comes among grants, not always within the last one's quiet.
+				sleepCtx(ctx, c.opt.LeaseLength+time.Second)
+			}
 		case "failover":
 			f.Worker, f.Held = -1, heldIn(now, "")
 			c.failover(ctx, rng, f)

@@ -297,6 +297,28 @@ func (c *campaign) stepClock(ctx context.Context, offset time.Duration) error {
 	return mark("T", offset)
 }
 
+// awaitFreshGrant waits, for up to 5 s, until the server has granted a worker a lease in the last 100 ms (on its
+// clock): a lease campaign's crash comes right after a grant, whose WAL the WAL writer has likely not written
+// out yet (it writes whole pages as they fill, the rest at its round, 1 s here), while its holder is still in its
+// section. The crash then takes the grant back, and the restarted server must grant nothing while its holder
+// trusts it.
+func (c *campaign) awaitFreshGrant(ctx context.Context) {
+	qctx, cancel := context.WithTimeout(ctx, 6*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(qctx, c.primary().URL)
+	if err != nil {
+		return
+	}
+	defer conn.Close(context.Background())
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); {
+		var fresh bool
+		if err := conn.QueryRow(qctx, "SELECT EXISTS (SELECT 1 FROM public.advlock_lease WHERE holder LIKE '% chaos-w%' AND "+
+			"granted > clock_timestamp() - interval '100 milliseconds')").Scan(&fresh); err != nil || fresh {
+			return
+		}
+	}
+}
+
 // breakLease deletes one live lease of a worker (of worker w when w >= 0; of key k when keys holds it), picked at
 // random: its key, term and worker.
 func (c *campaign) breakLease(ctx context.Context, w int, keys ...int64) (key string, term int64, worker int, ok bool) {

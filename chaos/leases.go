@@ -31,6 +31,12 @@ type LeaseLife struct {
 	// Gap is the longest time between two records of it (its grant and a renewal, or two renewals), ending at GapAt.
 	Gap   time.Duration
 	GapAt time.Time
+	// CrashEnd, when set, is when it ended on the server at the latest, given what crashes of the server
+	// (restart_immediate) may have taken back (see crashLosses): it stands for the end its log implies.
+	CrashEnd time.Time `json:",omitempty"`
+	// Lost: its grant is not in the log; a crash took it back (see crashLosses). Granted is when its holder was
+	// told of it.
+	Lost bool `json:",omitempty"`
 }
 
 // end is when the lease ended on the server: deleted (released, broken, retired), or one lease length after the
@@ -38,6 +44,9 @@ type LeaseLife struct {
 // counted from a send that came before): a takeover comes later, or the taker broke the rules.
 func (l *LeaseLife) end(length time.Duration) time.Time {
 	e := l.Renewed.Add(length)
+	if !l.CrashEnd.IsZero() {
+		e = l.CrashEnd
+	}
 	if !l.Deleted.IsZero() && l.Deleted.Before(e) {
 		return l.Deleted
 	}
@@ -274,6 +283,7 @@ func (h *History) checkLeases() []Violation {
 		}
 	}
 	out = append(out, h.beliefs(holders)...)
+	h.crashLosses(holders)
 
 	terms := map[string][]int64{}
 	for t := range holders {
@@ -343,6 +353,96 @@ func (h *History) checkLeases() []Violation {
 	return append(out, h.orphans(holders)...)
 }
 
+// walWriterDelay is the round of a lease campaign's WAL writer (see run), and lostWindow how long before a crash a
+// commit may have been and still be taken back by it: grants and renewals commit without waiting for their WAL to
+// be flushed, and the WAL writer writes it out within three of its rounds (fsync is off on the campaign's server,
+// so what is written survives a crash of the server), then a second's slack for a loaded machine.
+const (
+	walWriterDelay = time.Second
+	lostWindow     = 3*walWriterDelay + time.Second
+)
+
+// crashLosses reads into the lease log what the server's crashes (restart_immediate) took back: the log commits
+// with the change it records, so it lost them too. The crash's moment is not known closer than its fault's span
+// (the server answers on for a moment after the fault begins): whatever the server did before the span's end may
+// be what the crash took back, and a release or a grant a worker was told of before then came before the crash.
+//   - A holder's term that the log never saw, granted within lostWindow of a crash, is a grant the crash took back:
+//     a life of its own (Lost), from when its holder was told of it, until one lease length later (its holder's
+//     trust; the restarted server has no row of it), its release when its holder released it before the crash,
+//     or the next grant of its key before the crash, whichever is first.
+//   - A lease that lived at a crash may have lost renewals its holder was told of, sent before the crash: it lives
+//     until one lease length after the crash, unless another grant of its key came before the crash (a renewal
+//     after it would have changed the record its taker watched, or found the row another's: it ended by then). One
+//     its holder released before the crash ended then, whatever the log says after (the crash may have taken the
+//     release back, and the row is then taken over as after a death).
+//
+// So no later grant of its key may come before then (the quiet period after a crash), and its holder may act until
+// then.
+func (h *History) crashLosses(holders map[int64]*CS) {
+	released := func(t int64, at time.Time) (time.Time, bool) {
+		if c := holders[t]; c != nil && c.Clean && c.End.Before(at) {
+			return c.End, true
+		}
+		return time.Time{}, false
+	}
+	// next is the first grant of l's key after l's, before at (zero: none).
+	next := func(l *LeaseLife, at time.Time) time.Time {
+		var n time.Time
+		for _, o := range h.Leases {
+			if o != l && o.Key == l.Key && o.Granted.After(l.Granted) && o.Granted.Before(at) && (n.IsZero() || o.Granted.Before(n)) {
+				n = o.Granted
+			}
+		}
+		return n
+	}
+	for _, e := range h.Evidence {
+		if e.Kind != "restart_immediate" {
+			continue
+		}
+		var lost []*LeaseLife
+		for _, t := range sortedKeys(holders) {
+			c := holders[t]
+			if h.Leases[t] != nil || c.begin().Before(e.At.Add(-lostWindow)) || c.begin().After(e.Until) {
+				continue
+			}
+			l := &LeaseLife{Key: c.Key, Worker: c.Worker, Granted: c.begin(), Renewed: c.begin(), Lost: true,
+				CrashEnd: c.begin().Add(h.LeaseLength)}
+			if end, ok := released(t, e.Until); ok {
+				l.Deleted = end
+			}
+			h.Leases[t] = l
+			lost = append(lost, l)
+		}
+		for _, l := range lost {
+			if n := next(l, e.Until); !n.IsZero() && n.Before(l.CrashEnd) {
+				l.CrashEnd = n
+			}
+		}
+		for _, t := range sortedKeys(h.Leases) {
+			l := h.Leases[t]
+			if l.Lost || l.Granted.After(e.Until) {
+				continue
+			}
+			if g := l.gone(); !g.IsZero() && g.Before(e.At.Add(-lostWindow)) {
+				continue
+			}
+			if end, ok := released(t, e.Until); ok { // the crash may have taken its release back: it ended then
+				if g := l.gone(); g.IsZero() || g.After(end) {
+					l.CrashEnd = end
+				}
+				continue
+			}
+			end := e.Until.Add(h.LeaseLength)
+			if n := next(l, e.Until); !n.IsZero() {
+				end = n
+			}
+			if end.After(l.end(h.LeaseLength)) {
+				l.CrashEnd = end
+			}
+		}
+	}
+}
+
 // revived finds the leases whose record changed more than a lease length (and leaseSlack) after the record before
 // it: a renewal (or a grant handed out late and then renewed) that acted after its holder had stopped trusting the
 // lease. Every grant and renewal carries the latest moment it may act, the end of its holder's trust on the
@@ -355,9 +455,9 @@ func (h *History) revived() []Violation {
 		if l.Ambiguous || l.Gap <= h.LeaseLength+leaseSlack {
 			continue
 		}
-		stepped := false
+		stepped := false // or crashed: renewals between the two records may have been taken back
 		for _, e := range h.Evidence {
-			if e.Kind == "clock_step" && !e.At.Before(l.GapAt.Add(-l.Gap)) && !e.At.After(l.GapAt) {
+			if (e.Kind == "clock_step" || e.Kind == "restart_immediate") && !e.At.Before(l.GapAt.Add(-l.Gap)) && !e.At.After(l.GapAt) {
 				stepped = true
 			}
 		}

@@ -74,6 +74,7 @@ type Report struct {
 	// (late_answers), the steps of the server's clock, and the longest time between two records of a lease.
 	LeaseTerms       int      `json:"lease_terms,omitempty"`
 	LateAnswerGrants int      `json:"late_answer_grants,omitempty"`
+	LostGrants       int      `json:"lost_grants,omitempty"` // grants a crash took back (see crashLosses)
 	ClockSteps       int      `json:"clock_steps,omitempty"`
 	LongestGapMS     float64  `json:"longest_record_gap_ms,omitempty"`
 	NotExercised     []string `json:"not_exercised,omitempty"` // why a run under faults proves nothing
@@ -215,6 +216,9 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 	if h.Leases != nil {
 		r.LeaseTerms = len(h.Leases)
 		for _, l := range h.Leases {
+			if l.Lost {
+				r.LostGrants++
+			}
 			r.LongestGapMS = max(r.LongestGapMS, float64(l.Gap.Microseconds())/1000)
 			for _, e := range h.Evidence {
 				if e.Kind == "late_answers" && e.Worker == l.Worker && !l.Granted.Before(e.At) && l.Granted.Before(e.Until.Add(-e.Delay)) {
@@ -339,8 +343,8 @@ func (r *Report) Print(w io.Writer) {
 			r.Failovers, r.PromoteMS.P50, r.PromoteMS.P99, r.FirstGrantMS.P50, r.FirstGrantMaxMS)
 	}
 	if r.LeaseTerms > 0 {
-		fmt.Fprintf(w, "leases: %d terms granted, %d of them to a worker while its answers came late; %d steps of the server's clock; the longest time between two records of a lease %.0f ms\n\n",
-			r.LeaseTerms, r.LateAnswerGrants, r.ClockSteps, r.LongestGapMS)
+		fmt.Fprintf(w, "leases: %d terms granted, %d of them to a worker while its answers came late, %d taken back by a crash; %d steps of the server's clock; the longest time between two records of a lease %.0f ms\n\n",
+			r.LeaseTerms, r.LateAnswerGrants, r.LostGrants, r.ClockSteps, r.LongestGapMS)
 	}
 	if r.Cycles > 0 {
 		fmt.Fprintf(w, "cycles of waits: %d formed; broken by one ErrDeadlock %d (after p50 %.0f ms, p99 %.0f ms, max %.0f ms; bound %v), by a fault, loss or timeout first %d, never %d; past the bound during a fault that kept a Locker from reading %d\n\n",

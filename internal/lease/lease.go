@@ -18,7 +18,7 @@
 //     client last learnt of it, so that a statement held back on its way grants nothing). A step of it makes a
 //     statement refused early or undone later, never a second holder.
 //
-// The one exception, a promoted server's quiet period, is in grantDDL.
+// The exceptions, the quiet periods after a promotion and after a crash, are in grantDDL.
 package lease
 
 import (
@@ -313,6 +313,8 @@ func (c *Client) Ensure(ctx context.Context) error {
 		old, mutd string
 	}{
 		{mutant.LeaseNoQuiet, quietCheck, ""},
+		{mutant.LeaseNoRestartQuiet, restartQuiet, ""},
+		{mutant.LeaseRestartTermKept, termJump, ""},
 		{mutant.LeaseServerExpiry, heldCheck, heldCheck + " OR r_term IS NOT NULL AND r_exp >= now_us"},
 	} {
 		if mutant.On(m.name) {
@@ -333,12 +335,17 @@ func (c *Client) ensure(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("check the lease table: %w", err)
 		}
-		var exists, standby int
+		var exists, standby, update int
 		var srv int64
-		if _, err := fmt.Sscan(txt, &exists, &standby, &srv); err != nil {
+		if _, err := fmt.Sscan(txt, &exists, &standby, &srv, &update); err != nil {
 			return fmt.Errorf("check the lease table: unexpected answer %q", txt)
 		}
 		c.clock.sample(time.Now(), srv)
+		if exists == 1 && update == 0 {
+			return fmt.Errorf("%w: this role may not move the sequence %s, which the first lease granted after a server's "+
+				"crash does (past the terms the crash may have taken back); as its owner run: GRANT USAGE, UPDATE ON "+
+				"SEQUENCE %[2]s TO <role>", session.ErrFencing, session.FenceSeq)
+		}
 		if exists == 1 {
 			return nil
 		}
@@ -349,10 +356,10 @@ func (c *Client) ensure(ctx context.Context) error {
 		switch code := session.SQLState(err); {
 		case err == nil:
 		case code == "42501":
-			return fmt.Errorf("%w: the tables %s, %s and %s, or their functions, are missing and this role may not "+
+			return fmt.Errorf("%w: the tables %s, %s, %s and %s, or their functions, are missing and this role may not "+
 				"create them (it needs CREATE on schema public; the server said: %v); as a role that may, run "+
-				"advlock.LeaseTableSQL, then GRANT SELECT, INSERT, UPDATE, DELETE ON %[2]s, %[3]s, %[4]s TO <role>",
-				ErrLeaseTable, Table, Timelines, Waits, err)
+				"advlock.LeaseTableSQL, then GRANT SELECT, INSERT, UPDATE, DELETE ON %[2]s, %[3]s, %[4]s, %[5]s TO <role>",
+				ErrLeaseTable, Table, Timelines, Waits, Boot, err)
 		case code == "25006":
 			return fmt.Errorf("create the lease tables: %w", session.ReadOnly(err))
 		case (code == "23505" || code == "42P07" || code == "42710" || code == "42723") && attempt < 5:

@@ -18,6 +18,11 @@ import (
 // Timelines remembers, for each timeline after the first, when a grant was first asked for on it: the first lease
 // length of a timeline grants nothing (see grantDDL).
 //
+// Boot is an unlogged table of one row: when this server, since its last crash (or promotion, or restore), was first
+// asked for a grant. PostgreSQL empties an unlogged table whenever it starts from anything but a clean shutdown, so
+// an empty table says that a crash may have taken back grants and renewals that their holders were told of (they
+// commit without waiting for their WAL to be flushed): see restartCheck.
+//
 // Waits holds a row for each waiting Lock and key it waits for (waiter: random per wait), refreshed while it waits
 // (seen, at most once a second) and deleted when it is granted or gives up: a key goes to the waiter that has
 // waited longest among those seen in the last WaitStale, and a try does not take a key that live waiters wait for.
@@ -25,6 +30,7 @@ const (
 	Table     = "public.advlock_lease"
 	Timelines = "public.advlock_lease_timeline"
 	Waits     = "public.advlock_lease_wait"
+	Boot      = "public.advlock_lease_boot"
 )
 
 // WaitStale is how long a wait's row counts after it was last seen: a waiter that died (or was cut off) stops
@@ -45,10 +51,11 @@ const LiveWait = "w.seen > clock_timestamp() - interval '3 seconds' AND w.seen <
 // functions of an earlier version gets those of this one beside them on first use, which never replaces a
 // function that exists (it may be another role's), and the processes of the earlier version go on calling theirs
 // while a deploy rolls. Earlier versions: advlock_lease_grant_v1 and _v2 (a takeover decided by the server's clock)
-// and advlock_lease_renew_v1 and _v2 (one lease a call).
+// and advlock_lease_renew_v1 and _v2 (one lease a call), advlock_lease_grant_v3 and advlock_lease_renew_many_v1
+// (each commit flushed its WAL).
 const (
-	grantFunc   = "public.advlock_lease_grant_v3"
-	renewFunc   = "public.advlock_lease_renew_many_v1"
+	grantFunc   = "public.advlock_lease_grant_v4"
+	renewFunc   = "public.advlock_lease_renew_many_v2"
 	releaseFunc = "public.advlock_lease_release_v1"
 )
 
@@ -61,7 +68,17 @@ const tablesDDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL
 	"holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key));\n" +
 	"CREATE TABLE IF NOT EXISTS " + Timelines + " (timeline int8 PRIMARY KEY, since timestamptz NOT NULL);\n" +
 	"CREATE TABLE IF NOT EXISTS " + Waits + " (space int2 NOT NULL, key int8 NOT NULL, waiter text NOT NULL, " +
-	"since timestamptz NOT NULL, seen timestamptz NOT NULL, holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key, waiter));\n"
+	"since timestamptz NOT NULL, seen timestamptz NOT NULL, holder text NOT NULL DEFAULT '', PRIMARY KEY (space, key, waiter));\n" +
+	bootDDL
+
+// bootDDL creates Boot where missing, with its row saying that no grant was lost before it: no function that
+// commits a grant or renewal without flushing it could have run before the table existed (each reads it), and a
+// crash cannot take back the table's creation and keep a later grant. Where the table exists (empty after a crash)
+// it writes nothing.
+const bootDDL = "DO $boot$ BEGIN IF to_regclass('" + Boot + "') IS NULL THEN\n" +
+	"  CREATE UNLOGGED TABLE " + Boot + " (one bool PRIMARY KEY DEFAULT true CHECK (one), since timestamptz NOT NULL);\n" +
+	"  INSERT INTO " + Boot + " (since) VALUES ('-infinity');\n" +
+	"END IF; END $boot$;\n"
 
 // DDL creates the tables where missing and the functions, replacing them where they exist (which only their owner
 // may do): what a migration runs (advlock.LeaseTableSQL). The transaction lock on ddlKey makes two runs at one
@@ -95,7 +112,7 @@ const usNow = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
 // began: "g TERM" granted; "h TERM EXP LEN LEFT" held: the key's record (its term, its expiry in microseconds, the
 // holder's lease length in milliseconds from its owner, 0 when its owner does not say, and the milliseconds left
 // until its expiry on the server's clock); "w" not granted: live waiters come first, or another grant took it at
-// this instant; "q" the quiet period of a new timeline; "l" too late: the server's clock had passed until; "s" a
+// this instant; "q" the quiet period of a new timeline; "r" the quiet period after a crash; "l" too late: the server's clock had passed until; "s" a
 // standby.
 //
 // Which clock decides. A key with a row is held, whatever the row's expiry says on the server's clock: the
@@ -123,7 +140,11 @@ const usNow = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
 // (each trusts its lease for less than one length from sending the statement that granted or renewed it). A row
 // whose since is not visible yet (another grant is recording it at this instant) counts as now, and so does one
 // ahead of the server's clock (the clock stepped back since). This period is measured on the promoted server's
-// clock: the one place a lease relies on a server's clock to measure time.
+// clock: with the quiet period after a crash (restartCheck), the one place a lease relies on a server's clock to
+// measure time.
+//
+// A grant commits without waiting for its WAL to be flushed (lazy), as a renewal does: a crash may take either
+// back, and restartCheck makes that safe. The first grant after a crash commits durably (see restartCheck).
 //
 // The term is drawn once the row is this grant's (its insert, or the update of a takeover, holds the row's lock
 // until commit): a term drawn before, in the inserted values, could come out of a grant that waited for another
@@ -139,6 +160,7 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"  now_us int8 := " + usNow + ";\n" +
 	"  tl int8;\n" +
 	"  began timestamptz;\n" +
+	"  booted timestamptz;\n" +
 	"  mine timestamptz;\n" +
 	"  durable text := " + lazy + ";\n" +
 	"  bounded text := set_config('lock_timeout', '1000', true);\n" +
@@ -151,6 +173,7 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"BEGIN\n" +
 	"  IF pg_catalog.pg_is_in_recovery() THEN RETURN 's ' || now_us; END IF;\n" +
 	"  IF until_us > 0 AND now_us > until_us THEN RETURN 'l ' || now_us; END IF;\n" +
+	restartCheck +
 	"  tl := " + timeline + ";\n" +
 	quietCheck +
 	"  IF wt <> '' THEN\n" +
@@ -165,7 +188,6 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	" AND (mine IS NULL OR w.since < mine OR w.since = mine AND w.waiter < wt)) THEN\n" +
 	"    res := 'w';\n" +
 	"  ELSE\n" +
-	"    durable := " + durable + ";\n" +
 	"    INSERT INTO " + Table + " AS l (space, key, owner, term, expires, holder) VALUES (sp, k, own, 0" +
 	", clock_timestamp() + len_ms * interval '1 millisecond', hold) " +
 	"ON CONFLICT (space, key) DO UPDATE SET owner = EXCLUDED.owner, term = " + session.TokenSQL + ", " +
@@ -201,6 +223,42 @@ const quietCheck = "  IF tl > 1 THEN\n" +
 	"    END IF;\n" +
 	"  END IF;\n"
 
+// restartCheck is the quiet period after a crash in grantDDL. A grant or renewal commits without waiting for its
+// WAL to be flushed, so a crash may take back the last of them (those of the last few hundred milliseconds): a
+// holder may trust a lease that the restarted server never heard of, or whose expiry it knows only from an older
+// renewal; and the fencing sequence may hand out again the terms of grants it took back. PostgreSQL empties Boot
+// at every start that follows a crash (and on a promoted standby, and in a restored backup), so the first grant
+// asked for after one finds it empty. That grant records the moment (later ones wait for its row, then read it)
+// and moves the fencing sequence 2^32 past its value, further than any server can draw between two flushes of
+// its WAL; its commit waits for the flush (durable), so that nobody sees the row before the move is on disk. Then
+// nothing is granted until one lease length later: by then every lease granted or renewed before the crash has
+// ended on its holder's own clock, as after a promotion. A row ahead of the server's clock (the clock stepped
+// back since) is set to now: the wait starts again rather than lasting as long as the step.
+const restartCheck = "  SELECT b.since INTO booted FROM " + Boot + " AS b;\n" +
+	"  IF booted IS NULL THEN\n" +
+	"    INSERT INTO " + Boot + " AS b (since) VALUES (clock_timestamp()) ON CONFLICT DO NOTHING RETURNING b.since INTO booted;\n" +
+	"    IF booted IS NULL THEN\n" +
+	"      SELECT b.since INTO booted FROM " + Boot + " AS b;\n" +
+	"    ELSE\n" +
+	termJump +
+	"      durable := " + durable + ";\n" +
+	"    END IF;\n" +
+	"  ELSIF booted > clock_timestamp() THEN\n" +
+	"    UPDATE " + Boot + " AS b SET since = clock_timestamp() RETURNING b.since INTO booted;\n" +
+	"  END IF;\n" +
+	restartQuiet
+
+// termJump moves the fencing sequence past every term a crash may have taken back (see restartCheck).
+const termJump = "      PERFORM setval('" + session.FenceSeq + "', nextval('" + session.FenceSeq + "') + " + termJumpBy + ");\n"
+
+// termJumpBy is how far termJump moves the sequence: 2^32, of the 2^48 a token's sequence part has.
+const termJumpBy = "4294967296"
+
+// restartQuiet refuses a grant within one lease length of the moment recorded in Boot ('r').
+const restartQuiet = "  IF coalesce(booted, clock_timestamp()) > clock_timestamp() - len_ms * interval '1 millisecond' THEN\n" +
+	"    RETURN 'r ' || now_us;\n" +
+	"  END IF;\n"
+
 // errLateGrant is the SQLSTATE of a grant that ran past its until (grantDDL): nothing was granted.
 const errLateGrant = "AL001"
 
@@ -224,7 +282,7 @@ const renewDDL = "FUNCTION " + renewFunc + "(sp int2[], k int8[], own text[], tm
 	"RETURNS text LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
 	"  now_us int8 := " + usNow + ";\n" +
-	"  durable text := " + durable + ";\n" +
+	"  lazy text := " + lazy + ";\n" +
 	"  res text;\n" +
 	"BEGIN\n" +
 	"  WITH a AS (SELECT * FROM unnest(sp, k, own, tm, until_us) WITH ORDINALITY AS a(sp, k, own, tm, until_us, i)),\n" +
@@ -253,23 +311,28 @@ const releaseDDL = "FUNCTION " + releaseFunc + "(sp int, k int8, own text, tm in
 // row type exists, 42P07: the table exists now, or 42723: the function exists now).
 var CreateSQL = createDDL + "SELECT 1"
 
-// ExistsSQL yields "E R NOW": E 1 when the tables and the functions exist, R 1 when the server is in recovery (a
-// standby), and the server's clock.
+// ExistsSQL yields "E R NOW U": E 1 when the tables and the functions exist, R 1 when the server is in recovery (a
+// standby), the server's clock, and U 1 when this role may move the fencing sequence (UPDATE on it: the first grant
+// after a crash moves it, see restartCheck).
 const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regclass('" + Timelines + "') IS NOT NULL " +
-	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
-	"AND to_regproc('" + releaseFunc + "') IS NOT NULL)::int || ' ' || pg_catalog.pg_is_in_recovery()::int || ' ' || " + usNow
+	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regclass('" + Boot + "') IS NOT NULL " +
+	"AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
+	"AND to_regproc('" + releaseFunc + "') IS NOT NULL)::int || ' ' || pg_catalog.pg_is_in_recovery()::int || ' ' || " + usNow +
+	" || ' ' || coalesce(CASE WHEN to_regclass('" + session.FenceSeq + "') IS NOT NULL THEN has_sequence_privilege('" +
+	session.FenceSeq + "', 'UPDATE') END, true)::int"
 
 // timeline is the server's timeline (see session.TokenSQL): 1 until the first promotion of the cluster.
 const timeline = "least(('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::bit(32)::int8, 32767)"
 
-// durable makes the statement's commit flush its WAL before it answers (a grant, a renewal: a crash must not take
-// back what a holder was told), without waiting for a synchronous standby: a promotion is covered otherwise (see
-// grantDDL).
+// durable makes the statement's commit flush its WAL before it answers (the first grant after a crash, which moves
+// the fencing sequence: see restartCheck), without waiting for a synchronous standby: a promotion is covered
+// otherwise (see grantDDL).
 const durable = "set_config('synchronous_commit', 'local', true)"
 
 // lazy lets the statement's commit answer before its WAL is flushed: for what a crash may take back without harm
-// (a release, whose row a taker then takes over; a wait's row, which then goes stale). A grant sets it first and
-// durable once it writes the lease.
+// (a release, whose row a taker then takes over; a wait's row, which then goes stale), and for grants and
+// renewals, whose loss the quiet period after a crash covers (restartCheck): a WAL flush is most of what a grant
+// cost, and the WAL writer flushes what they wrote within a few hundred milliseconds.
 const lazy = "set_config('synchronous_commit', 'off', true)"
 
 func space(id session.ID) string {

@@ -62,6 +62,13 @@ const (
 	// never received the lost primary's last grants and renewals grants those keys again while their holders still
 	// trust them.
 	LeaseNoQuiet = "lease_no_quiet"
+	// LeaseNoRestartQuiet: the lease table's grant skips the quiet period after a crash, so a server that lost the
+	// last grants and renewals its holders were told of (they commit without waiting for their WAL to be flushed)
+	// grants those keys again at once.
+	LeaseNoRestartQuiet = "lease_no_restart_quiet"
+	// LeaseRestartTermKept: the first grant after a crash does not move the fencing sequence past the terms the
+	// crash took back, so a later grant draws a term a holder before the crash was given.
+	LeaseRestartTermKept = "lease_restart_term_kept"
 	// LeaseLateGrantKept: a lease's grant is bounded by the statement bound alone (5 s), not by how long the lease
 	// can be trusted, and an answer that comes after its trust window has closed is handed out as held, trusted as
 	// if it had just been granted.
@@ -92,7 +99,7 @@ var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
 	DeadlockStaleChoice, DeadlockChoiceKept, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed,
 	LeaseTermReused, LeaseTrustFromReply, LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline,
-	LeaseUndoOnce, LeaseRenewNoDeadline, LeaseSweepServerExpiry}
+	LeaseUndoOnce, LeaseRenewNoDeadline, LeaseSweepServerExpiry, LeaseNoRestartQuiet, LeaseRestartTermKept}
 
 // Env names the environment variable that selects the mutant in a build with the tag.
 const Env = "ADVLOCK_MUTANT"
