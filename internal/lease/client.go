@@ -266,7 +266,7 @@ func (c *Client) granted(id session.ID, owner string, term int64, sent time.Time
 	if l.expired(time.Now()) {
 		if mutant.On(mutant.LeaseLateGrantKept) { // handed out, trusted as if granted now
 			now := time.Now()
-			l.trust, l.wall = c.trustFrom(now), c.trustFrom(now.Round(0))
+			l.trust, l.wall = c.trustFrom(now), c.trustFrom(now).UnixNano()
 			return l, nil
 		}
 		l.giveBack()

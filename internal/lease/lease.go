@@ -61,9 +61,7 @@ type Lease struct {
 	term  int64
 	onEnd session.OnEnd
 
-	ctx      context.Context
-	end      context.CancelCauseFunc
-	endOnce  sync.Once
+	end      session.End
 	released atomic.Bool
 	stopping atomic.Bool // its renewals are to stop (halt)
 	stopOnce sync.Once
@@ -74,7 +72,7 @@ type Lease struct {
 	ended   bool          // its renewals have ended (started leases only): see renewalsEnded
 	stopped chan struct{} // made by a halt that waits for them to end, closed when they have
 	trust   time.Time     // the holder trusts the lease until then (monotonic)
-	wall    time.Time     // and until then on its wall clock (no monotonic reading), whichever comes first
+	wall    int64         // and until then on its wall clock (Unix nanoseconds), whichever comes first
 	rtt     time.Duration // the last confirmed round trip (the grant's, then each renewal's)
 
 	token int64 // what Token reports instead of term, under mutant.LeaseTermReused
@@ -82,13 +80,12 @@ type Lease struct {
 
 // newLease is the lease of a grant of id to owner, of term, sent at sent; its renewals are not started yet (start).
 func (c *Client) newLease(id session.ID, owner string, term int64, sent time.Time, onEnd session.OnEnd) *Lease {
-	l := &Lease{c: c, id: id, owner: owner, term: term, onEnd: onEnd, trust: c.trustFrom(sent), wall: c.trustFrom(sent.Round(0)), rtt: time.Since(sent),
+	l := &Lease{c: c, id: id, owner: owner, term: term, onEnd: onEnd, trust: c.trustFrom(sent), wall: c.trustFrom(sent).UnixNano(), rtt: time.Since(sent),
 		rs: renewState{idx: -1}}
 	if mutant.On(mutant.LeaseTermReused) {
 		first, _ := firstTerms.LoadOrStore(id, term)
 		l.token = first.(int64)
 	}
-	l.ctx, l.end = context.WithCancelCause(context.Background())
 	return l
 }
 
@@ -109,7 +106,7 @@ func (c *Client) trustFrom(sent time.Time) time.Time { return sent.Add(c.cfg.Len
 func (l *Lease) expired(now time.Time) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return !now.Before(l.trust) || !now.Round(0).Before(l.wall)
+	return !now.Before(l.trust) || now.UnixNano() >= l.wall
 }
 
 // errTrustEnded is the loss of a lease whose trust window closed without a confirmed renewal.
@@ -129,27 +126,23 @@ func earliest(a, b time.Time) time.Time {
 var errNotYours = errors.New("the server no longer has the lease as this holder's: it was broken, or taken over once its " +
 	"holder had stopped trusting it")
 
+// finish ends the lease with cause, once: its owner is told first (onEnd), then Done closes, what AfterEnd arranged
+// runs, and what onEnd asked to run after.
 func (l *Lease) finish(cause error) {
-	l.endOnce.Do(func() {
-		var after func()
-		if l.onEnd != nil {
-			after = l.onEnd(cause)
-		}
-		l.end(cause)
-		if after != nil {
-			after()
-		}
-	})
+	if cause == nil {
+		cause = context.Canceled // an ended lease's Err is never nil
+	}
+	l.end.Finish(cause, l.onEnd)
 }
 
 // Done is closed when the lease ends: released, or lost (at the latest when its trust window closes).
-func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
+func (l *Lease) Done() <-chan struct{} { return l.end.Done() }
 
 // Err is nil while the lease is held; afterwards it says why it ended. It reads the clock: once the trust window has
 // closed it reports the loss, even before its renewals (a goroutine that a starved machine may run late) have ended
 // the lease and closed Done.
 func (l *Lease) Err() error {
-	if err := context.Cause(l.ctx); err != nil {
+	if err := l.end.Err(); err != nil {
 		return err
 	}
 	if l.expired(time.Now()) {
@@ -159,7 +152,7 @@ func (l *Lease) Err() error {
 }
 
 // AfterEnd arranges for f to run once the lease ends; stop cancels that.
-func (l *Lease) AfterEnd(f func()) (stop func() bool) { return context.AfterFunc(l.ctx, f) }
+func (l *Lease) AfterEnd(f func()) (stop func() bool) { return l.end.AfterEnd(f) }
 
 // Token is the lease's term: its fencing token.
 func (l *Lease) Token() int64 {
@@ -193,7 +186,7 @@ func (l *Lease) Confirm(ctx context.Context) error {
 	txt, _, err := exec(ctx, l.c.pool, l.c.cfg.Bound, LingerSQL(l.id, l.owner, l.term), false)
 	switch {
 	case l.released.Load():
-		<-l.ctx.Done() // a Release raced the statement (and may have deleted the row first): it says how the lease ended
+		<-l.end.Done() // a Release raced the statement (and may have deleted the row first): it says how the lease ended
 		return l.Err()
 	case err == nil && txt == "1":
 		return l.Err()
@@ -251,7 +244,7 @@ func (l *Lease) Release(ctx context.Context, after error) error {
 		return session.ErrNotHeld
 	}
 	l.halt()
-	if err := context.Cause(l.ctx); err != nil {
+	if err := l.end.Err(); err != nil {
 		return err
 	}
 	if l.expired(time.Now()) { // lost as its renewals were stopped: ended here, as they would have

@@ -425,7 +425,7 @@ func (lp *loop) answer(l *Lease, sent, recv time.Time, ans byte, err error) {
 	case err == nil && ans == '1':
 		l.mu.Lock()
 		if t := c.trustFrom(sent); t.After(l.trust) {
-			l.trust, l.wall, l.rtt = t, c.trustFrom(sent.Round(0)), recv.Sub(sent)
+			l.trust, l.wall, l.rtt = t, c.trustFrom(sent).UnixNano(), recv.Sub(sent)
 		}
 		l.mu.Unlock()
 		rs.next = sent.Add(cfg.Renew)

@@ -428,7 +428,7 @@ func TestTrustEndsOnEitherClock(t *testing.T) {
 		t.Errorf("a lease whose window passed on the monotonic clock, its renewer never run: %v, want ErrLockLost", err)
 	}
 	slept := c.newLease(session.ID{V: 1}, "o", 1, time.Now(), nil)
-	slept.wall = time.Now().Round(0).Add(-time.Second) // as after a sleep: the wall clock went on, the monotonic did not
+	slept.wall = time.Now().Add(-time.Second).UnixNano() // as after a sleep: the wall clock went on, the monotonic did not
 	if err := slept.Err(); !errors.Is(err, session.ErrLockLost) {
 		t.Errorf("a lease whose window passed on the wall clock alone: %v, want ErrLockLost", err)
 	}

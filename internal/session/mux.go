@@ -300,97 +300,39 @@ type Held struct {
 	token  int64 // the grant's fencing token (0 without fencing)
 	mux    *Mux
 	target Target
-	once   sync.Once
-	done   chan struct{} // made by the first Done call (most locks are never watched), closed at the end; guarded by mu
-	ended  atomic.Bool   // set under mu as the lock ends: err is then final
-	err    error         // set before ended
+	end    End
 	onEnd  OnEnd
 	mu     sync.Mutex
-	after  []func()
 	rel    bool
 	marked bool // Confirm took the lock's marker (guarded by mu)
 }
 
 // Done is closed when the lock is released or lost.
-func (h *Held) Done() <-chan struct{} {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.done == nil {
-		if h.ended.Load() {
-			return closedChan
-		}
-		h.done = make(chan struct{})
-	}
-	return h.done
-}
-
-// closedChan is Done's answer for a lock that ended before anyone asked.
-var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+func (h *Held) Done() <-chan struct{} { return h.end.Done() }
 
 // Token is the grant's fencing token: 0 without fencing.
 func (h *Held) Token() int64 { return h.token }
 
 // Err is nil while held; afterwards it says why it ended.
-func (h *Held) Err() error {
-	if h.ended.Load() {
-		return h.err
-	}
-	return nil
-}
+func (h *Held) Err() error { return h.end.Err() }
 
 // PID is the pid of the server session that holds the lock (0 when the driver does not tell).
 func (h *Held) PID() uint32 { return h.mux.pid }
 
 // AfterEnd arranges for f to run once the lock ends (at once if it has); stop cancels that.
-func (h *Held) AfterEnd(f func()) (stop func() bool) {
-	h.mu.Lock()
-	if h.ended.Load() {
-		h.mu.Unlock()
-		go f()
-		return func() bool { return false }
-	}
-	h.after = append(h.after, f)
-	i := len(h.after) - 1
-	h.mu.Unlock()
-	return func() bool {
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		if i < len(h.after) && h.after[i] != nil {
-			h.after[i] = nil
-			return true
-		}
-		return false
-	}
-}
+func (h *Held) AfterEnd(f func()) (stop func() bool) { return h.end.AfterEnd(f) }
 
 // finish ends the lock with err, once: the owner is told first (OnEnd, which gives the key's in-process slot back),
 // then Done closes, what AfterEnd arranged runs, and what OnEnd asked to run after.
 func (h *Held) finish(err error) {
-	h.once.Do(func() {
-		h.err = err
+	h.end.Finish(err, func(err error) func() {
 		h.mu.Lock()
 		onEnd := h.onEnd
 		h.mu.Unlock()
-		var then func()
-		if onEnd != nil {
-			then = onEnd(err)
+		if onEnd == nil {
+			return nil
 		}
-		h.mu.Lock()
-		h.ended.Store(true)
-		if h.done != nil {
-			close(h.done)
-		}
-		after := h.after
-		h.after = nil
-		h.mu.Unlock()
-		for _, f := range after {
-			if f != nil {
-				f()
-			}
-		}
-		if then != nil {
-			then()
-		}
+		return onEnd(err)
 	})
 }
 
