@@ -454,6 +454,20 @@ func TestFencingCluster(t *testing.T) {
 			"public.advlock_lease_timeline, public.advlock_lease_wait TO fenceweak"); err != nil {
 			t.Fatal(err)
 		}
+		// Each privilege leases need beyond those, asked for at the first call with what to run: UPDATE on the
+		// sequence (the first grant after a crash moves it), then the table of restarts (every grant reads it).
+		if _, err := leaser.TryLock(ctx, key(t)); !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "GRANT USAGE, UPDATE ON SEQUENCE") {
+			t.Fatalf("leases for a role with USAGE alone on the sequence: %v, want ErrFencing naming the GRANT", err)
+		}
+		if _, err := obs.Exec(ctx, "GRANT UPDATE ON SEQUENCE public.advlock_fence TO fenceweak"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := leaser.TryLock(ctx, key(t)); !errors.Is(err, ErrLeaseTable) || !strings.Contains(err.Error(), "advlock_lease_boot") {
+			t.Fatalf("leases for a role that may not use the table of restarts: %v, want ErrLeaseTable naming it", err)
+		}
+		if _, err := obs.Exec(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON public.advlock_lease_boot TO fenceweak"); err != nil {
+			t.Fatal(err)
+		}
 		if lk, err := leaser.TryLock(ctx, key(t)); err != nil {
 			t.Fatalf("leases once LeaseTableSQL ran and the role was granted: %v", err)
 		} else {

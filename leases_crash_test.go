@@ -19,12 +19,23 @@ import (
 // waiter's term is greater than the lost grant's, although the crash took back the sequence's move past it too (a
 // flushed setval just before makes the holder's draw write the sequence's next record, which the crash loses):
 // without the move, the mutant lease_restart_term_kept, the waiter drew the very same term. The server's WAL
-// writer flushes every 10 s here, so that what a grant wrote is still unflushed when the server is stopped.
+// writer flushes every 10 s here, so that what a grant wrote is still unflushed when the server is stopped. A
+// waiter whose own leases are shorter (1 s) waits as long: the wait is the longest lease length ever granted, which
+// a logged table keeps (with the asker's length, its waiter was granted 1 s after the restart).
 func TestLeaseCrashLosesGrant(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a private cluster")
 	}
 	t.Parallel()
+	for _, shorter := range []bool{false, true} {
+		t.Run(map[bool]string{false: "same_length", true: "shorter_waiter"}[shorter], func(t *testing.T) {
+			t.Parallel()
+			crashLosesGrant(t, shorter)
+		})
+	}
+}
+
+func crashLosesGrant(t *testing.T, shorter bool) {
 	c := pgtest.StartCluster(t, "synchronous_commit = on", "wal_writer_delay = '10s'")
 	ctx := ctxT(t, 2*time.Minute)
 	const length = 5 * time.Second // the holder still trusts its lease once the server is back (a restart takes about a second)
@@ -76,7 +87,11 @@ func TestLeaseCrashLosesGrant(t *testing.T) {
 	default:
 	}
 	restarted := time.Now()
-	waiter := New(pgtest.Pool(t, c.URL, nil), WithLeases(), WithLeaseLength(length), withLeasePoll(5*time.Millisecond))
+	waiterLength := length
+	if shorter {
+		waiterLength = time.Second
+	}
+	waiter := New(pgtest.Pool(t, c.URL, nil), WithLeases(), WithLeaseLength(waiterLength), withLeasePoll(5*time.Millisecond))
 	defer waiter.Close()
 	got, told, granted := takeover(ctx, t, waiter, k, lk, 20*time.Second)
 	t.Logf("the server was back; the holder was told %v later, the waiter granted %v later",

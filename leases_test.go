@@ -356,8 +356,8 @@ func TestLeaseTrustCountedFromSend(t *testing.T) {
 // a lease its holder still trusts. Its last renewals lost: the standby's copy of the lease is an older record,
 // expired long ago on its clock; a waiter on the promoted server takes it over only once it has watched that record
 // for a lease length. Its grant lost: the promoted server has no row for the key at all, and nothing is granted for
-// one lease length on the new timeline (without that quiet period, the mutant lease_no_quiet, the waiter was
-// granted at once). Either way the old holder, cut off, has stopped trusting its lease by the waiter's grant, and
+// one lease length after the first grant asked for there (its unlogged table of restarts is empty, as after a crash;
+// without that quiet period, the mutant lease_no_restart_quiet, the waiter was granted at once). Either way the old holder, cut off, has stopped trusting its lease by the waiter's grant, and
 // the waiter's term is greater (the new timeline).
 func TestLeaseFailover(t *testing.T) {
 	if testing.Short() {

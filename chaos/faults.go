@@ -23,17 +23,19 @@ var faultKinds = []string{"terminate_holder", "terminate_waiter", "cut", "blackh
 
 // fault is one injected fault: when, what, and which worker it aimed at (-1: all of them).
 type fault struct {
-	Kind   string
-	At     time.Time
-	Until  time.Time
-	Worker int
-	Detail string
-	PID    int32         // the backend it ended (terminate)
-	Term   int64         // the lease it deleted (break_lease)
-	Keys   []string      // the advisory locks that backend held just before
-	Held   int           // advisory locks its target (a worker, or every worker) held when it was injected
-	Waits  int           // advisory locks its target waited for then (slow_link, aimed at a worker that waits)
-	Delay  time.Duration // late_answers: how late each answer came (Until is the end of its span and this)
+	Kind  string
+	At    time.Time
+	Until time.Time
+	// Stopped: a server restart's stop had returned (a crash had happened by then).
+	Stopped time.Time
+	Worker  int
+	Detail  string
+	PID     int32         // the backend it ended (terminate)
+	Term    int64         // the lease it deleted (break_lease)
+	Keys    []string      // the advisory locks that backend held just before
+	Held    int           // advisory locks its target (a worker, or every worker) held when it was injected
+	Waits   int           // advisory locks its target waited for then (slow_link, aimed at a worker that waits)
+	Delay   time.Duration // late_answers: how late each answer came (Until is the end of its span and this)
 }
 
 func (c *campaign) record(f fault) {
@@ -228,7 +230,11 @@ func (c *campaign) inject(ctx context.Context) {
 				f.At = time.Now()
 			}
 			p := c.primary()
-			if err := p.Restart(strings.TrimPrefix(kind, "restart_")); err != nil {
+			if err := p.Stop(strings.TrimPrefix(kind, "restart_")); err != nil {
+				c.logf("restart: %v", err)
+			}
+			f.Stopped = time.Now()
+			if err := p.Start(); err != nil {
 				c.logf("restart: %v", err)
 				_ = p.Start()
 			}

@@ -42,14 +42,16 @@ type CS struct {
 // Evidence is something that ended sessions, with the server's clock: a fault the campaign injected and saw take
 // effect, or a line of the server's log saying a backend ended.
 type Evidence struct {
-	Kind   string        // a fault kind, or "session_end" (the server's log: a backend of the worker ended)
-	At     time.Time     // for a fault, when it was injected (its effect follows); for session_end, the end itself
-	Until  time.Time     // a fault with a span (sigstop, blackhole, latency, slow_link): when it stopped
-	Worker int           // -1: every worker (a restart)
-	PID    int32         // the backend it ended, when one
-	Keys   []string      // the advisory locks that backend held just before (terminate)
-	Term   int64         // the lease it deleted (break_lease)
-	Delay  time.Duration // late_answers: how late each answer came (Until is the end of its span and this)
+	Kind  string    // a fault kind, or "session_end" (the server's log: a backend of the worker ended)
+	At    time.Time // for a fault, when it was injected (its effect follows); for session_end, the end itself
+	Until time.Time // a fault with a span (sigstop, blackhole, latency, slow_link): when it stopped
+	// Stopped: a server restart's stop had returned, so that a crash (restart_immediate) had happened by then.
+	Stopped time.Time
+	Worker  int           // -1: every worker (a restart)
+	PID     int32         // the backend it ended, when one
+	Keys    []string      // the advisory locks that backend held just before (terminate)
+	Term    int64         // the lease it deleted (break_lease)
+	Delay   time.Duration // late_answers: how late each answer came (Until is the end of its span and this)
 }
 
 // ends reports whether e ends sessions (rather than only slowing or stopping a client).
@@ -123,6 +125,7 @@ type History struct {
 	StarveBound   time.Duration
 	// A lease campaign: the lease table's log by term (nil otherwise), and the leases' length and renewal period.
 	Leases      map[int64]*LeaseLife
+	LeaseLog    []time.Time // when each entry of the lease table's log was written, in order (real clock)
 	LeaseLength time.Duration
 	LeaseRenew  time.Duration
 	// When each worker's calls failed to connect, by worker: its path to the server was not open yet (a restarted

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -151,10 +152,10 @@ func correctClock(entries []leaseEntry) []leaseEntry {
 // to a failover had committed (read aside before it was rebuilt, see failover): the promoted server never saw the
 // last grants and renewals of the old one, which its holders were told of. The logs share the part the standby
 // had received: an entry in both counts once.
-func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, error) {
+func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, []time.Time, error) {
 	entries, err := readLeaseLog(ctx, c.primary().URL)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if b, err := json.Marshal(entries); err == nil { // as logged, kept with the histories
 		_ = os.WriteFile(filepath.Join(c.dir, "lease_log.json"), b, 0o644)
@@ -162,7 +163,12 @@ func (c *campaign) leaseLog(ctx context.Context) (map[int64]*LeaseLife, error) {
 	c.srvMu.Lock()
 	entries = slices.Concat(c.lostLeaseLog, correctClock(entries))
 	c.srvMu.Unlock()
-	return leaseLives(entries), nil
+	lives := leaseLives(entries) // sorts entries
+	times := make([]time.Time, len(entries))
+	for i, e := range entries {
+		times[i] = e.At
+	}
+	return lives, times, nil
 }
 
 // keepLeaseLives writes the lives of the leases, by term, beside the workers' histories (kept when the campaign
@@ -363,18 +369,20 @@ const (
 )
 
 // crashLosses reads into the lease log what the server's crashes (restart_immediate) took back: the log commits
-// with the change it records, so it lost them too. The crash's moment is not known closer than its fault's span
-// (the server answers on for a moment after the fault begins): whatever the server did before the span's end may
-// be what the crash took back, and a release or a grant a worker was told of before then came before the crash.
-//   - A holder's term that the log never saw, granted within lostWindow of a crash, is a grant the crash took back:
-//     a life of its own (Lost), from when its holder was told of it, until one lease length later (its holder's
-//     trust; the restarted server has no row of it), its release when its holder released it before the crash,
-//     or the next grant of its key before the crash, whichever is first.
-//   - A lease that lived at a crash may have lost renewals its holder was told of, sent before the crash: it lives
-//     until one lease length after the crash, unless another grant of its key came before the crash (a renewal
-//     after it would have changed the record its taker watched, or found the row another's: it ended by then). One
-//     its holder released before the crash ended then, whatever the log says after (the crash may have taken the
-//     release back, and the row is then taken over as after a death).
+// with the change it records, so it lost them too. A crash had happened by the time its stop returned (Stopped), and
+// the server answers on for a moment after the fault begins: whatever a worker was told before the restart's end
+// may be what the crash took back, and a release a worker was told of before then came before the crash.
+//   - A holder's term that the log never saw, told to its holder within lostWindow of a crash and after the last
+//     entry the log kept from before the crash, is a grant the crash took back (the log is WAL: what it kept is a
+//     prefix of what was written, so an entry written after the grant means that the grant was kept). It is a life
+//     of its own (Lost), from when its holder was told of it until one lease length after the crash (its holder may
+//     have been told of renewals the crash took back too), or its release when its holder released it before the
+//     crash.
+//   - A lease that lived at a crash, and had not ended by its log long before it, may have lost renewals its holder
+//     was told of, sent before the crash: it lives until one lease length after the crash, unless another grant of
+//     its key came before the crash (a renewal after it would have changed the record its taker watched, or found
+//     the row another's: it ended by then). One its holder released before the crash ended then, whatever the log
+//     says after (the crash may have taken the release back, and the row is then taken over as after a death).
 //
 // So no later grant of its key may come before then (the quiet period after a crash), and its holder may act until
 // then.
@@ -399,28 +407,28 @@ func (h *History) crashLosses(holders map[int64]*CS) {
 		if e.Kind != "restart_immediate" {
 			continue
 		}
-		var lost []*LeaseLife
+		stopped := cmp.Or(e.Stopped, e.Until)
+		var kept time.Time // the log's last entry from before the restart's end
+		for _, at := range h.LeaseLog {
+			if at.Before(e.Until) && at.After(kept) {
+				kept = at
+			}
+		}
 		for _, t := range sortedKeys(holders) {
 			c := holders[t]
-			if h.Leases[t] != nil || c.begin().Before(e.At.Add(-lostWindow)) || c.begin().After(e.Until) {
+			if h.Leases[t] != nil || c.begin().Before(e.At.Add(-lostWindow)) || c.begin().After(e.Until) || !kept.Before(c.begin()) {
 				continue
 			}
 			l := &LeaseLife{Key: c.Key, Worker: c.Worker, Granted: c.begin(), Renewed: c.begin(), Lost: true,
-				CrashEnd: c.begin().Add(h.LeaseLength)}
+				CrashEnd: stopped.Add(h.LeaseLength)}
 			if end, ok := released(t, e.Until); ok {
 				l.Deleted = end
 			}
 			h.Leases[t] = l
-			lost = append(lost, l)
-		}
-		for _, l := range lost {
-			if n := next(l, e.Until); !n.IsZero() && n.Before(l.CrashEnd) {
-				l.CrashEnd = n
-			}
 		}
 		for _, t := range sortedKeys(h.Leases) {
 			l := h.Leases[t]
-			if l.Lost || l.Granted.After(e.Until) {
+			if l.Lost || l.Granted.After(e.Until) || l.end(h.LeaseLength).Before(e.At.Add(-lostWindow)) {
 				continue
 			}
 			if g := l.gone(); !g.IsZero() && g.Before(e.At.Add(-lostWindow)) {
@@ -432,7 +440,7 @@ func (h *History) crashLosses(holders map[int64]*CS) {
 				}
 				continue
 			}
-			end := e.Until.Add(h.LeaseLength)
+			end := stopped.Add(h.LeaseLength)
 			if n := next(l, e.Until); !n.IsZero() {
 				end = n
 			}
@@ -457,8 +465,12 @@ func (h *History) revived() []Violation {
 		}
 		stepped := false // or crashed: renewals between the two records may have been taken back
 		for _, e := range h.Evidence {
-			if (e.Kind == "clock_step" || e.Kind == "restart_immediate") && !e.At.Before(l.GapAt.Add(-l.Gap)) && !e.At.After(l.GapAt) {
+			switch {
+			case e.Kind == "clock_step" && !e.At.Before(l.GapAt.Add(-l.Gap)) && !e.At.After(l.GapAt):
 				stepped = true
+			case e.Kind == "restart_immediate" && !e.At.Before(l.GapAt.Add(-l.Gap)) &&
+				!l.GapAt.After(cmp.Or(e.Stopped, e.Until).Add(h.LeaseLength+leaseSlack)):
+				stepped = true // a renewal after the restart, within a lease length of the crash
 			}
 		}
 		if !stepped {

@@ -150,9 +150,9 @@ func TestMutants(t *testing.T) {
 		// the expiry the server gave, and a waiter is granted while it does.
 		{mutant.LeaseTrustFromReply, "TestLeaseTrustCountedFromSend"},
 		// A failover that lost a grant: the promoted server has no row for the key, and grants it at once without
-		// the quiet period while the lost grant's holder still trusts it. (A campaign's failover meets that moment
+		// the quiet period (its table of restarts is empty) while the lost grant's holder still trusts it. (A campaign's failover meets that moment
 		// seldom: a row the promoted server has, even an old one, is taken over only after a lease length's watch.)
-		{mutant.LeaseNoQuiet, "TestLeaseFailover"},
+		{mutant.LeaseNoRestartQuiet, "TestLeaseFailover"},
 		// A crash that took back a grant whose holder still trusts it, on a server that grants its key at once after
 		// the restart (no quiet period), or hands out the lost grant's term again (the fencing sequence not moved
 		// past it). A campaign's crash meets that moment seldom: the WAL writer writes out what a grant wrote within

@@ -101,8 +101,9 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 	}
 	ends := c.sessionEnds()
 	var leases map[int64]*LeaseLife
+	var leaseLog []time.Time
 	if c.opt.Leases {
-		if leases, err = c.leaseLog(ctx); err != nil {
+		if leases, leaseLog, err = c.leaseLog(ctx); err != nil {
 			return nil, fmt.Errorf("read the lease log: %w", err)
 		}
 		c.keepLeaseLives(leases)
@@ -112,7 +113,7 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 	var ev []Evidence
 	for _, f := range faults {
 		ev = append(ev, Evidence{Kind: f.Kind, At: f.At, Until: f.Until, Worker: f.Worker, PID: f.PID, Keys: f.Keys, Term: f.Term,
-			Delay: f.Delay})
+			Delay: f.Delay, Stopped: f.Stopped})
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
 		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
@@ -126,7 +127,7 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 		}}
 	c.mu.Unlock()
 	if c.opt.Leases {
-		h.Leases, h.LeaseLength, h.LeaseRenew = leases, c.opt.LeaseLength, c.opt.LeaseLength/3
+		h.Leases, h.LeaseLog, h.LeaseLength, h.LeaseRenew = leases, leaseLog, c.opt.LeaseLength, c.opt.LeaseLength/3
 	}
 	vs := Check(h)
 

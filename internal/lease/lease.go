@@ -305,7 +305,6 @@ func (c *Client) Ensure(ctx context.Context) error {
 		name      string
 		old, mutd string
 	}{
-		{mutant.LeaseNoQuiet, quietCheck, ""},
 		{mutant.LeaseNoRestartQuiet, restartQuiet, ""},
 		{mutant.LeaseRestartTermKept, termJump, ""},
 		{mutant.LeaseServerExpiry, heldCheck, heldCheck + " OR r_term IS NOT NULL AND r_exp >= now_us"},
@@ -328,9 +327,9 @@ func (c *Client) ensure(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("check the lease table: %w", err)
 		}
-		var exists, standby, update int
+		var exists, standby, update, boot int
 		var srv int64
-		if _, err := fmt.Sscan(txt, &exists, &standby, &srv, &update); err != nil {
+		if _, err := fmt.Sscan(txt, &exists, &standby, &srv, &update, &boot); err != nil {
 			return fmt.Errorf("check the lease table: unexpected answer %q", txt)
 		}
 		c.clock.sample(time.Now(), srv)
@@ -338,6 +337,10 @@ func (c *Client) ensure(ctx context.Context) error {
 			return fmt.Errorf("%w: this role may not move the sequence %s, which the first lease granted after a server's "+
 				"crash does (past the terms the crash may have taken back); as its owner run: GRANT USAGE, UPDATE ON "+
 				"SEQUENCE %[2]s TO <role>", session.ErrFencing, session.FenceSeq)
+		}
+		if exists == 1 && boot == 0 {
+			return fmt.Errorf("%w: this role may not read and write the table %s, which every grant does; as its owner "+
+				"run: GRANT SELECT, INSERT, UPDATE, DELETE ON %[2]s TO <role>", ErrLeaseTable, Boot)
 		}
 		if exists == 1 {
 			return nil

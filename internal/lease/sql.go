@@ -15,11 +15,13 @@ import (
 // renewal of the row, whatever the clock does), when it was granted and a description of the holder for people
 // (holder).
 //
-// Timelines remembers, for each timeline after the first, when a grant was first asked for on it: the first lease
-// length of a timeline grants nothing (see grantDDL).
+// Timelines remembered, for each timeline after the first, when a grant was first asked for on it (the quiet period
+// after a promotion of earlier versions; this one waits after a promotion as after a crash, see restartCheck). Its
+// row of timeline 0 is the longest lease length ever granted, as a time after the Unix epoch (see restartCheck): a
+// logged table, which the quiet period after a crash reads once the unlogged Boot has been emptied.
 //
 // Boot is an unlogged table of one row: when this server, since its last crash (or promotion, or restore), was first
-// asked for a grant. PostgreSQL empties an unlogged table whenever it starts from anything but a clean shutdown, so
+// asked for a grant, and the longest lease length it knows to have been granted (longest, in milliseconds). PostgreSQL empties an unlogged table whenever it starts from anything but a clean shutdown, so
 // an empty table says that a crash may have taken back grants and renewals that their holders were told of (they
 // commit without waiting for their WAL to be flushed): see restartCheck.
 //
@@ -75,8 +77,13 @@ const tablesDDL = "CREATE TABLE IF NOT EXISTS " + Table + " (space int2 NOT NULL
 // commits a grant or renewal without flushing it could have run before the table existed (each reads it), and a
 // crash cannot take back the table's creation and keep a later grant. Where the table exists (empty after a crash)
 // it writes nothing.
+// Its commit (the tables' creation's) waits for the flush whatever the session's synchronous_commit says (a server
+// or role that sets it off): a crash that took the creation back would let the next run create the table anew, with
+// that row, after grants the crash took back too.
 const bootDDL = "DO $boot$ BEGIN IF to_regclass('" + Boot + "') IS NULL THEN\n" +
-	"  CREATE UNLOGGED TABLE " + Boot + " (one bool PRIMARY KEY DEFAULT true CHECK (one), since timestamptz NOT NULL);\n" +
+	"  PERFORM set_config('synchronous_commit', 'local', true);\n" +
+	"  CREATE UNLOGGED TABLE " + Boot + " (one bool PRIMARY KEY DEFAULT true CHECK (one), since timestamptz NOT NULL, " +
+	"longest int8 NOT NULL DEFAULT 0);\n" +
 	"  INSERT INTO " + Boot + " (since) VALUES ('-infinity');\n" +
 	"END IF; END $boot$;\n"
 
@@ -112,14 +119,15 @@ const usNow = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
 // began: "g TERM" granted; "h TERM EXP LEN LEFT" held: the key's record (its term, its expiry in microseconds, the
 // holder's lease length in milliseconds from its owner, 0 when its owner does not say, and the milliseconds left
 // until its expiry on the server's clock); "w" not granted: live waiters come first, or another grant took it at
-// this instant; "q" the quiet period of a new timeline; "r" the quiet period after a crash; "l" too late: the server's clock had passed until; "s" a
+// this instant; "r" the quiet period after a crash or a promotion ("q", that of a promotion, came from earlier versions); "l" too late: the server's clock had passed until; "s" a
 // standby.
 //
 // Which clock decides. A key with a row is held, whatever the row's expiry says on the server's clock: the
 // server's clock may step (an NTP step, a resumed VM) and expire every lease at once while each holder still trusts
 // its own on its monotonic clock. A caller takes over a row only by naming the record it has seen unchanged for a
 // whole lease length on its own monotonic clock (Client.matured): the upsert's condition is that the row is still
-// that record. Every grant and renewal of a row makes its expiry later (greatest), so a record never comes back.
+// that record. Every grant and renewal of a row makes its expiry later (greatest), so a record does not come back,
+// but after a crash that took back the renewals that followed it, within the quiet period (restartCheck).
 //
 // The key goes to a try only when no live waiter waits for it, and to a waiter only when no live waiter has waited
 // longer (the earliest since, then the least waiter id): the order a server queue would give. A waiter not granted
@@ -133,18 +141,10 @@ const usNow = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
 // waits for row locks are bounded by lock_timeout, 1 s): what remains after until is its commit (Client.retire
 // counts on a commit within retireGrace of it).
 //
-// A promotion can lose the last grants and renewals (asynchronous replication): a holder may trust a lease that
-// the promoted server never heard of, or one whose expiry it knows only from an older renewal. So on a timeline
-// after the first, nothing is granted until one lease length after the first grant was asked for on it (recorded
-// in Timelines): by then every lease granted or renewed before the promotion has ended on its holder's own clock
-// (each trusts its lease for less than one length from sending the statement that granted or renewed it). A row
-// whose since is not visible yet (another grant is recording it at this instant) counts as now, and so does one
-// ahead of the server's clock (the clock stepped back since). This period is measured on the promoted server's
-// clock: with the quiet period after a crash (restartCheck), the one place a lease relies on a server's clock to
-// measure time.
-//
 // A grant commits without waiting for its WAL to be flushed (lazy), as a renewal does: a crash may take either
-// back, and restartCheck makes that safe. The first grant after a crash commits durably (see restartCheck).
+// back, and a promotion may lose them too (asynchronous replication). restartCheck makes both safe: a promoted
+// standby's Boot is empty as a crashed server's is. It is the one place a lease relies on a server's clock to
+// measure time.
 //
 // The term is drawn once the row is this grant's (its insert, or the update of a takeover, holds the row's lock
 // until commit): a term drawn before, in the inserted values, could come out of a grant that waited for another
@@ -158,9 +158,8 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"seen_term int8, seen_exp int8, until_us int8) RETURNS text LANGUAGE plpgsql AS $f$\n" +
 	"DECLARE\n" +
 	"  now_us int8 := " + usNow + ";\n" +
-	"  tl int8;\n" +
-	"  began timestamptz;\n" +
 	"  booted timestamptz;\n" +
+	"  longest int8;\n" +
 	"  mine timestamptz;\n" +
 	"  durable text := " + lazy + ";\n" +
 	"  bounded text := set_config('lock_timeout', '1000', true);\n" +
@@ -174,8 +173,6 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"  IF pg_catalog.pg_is_in_recovery() THEN RETURN 's ' || now_us; END IF;\n" +
 	"  IF until_us > 0 AND now_us > until_us THEN RETURN 'l ' || now_us; END IF;\n" +
 	restartCheck +
-	"  tl := " + timeline + ";\n" +
-	quietCheck +
 	"  IF wt <> '' THEN\n" +
 	"    SELECT w.since INTO mine FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter = wt;\n" +
 	"  END IF;\n" +
@@ -213,38 +210,40 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"  RETURN res || ' ' || now_us;\n" +
 	"END $f$;\n"
 
-// quietCheck is the quiet period of a new timeline in grantDDL.
-const quietCheck = "  IF tl > 1 THEN\n" +
-	"    INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (tl, clock_timestamp()) ON CONFLICT (timeline) DO NOTHING " +
-	"RETURNING x.since INTO began;\n" +
-	"    IF began IS NULL THEN SELECT x.since INTO began FROM " + Timelines + " AS x WHERE x.timeline = tl; END IF;\n" +
-	"    IF coalesce(began, clock_timestamp()) > clock_timestamp() - len_ms * interval '1 millisecond' THEN\n" +
-	"      RETURN 'q ' || now_us;\n" +
-	"    END IF;\n" +
-	"  END IF;\n"
-
 // restartCheck is the quiet period after a crash in grantDDL. A grant or renewal commits without waiting for its
-// WAL to be flushed, so a crash may take back the last of them (those of the last few hundred milliseconds): a
-// holder may trust a lease that the restarted server never heard of, or whose expiry it knows only from an older
-// renewal; and the fencing sequence may hand out again the terms of grants it took back. PostgreSQL empties Boot
-// at every start that follows a crash (and on a promoted standby, and in a restored backup), so the first grant
-// asked for after one finds it empty. That grant records the moment (later ones wait for its row, then read it)
-// and moves the fencing sequence 2^32 past its value, further than any server can draw between two flushes of
-// its WAL; its commit waits for the flush (durable), so that nobody sees the row before the move is on disk. Then
-// nothing is granted until one lease length later: by then every lease granted or renewed before the crash has
-// ended on its holder's own clock, as after a promotion. A row ahead of the server's clock (the clock stepped
-// back since) is set to now: the wait starts again rather than lasting as long as the step.
-const restartCheck = "  SELECT b.since INTO booted FROM " + Boot + " AS b;\n" +
+// WAL to be flushed, so a crash may take back the last of them (those of the last few hundred milliseconds), and a
+// promotion those the standby had not received: a holder may trust a lease that the server never heard of, or
+// whose expiry it knows only from an older renewal; and the fencing sequence may hand out again the terms of grants
+// it took back. PostgreSQL empties Boot at every start that follows a crash (and on a promoted standby, and in a
+// restored backup), so the first grant asked for after one finds it empty. That grant records the moment (later
+// ones wait for its row, then read it) and moves the fencing sequence 2^32 past its value, further than any server
+// can draw between two flushes of its WAL; its commit waits for the flush (durable), so that nobody sees the row
+// before the move is on disk. Then nothing is granted until the longest lease length ever granted has passed ('r'):
+// by then every lease granted or renewed before the crash has ended on its holder's own clock, whatever the
+// lengths of the Lockers that share the keys. That length is kept in a logged table (Timelines, timeline 0), raised
+// by the first grant of a longer length, whose commit then waits for the flush: a grant of any length is on disk
+// before it is told, and so is a new longest length before any grant of it. A row ahead of the server's clock (the
+// clock stepped back since) is set to now: the wait starts again rather than lasting as long as the step.
+const restartCheck = "  SELECT b.since, b.longest INTO booted, longest FROM " + Boot + " AS b;\n" +
 	"  IF booted IS NULL THEN\n" +
-	"    INSERT INTO " + Boot + " AS b (since) VALUES (clock_timestamp()) ON CONFLICT DO NOTHING RETURNING b.since INTO booted;\n" +
+	"    SELECT (extract(epoch FROM x.since) * 1000)::int8 INTO longest FROM " + Timelines + " AS x WHERE x.timeline = 0;\n" +
+	"    INSERT INTO " + Boot + " AS b (since, longest) VALUES (clock_timestamp(), coalesce(longest, 0)) ON CONFLICT DO NOTHING " +
+	"RETURNING b.since, b.longest INTO booted, longest;\n" +
 	"    IF booted IS NULL THEN\n" +
-	"      SELECT b.since INTO booted FROM " + Boot + " AS b;\n" +
+	"      SELECT b.since, b.longest INTO booted, longest FROM " + Boot + " AS b;\n" +
 	"    ELSE\n" +
 	termJump +
 	"      durable := " + durable + ";\n" +
 	"    END IF;\n" +
 	"  ELSIF booted > clock_timestamp() THEN\n" +
 	"    UPDATE " + Boot + " AS b SET since = clock_timestamp() RETURNING b.since INTO booted;\n" +
+	"  END IF;\n" +
+	"  IF len_ms > coalesce(longest, 0) THEN\n" +
+	"    INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (0, 'epoch'::timestamptz + len_ms * interval '1 millisecond') " +
+	"ON CONFLICT (timeline) DO UPDATE SET since = greatest(x.since, EXCLUDED.since);\n" +
+	"    UPDATE " + Boot + " AS b SET longest = greatest(b.longest, len_ms);\n" +
+	"    durable := " + durable + ";\n" +
+	"    longest := len_ms;\n" +
 	"  END IF;\n" +
 	restartQuiet
 
@@ -254,8 +253,8 @@ const termJump = "      PERFORM setval('" + session.FenceSeq + "', nextval('" + 
 // termJumpBy is how far termJump moves the sequence: 2^32, of the 2^48 a token's sequence part has.
 const termJumpBy = "4294967296"
 
-// restartQuiet refuses a grant within one lease length of the moment recorded in Boot ('r').
-const restartQuiet = "  IF coalesce(booted, clock_timestamp()) > clock_timestamp() - len_ms * interval '1 millisecond' THEN\n" +
+// restartQuiet refuses a grant within the longest lease length of the moment recorded in Boot ('r').
+const restartQuiet = "  IF coalesce(booted, clock_timestamp()) > clock_timestamp() - greatest(len_ms, longest) * interval '1 millisecond' THEN\n" +
 	"    RETURN 'r ' || now_us;\n" +
 	"  END IF;\n"
 
@@ -311,18 +310,17 @@ const releaseDDL = "FUNCTION " + releaseFunc + "(sp int, k int8, own text, tm in
 // row type exists, 42P07: the table exists now, or 42723: the function exists now).
 var CreateSQL = createDDL + "SELECT 1"
 
-// ExistsSQL yields "E R NOW U": E 1 when the tables and the functions exist, R 1 when the server is in recovery (a
-// standby), the server's clock, and U 1 when this role may move the fencing sequence (UPDATE on it: the first grant
-// after a crash moves it, see restartCheck).
+// ExistsSQL yields "E R NOW U B": E 1 when the tables and the functions exist, R 1 when the server is in recovery
+// (a standby), the server's clock, U 1 when this role may move the fencing sequence (UPDATE on it: the first grant
+// after a crash moves it, see restartCheck), and B 1 when it may read and write Boot (which every grant does).
 const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regclass('" + Timelines + "') IS NOT NULL " +
 	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regclass('" + Boot + "') IS NOT NULL " +
 	"AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
 	"AND to_regproc('" + releaseFunc + "') IS NOT NULL)::int || ' ' || pg_catalog.pg_is_in_recovery()::int || ' ' || " + usNow +
 	" || ' ' || coalesce(CASE WHEN to_regclass('" + session.FenceSeq + "') IS NOT NULL THEN has_sequence_privilege('" +
-	session.FenceSeq + "', 'UPDATE') END, true)::int"
-
-// timeline is the server's timeline (see session.TokenSQL): 1 until the first promotion of the cluster.
-const timeline = "least(('x' || substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::bit(32)::int8, 32767)"
+	session.FenceSeq + "', 'UPDATE') END, true)::int" +
+	" || ' ' || coalesce(CASE WHEN to_regclass('" + Boot + "') IS NOT NULL THEN has_table_privilege('" + Boot +
+	"', 'SELECT, INSERT, UPDATE') END, true)::int"
 
 // durable makes the statement's commit flush its WAL before it answers (the first grant after a crash, which moves
 // the fencing sequence: see restartCheck), without waiting for a synchronous standby: a promotion is covered

@@ -20,8 +20,10 @@ import (
 // their holder's lease length on its own monotonic clock, each keyed on the record it saw. That is the takeover's
 // rule (Client.matured): the holder trusts its lease for less than its length from the send of the statement that
 // made the record, so a record unchanged for that length after it was read belongs to a holder that has stopped
-// trusting it, whatever the server's clock did; and a record never comes back (every grant and renewal makes the
-// expiry later), so a lease granted or renewed since is not deleted. The server's clock only chooses what to watch:
+// trusting it, whatever the server's clock did; and a record does not come back (every grant and renewal makes the
+// expiry later), so a lease granted or renewed since is not deleted. A crash may bring an older record back (it took
+// back the renewals after it): one the sweep then watches anew, its holder renewing it meanwhile, and within the
+// quiet period after the crash (see restartCheck). The server's clock only chooses what to watch:
 // one that steps forward makes every row a candidate, and none is deleted while its holder renews it. A deleted
 // lease frees its key as a takeover would, and the next grant of it is made like any other (the quiet period of a
 // new timeline included). A wait's row is deleted once it has not changed for a lease length, or 2*WaitStale when
@@ -155,7 +157,8 @@ func (c *Client) sweepOnce(ctx context.Context, s *sweeper) error {
 // ("(space,key,'waiter',seen_us)" each), each only while its row is still the record read. It waits for a row lock
 // at most 1 s (a takeover of the row holds it for a moment; a transaction that holds it longer is not waited for),
 // and its commit waits for no flush and no standby: a crash that takes the delete back brings back a dead row,
-// which the next sweep deletes again (a grant made after the delete flushed it with its own commit).
+// which the next sweep deletes again (a grant made after the delete and kept by the crash came after it in the WAL,
+// which the server keeps as a prefix: the delete was kept too).
 func sweepDeleteSQL(gone, left []string) string {
 	var b strings.Builder
 	b.WriteString("SELECT set_config('lock_timeout', '1000', true), set_config('synchronous_commit', 'off', true);\nWITH ")

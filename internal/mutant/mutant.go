@@ -58,13 +58,9 @@ const (
 	// LeaseTrustFromReply: a lease's holder counts its trust window from the answer to a grant or renewal instead
 	// of from its send, so a slow answer lets it trust past the expiry the server gave.
 	LeaseTrustFromReply = "lease_trust_from_reply"
-	// LeaseNoQuiet: the lease table's grant skips the quiet period of a new timeline, so a promoted standby that
-	// never received the lost primary's last grants and renewals grants those keys again while their holders still
-	// trust them.
-	LeaseNoQuiet = "lease_no_quiet"
-	// LeaseNoRestartQuiet: the lease table's grant skips the quiet period after a crash, so a server that lost the
-	// last grants and renewals its holders were told of (they commit without waiting for their WAL to be flushed)
-	// grants those keys again at once.
+	// LeaseNoRestartQuiet: the lease table's grant skips the quiet period after a crash or a promotion, so a server
+	// that lost the last grants and renewals its holders were told of (they commit without waiting for their WAL to
+	// be flushed; a standby had not received them) grants those keys again at once.
 	LeaseNoRestartQuiet = "lease_no_restart_quiet"
 	// LeaseRestartTermKept: the first grant after a crash does not move the fencing sequence past the terms the
 	// crash took back, so a later grant draws a term a holder before the crash was given.
@@ -98,7 +94,7 @@ const (
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
 	DeadlockStaleChoice, DeadlockChoiceKept, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed,
-	LeaseTermReused, LeaseTrustFromReply, LeaseNoQuiet, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline,
+	LeaseTermReused, LeaseTrustFromReply, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline,
 	LeaseUndoOnce, LeaseRenewNoDeadline, LeaseSweepServerExpiry, LeaseNoRestartQuiet, LeaseRestartTermKept}
 
 // Env names the environment variable that selects the mutant in a build with the tag.

@@ -545,7 +545,9 @@ func ensureFence(ctx context.Context, conn Conn) error {
 			return fmt.Errorf("%w (the fencing sequence %s is not there either: create it on the primary)", ErrStandby, FenceSeq)
 		}
 		// It needs CREATE on schema public.
-		_, err = conn.QueryInt(ctx, "CREATE SEQUENCE IF NOT EXISTS "+FenceSeq+"; SELECT 1")
+		// Flushed before it answers whatever synchronous_commit says (set in the same transaction, read at its
+		// commit): a crash that took the creation back would start the sequence again from 1.
+		_, err = conn.QueryInt(ctx, "CREATE SEQUENCE IF NOT EXISTS "+FenceSeq+"; SELECT 1 + 0 * length(set_config('synchronous_commit', 'local', true))")
 		switch code := SQLState(err); {
 		case err == nil:
 		case code == "25006":
