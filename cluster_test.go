@@ -462,10 +462,10 @@ func TestFencingCluster(t *testing.T) {
 		if _, err := obs.Exec(ctx, "GRANT UPDATE ON SEQUENCE public.advlock_fence TO fenceweak"); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := leaser.TryLock(ctx, key(t)); !errors.Is(err, ErrLeaseTable) || !strings.Contains(err.Error(), "advlock_lease_boot") {
+		if _, err := leaser.TryLock(ctx, key(t)); !errors.Is(err, ErrLeaseTable) || !strings.Contains(err.Error(), "advlock_lease_restart") {
 			t.Fatalf("leases for a role that may not use the table of restarts: %v, want ErrLeaseTable naming it", err)
 		}
-		if _, err := obs.Exec(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON public.advlock_lease_boot TO fenceweak"); err != nil {
+		if _, err := obs.Exec(ctx, "GRANT SELECT, INSERT, UPDATE, DELETE ON public.advlock_lease_restart TO fenceweak"); err != nil {
 			t.Fatal(err)
 		}
 		if lk, err := leaser.TryLock(ctx, key(t)); err != nil {

@@ -32,7 +32,7 @@ const (
 	Table     = "public.advlock_lease"
 	Timelines = "public.advlock_lease_timeline"
 	Waits     = "public.advlock_lease_wait"
-	Boot      = "public.advlock_lease_boot"
+	Boot      = "public.advlock_lease_restart"
 )
 
 // WaitStale is how long a wait's row counts after it was last seen: a waiter that died (or was cut off) stops
@@ -54,9 +54,10 @@ const LiveWait = "w.seen > clock_timestamp() - interval '3 seconds' AND w.seen <
 // function that exists (it may be another role's), and the processes of the earlier version go on calling theirs
 // while a deploy rolls. Earlier versions: advlock_lease_grant_v1 and _v2 (a takeover decided by the server's clock)
 // and advlock_lease_renew_v1 and _v2 (one lease a call), advlock_lease_grant_v3 and advlock_lease_renew_many_v1
-// (each commit flushed its WAL).
+// (each commit flushed its WAL), advlock_lease_grant_v4 (its wait after a crash was the asker's lease length, in a
+// table of another shape).
 const (
-	grantFunc   = "public.advlock_lease_grant_v4"
+	grantFunc   = "public.advlock_lease_grant_v5"
 	renewFunc   = "public.advlock_lease_renew_many_v2"
 	releaseFunc = "public.advlock_lease_release_v1"
 )
