@@ -410,7 +410,7 @@ func (h *History) crashLosses(holders map[int64]*CS) {
 		stopped := cmp.Or(e.Stopped, e.Until)
 		var kept time.Time // the log's last entry from before the restart's end
 		for _, at := range h.LeaseLog {
-			if at.Before(e.Until) && at.After(kept) {
+			if at.Before(stopped) && at.After(kept) { // the server is down from the crash until after Stopped
 				kept = at
 			}
 		}
@@ -468,7 +468,7 @@ func (h *History) revived() []Violation {
 			switch {
 			case e.Kind == "clock_step" && !e.At.Before(l.GapAt.Add(-l.Gap)) && !e.At.After(l.GapAt):
 				stepped = true
-			case e.Kind == "restart_immediate" && !e.At.Before(l.GapAt.Add(-l.Gap)) &&
+			case e.Kind == "restart_immediate" && !e.At.Before(l.GapAt.Add(-l.Gap)) && e.At.Before(l.GapAt) &&
 				!l.GapAt.After(cmp.Or(e.Stopped, e.Until).Add(h.LeaseLength+leaseSlack)):
 				stepped = true // a renewal after the restart, within a lease length of the crash
 			}

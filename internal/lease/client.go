@@ -106,7 +106,7 @@ func (c *Client) grantBound() time.Duration {
 
 // answer is a grant's answer (see grantDDL).
 type answer struct {
-	kind      byte // 'g' granted, 'h' held, 'w' waiters first (or raced), 'q' quiet (a promotion), 'r' quiet (a crash), 'l' too late, 's' standby
+	kind      byte // 'g' granted, 'h' held, 'w' waiters first (or raced), 'r' quiet (after a crash or a promotion), 'l' too late, 's' standby
 	term      int64
 	rec       record        // 'h': the row seen
 	holderLen time.Duration // 'h': the holder's lease length (0: not said)
@@ -134,7 +134,7 @@ func parseAnswer(s string) (answer, error) {
 	case a.kind == 'h' && len(n) == 5:
 		a.rec = record{n[0], n[1]}
 		a.holderLen, a.left = time.Duration(n[2])*time.Millisecond, time.Duration(n[3])*time.Millisecond
-	case strings.IndexByte("wqrls", a.kind) >= 0 && len(n) == 1:
+	case strings.IndexByte("wrls", a.kind) >= 0 && len(n) == 1:
 	default:
 		return bad()
 	}
@@ -144,8 +144,6 @@ func parseAnswer(s string) (answer, error) {
 // notGranted is the error of a grant answered other than 'g'.
 func (a answer) notGranted() error {
 	switch a.kind {
-	case 'q':
-		return fmt.Errorf("%w: %w", session.ErrNotAcquired, errQuiet)
 	case 'r':
 		return fmt.Errorf("%w: %w", session.ErrNotAcquired, errRestartQuiet)
 	case 'l':
@@ -156,13 +154,10 @@ func (a answer) notGranted() error {
 	return session.ErrNotAcquired
 }
 
-// errQuiet is a grant refused because the server's timeline is younger than one lease length (see grantDDL).
-var errQuiet = errors.New("the server was promoted less than one lease length ago: no lease is granted until then")
-
 // errRestartQuiet is a grant refused because the server started after a crash (or a promotion, or from a backup)
-// less than one lease length before it was first asked for a grant (see restartCheck).
-var errRestartQuiet = errors.New("the server started after a crash less than one lease length ago (a crash may have " +
-	"taken back the last grants and renewals): no lease is granted until then")
+// less than the longest lease length granted before it was first asked for a grant (see restartCheck).
+var errRestartQuiet = errors.New("the server started after a crash (or was promoted) less than the longest lease length " +
+	"ever granted ago: a crash may have taken back the last grants and renewals, so no lease is granted until then")
 
 // lateError is a grant that could not be trusted: it matches ErrNotAcquired.
 type lateError struct{ why string }

@@ -339,8 +339,8 @@ func (c *Client) ensure(ctx context.Context) error {
 				"SEQUENCE %[2]s TO <role>", session.ErrFencing, session.FenceSeq)
 		}
 		if exists == 1 && boot == 0 {
-			return fmt.Errorf("%w: this role may not read and write the table %s, which every grant does; as its owner "+
-				"run: GRANT SELECT, INSERT, UPDATE, DELETE ON %[2]s TO <role>", ErrLeaseTable, Boot)
+			return fmt.Errorf("%w: this role may not read and write the tables %s and %s, which grants do; as their owner "+
+				"run: GRANT SELECT, INSERT, UPDATE, DELETE ON %[2]s, %[3]s TO <role>", ErrLeaseTable, Boot, Timelines)
 		}
 		if exists == 1 {
 			return nil

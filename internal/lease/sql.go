@@ -120,7 +120,7 @@ const usNow = "(extract(epoch FROM clock_timestamp()) * 1000000)::int8"
 // began: "g TERM" granted; "h TERM EXP LEN LEFT" held: the key's record (its term, its expiry in microseconds, the
 // holder's lease length in milliseconds from its owner, 0 when its owner does not say, and the milliseconds left
 // until its expiry on the server's clock); "w" not granted: live waiters come first, or another grant took it at
-// this instant; "r" the quiet period after a crash or a promotion ("q", that of a promotion, came from earlier versions); "l" too late: the server's clock had passed until; "s" a
+// this instant; "r" the quiet period after a crash or a promotion; "l" too late: the server's clock had passed until; "s" a
 // standby.
 //
 // Which clock decides. A key with a row is held, whatever the row's expiry says on the server's clock: the
@@ -196,6 +196,7 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"    END IF;\n" +
 	"    IF t IS NOT NULL THEN\n" +
 	"      IF wt <> '' THEN DELETE FROM " + Waits + " AS w WHERE w.waiter = wt; END IF;\n" +
+	raiseLongest +
 	"      IF until_us > 0 AND " + usNow + " > until_us THEN\n" +
 	"        RAISE EXCEPTION 'advlock: the grant ran past the latest moment its caller gave it' USING ERRCODE = '" + errLateGrant + "';\n" +
 	"      END IF;\n" +
@@ -222,8 +223,9 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 // before the move is on disk. Then nothing is granted until the longest lease length ever granted has passed ('r'):
 // by then every lease granted or renewed before the crash has ended on its holder's own clock, whatever the
 // lengths of the Lockers that share the keys. That length is kept in a logged table (Timelines, timeline 0), raised
-// by the first grant of a longer length, whose commit then waits for the flush: a grant of any length is on disk
-// before it is told, and so is a new longest length before any grant of it. A row ahead of the server's clock (the
+// by the first grant of a longer length (raiseLongest), whose commit then waits for the flush: a new longest length
+// is on disk before any grant of it is told. (It waits for no standby: a promotion that lost a grant of a longer
+// length than any before may have lost that length too.) A row ahead of the server's clock (the
 // clock stepped back since) is set to now: the wait starts again rather than lasting as long as the step.
 const restartCheck = "  SELECT b.since, b.longest INTO booted, longest FROM " + Boot + " AS b;\n" +
 	"  IF booted IS NULL THEN\n" +
@@ -239,14 +241,16 @@ const restartCheck = "  SELECT b.since, b.longest INTO booted, longest FROM " + 
 	"  ELSIF booted > clock_timestamp() THEN\n" +
 	"    UPDATE " + Boot + " AS b SET since = clock_timestamp() RETURNING b.since INTO booted;\n" +
 	"  END IF;\n" +
-	"  IF len_ms > coalesce(longest, 0) THEN\n" +
-	"    INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (0, 'epoch'::timestamptz + len_ms * interval '1 millisecond') " +
-	"ON CONFLICT (timeline) DO UPDATE SET since = greatest(x.since, EXCLUDED.since);\n" +
-	"    UPDATE " + Boot + " AS b SET longest = greatest(b.longest, len_ms);\n" +
-	"    durable := " + durable + ";\n" +
-	"    longest := len_ms;\n" +
-	"  END IF;\n" +
 	restartQuiet
+
+// raiseLongest records, in a grant of a longer lease length than any before, its length as the longest (see
+// restartCheck), and makes the grant's commit wait for the flush.
+const raiseLongest = "      IF len_ms > coalesce(longest, 0) THEN\n" +
+	"        INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (0, 'epoch'::timestamptz + len_ms * interval '1 millisecond') " +
+	"ON CONFLICT (timeline) DO UPDATE SET since = greatest(x.since, EXCLUDED.since);\n" +
+	"        UPDATE " + Boot + " AS b SET longest = greatest(b.longest, len_ms);\n" +
+	"        durable := " + durable + ";\n" +
+	"      END IF;\n"
 
 // termJump moves the fencing sequence past every term a crash may have taken back (see restartCheck).
 const termJump = "      PERFORM setval('" + session.FenceSeq + "', nextval('" + session.FenceSeq + "') + " + termJumpBy + ");\n"
@@ -313,7 +317,7 @@ var CreateSQL = createDDL + "SELECT 1"
 
 // ExistsSQL yields "E R NOW U B": E 1 when the tables and the functions exist, R 1 when the server is in recovery
 // (a standby), the server's clock, U 1 when this role may move the fencing sequence (UPDATE on it: the first grant
-// after a crash moves it, see restartCheck), and B 1 when it may read and write Boot (which every grant does).
+// after a crash moves it, see restartCheck), and B 1 when it may read and write Boot and Timelines (which grants do).
 const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regclass('" + Timelines + "') IS NOT NULL " +
 	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regclass('" + Boot + "') IS NOT NULL " +
 	"AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
@@ -321,7 +325,7 @@ const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regcl
 	" || ' ' || coalesce(CASE WHEN to_regclass('" + session.FenceSeq + "') IS NOT NULL THEN has_sequence_privilege('" +
 	session.FenceSeq + "', 'UPDATE') END, true)::int" +
 	" || ' ' || coalesce(CASE WHEN to_regclass('" + Boot + "') IS NOT NULL THEN has_table_privilege('" + Boot +
-	"', 'SELECT, INSERT, UPDATE') END, true)::int"
+	"', 'SELECT, INSERT, UPDATE') AND has_table_privilege('" + Timelines + "', 'SELECT, INSERT, UPDATE') END, true)::int"
 
 // durable makes the statement's commit flush its WAL before it answers (the first grant after a crash, which moves
 // the fencing sequence: see restartCheck), without waiting for a synchronous standby: a promotion is covered

@@ -25,10 +25,10 @@ import (
 // back the renewals after it): one the sweep then watches anew, its holder renewing it meanwhile, and within the
 // quiet period after the crash (see restartCheck). The server's clock only chooses what to watch:
 // one that steps forward makes every row a candidate, and none is deleted while its holder renews it. A deleted
-// lease frees its key as a takeover would, and the next grant of it is made like any other (the quiet period of a
-// new timeline included). A wait's row is deleted once it has not changed for a lease length, or 2*WaitStale when
+// lease frees its key as a takeover would, and the next grant of it is made like any other (the wait after a
+// crash or a promotion included). A wait's row is deleted once it has not changed for a lease length, or 2*WaitStale when
 // that is longer: a live waiter refreshes it at least once a second while it polls, and a row deleted under a waiter
-// that was only held up (a pause, a partition, a new timeline's quiet period, whose answers refresh nothing) is
+// that was only held up (a pause, a partition, the wait after a crash or a promotion, whose answers refresh nothing) is
 // written again at its next poll (the waiter queues anew).
 
 // sweepMax bounds the rows of each table one sweep reads and deletes: a backlog goes at that rate.

@@ -43,7 +43,8 @@ func (e *End) Err() error {
 }
 
 // AfterEnd arranges for f to run once it has ended (at once, in a goroutine of its own, if it has); stop cancels
-// that, and reports whether it did.
+// that, and reports whether it did. f runs inside Finish: it must not block, nor release or end what it watches
+// (a cancel of a context is what it is for).
 func (e *End) AfterEnd(f func()) (stop func() bool) {
 	e.mu.Lock()
 	if e.ended.Load() {
