@@ -62,8 +62,9 @@ var (
 	// other than meant (a host holding an '@', which an unescaped '@' in a password gives). The message never shows
 	// the string or any part of it; the parser's own error is reachable with errors.As.
 	ErrInvalidDSN = session.ErrInvalidDSN
-	// ErrLeaseTable: with [WithLeases], the lease tables do not exist and this role may not create them; the
-	// message says what to run ([LeaseTableSQL]). Nothing was locked.
+	// ErrLeaseTable: with [WithLeases], the lease tables do not exist and this role may not create them, or it may
+	// not read and write the two that every grant writes (advlock_lease_restart, advlock_lease_timeline); the
+	// message says what to run ([LeaseTableSQL], the GRANT). Nothing was locked.
 	ErrLeaseTable = lease.ErrLeaseTable
 )
 
