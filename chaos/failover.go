@@ -115,6 +115,7 @@ func (c *campaign) failover(ctx context.Context, rng *rand.Rand, f fault) {
 		repl.Blackhole(false)
 		return
 	}
+	f.Stopped = time.Now()
 	repl.Cut()
 	repl.Close()
 	c.srvMu.Lock()

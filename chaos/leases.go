@@ -368,8 +368,9 @@ const (
 	lostWindow     = 3*walWriterDelay + time.Second
 )
 
-// crashLosses reads into the lease log what the server's crashes (restart_immediate) took back: the log commits
-// with the change it records, so it lost them too. A crash had happened by the time its stop returned (Stopped), and
+// crashLosses reads into the lease log what the server's crashes (restart_immediate, and the immediate stop of a
+// failover, whose lost primary's log is read from its own WAL) took back: the log commits with the change it
+// records, so it lost them too. A crash had happened by the time its stop returned (Stopped), and
 // the server answers on for a moment after the fault begins: whatever a worker was told before the restart's end
 // may be what the crash took back, and a release a worker was told of before then came before the crash.
 //   - A holder's term that the log never saw, told to its holder within lostWindow of a crash and after the last
@@ -404,7 +405,7 @@ func (h *History) crashLosses(holders map[int64]*CS) {
 		return n
 	}
 	for _, e := range h.Evidence {
-		if e.Kind != "restart_immediate" {
+		if e.Kind != "restart_immediate" && e.Kind != "failover" { // a failover stops the primary as a crash does
 			continue
 		}
 		stopped := cmp.Or(e.Stopped, e.Until)
@@ -468,7 +469,7 @@ func (h *History) revived() []Violation {
 			switch {
 			case e.Kind == "clock_step" && !e.At.Before(l.GapAt.Add(-l.Gap)) && !e.At.After(l.GapAt):
 				stepped = true
-			case e.Kind == "restart_immediate" && !e.At.Before(l.GapAt.Add(-l.Gap)) && e.At.Before(l.GapAt) &&
+			case (e.Kind == "restart_immediate" || e.Kind == "failover") && !e.At.Before(l.GapAt.Add(-l.Gap)) && e.At.Before(l.GapAt) &&
 				!l.GapAt.After(cmp.Or(e.Stopped, e.Until).Add(h.LeaseLength+leaseSlack)):
 				stepped = true // a renewal after the restart, within a lease length of the crash
 			}
