@@ -349,3 +349,41 @@ func TestLeaseWaitEndedBeforeAnyPoll(t *testing.T) {
 		t.Errorf("a wait whose deadline came before any poll was answered: %v, want DeadlineExceeded with a readable text", err)
 	}
 }
+
+// What the wait after a crash relies on, made otherwise by hand, is refused at the first lease call with what to
+// run, instead of failing after a crash: a fencing sequence that may not grow by 2^32 (AS integer: the move after a
+// crash would fail every first grant), and a table of restarts made logged (a crash would not empty it: no wait).
+func TestLeaseGuardMadeOtherwise(t *testing.T) {
+	t.Parallel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	admin := pgtest.Conn(t, url)
+	ctx := ctxT(t, 60*time.Second)
+	if _, err := admin.Exec(ctx, "CREATE SEQUENCE "+session.FenceSeq+" AS integer"); err != nil {
+		t.Fatal(err)
+	}
+	try := func() error {
+		l := New(pgtest.Pool(t, url, nil), WithLeases())
+		defer l.Close()
+		lk, err := l.TryLock(ctx, key(t))
+		if err == nil {
+			err = lk.Unlock(ctx)
+		}
+		return err
+	}
+	if err := try(); !errors.Is(err, ErrFencing) || !strings.Contains(err.Error(), "ALTER SEQUENCE") {
+		t.Errorf("leases over a sequence AS integer: %v, want ErrFencing saying what to run", err)
+	}
+	if _, err := admin.Exec(ctx, "ALTER SEQUENCE "+session.FenceSeq+" AS bigint MAXVALUE 9223372036854775807; "+
+		LeaseTableSQL+"; ALTER TABLE "+lease.Boot+" SET LOGGED"); err != nil {
+		t.Fatal(err)
+	}
+	if err := try(); !errors.Is(err, ErrLeaseTable) || !strings.Contains(err.Error(), "SET UNLOGGED") {
+		t.Errorf("leases with a logged table of restarts: %v, want ErrLeaseTable saying what to run", err)
+	}
+	if _, err := admin.Exec(ctx, "ALTER TABLE "+lease.Boot+" SET UNLOGGED"); err != nil {
+		t.Fatal(err)
+	}
+	if err := try(); err != nil {
+		t.Errorf("leases once both are as they should be: %v", err)
+	}
+}

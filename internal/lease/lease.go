@@ -327,9 +327,9 @@ func (c *Client) ensure(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("check the lease table: %w", err)
 		}
-		var exists, standby, update, boot int
+		var exists, standby, update, boot, room, unlogged int
 		var srv int64
-		if _, err := fmt.Sscan(txt, &exists, &standby, &srv, &update, &boot); err != nil {
+		if _, err := fmt.Sscan(txt, &exists, &standby, &srv, &update, &boot, &room, &unlogged); err != nil {
 			return fmt.Errorf("check the lease table: unexpected answer %q", txt)
 		}
 		c.clock.sample(time.Now(), srv)
@@ -337,6 +337,15 @@ func (c *Client) ensure(ctx context.Context) error {
 			return fmt.Errorf("%w: this role may not move the sequence %s, which the first lease granted after a server's "+
 				"crash does (past the terms the crash may have taken back); as its owner run: GRANT USAGE, UPDATE ON "+
 				"SEQUENCE %[2]s TO <role>", session.ErrFencing, session.FenceSeq)
+		}
+		if room == 0 {
+			return fmt.Errorf("%w: the sequence %s may not grow to 2^62 (made AS integer, or with a small MAXVALUE): the "+
+				"first lease granted after a server's crash moves it 2^32 on; as its owner run: ALTER SEQUENCE %[2]s AS "+
+				"bigint MAXVALUE 9223372036854775807", session.ErrFencing, session.FenceSeq)
+		}
+		if exists == 1 && unlogged == 0 {
+			return fmt.Errorf("%w: the table %s is not UNLOGGED, so a crash does not empty it and leases would not wait "+
+				"after one; as its owner run: ALTER TABLE %[2]s SET UNLOGGED", ErrLeaseTable, Boot)
 		}
 		if exists == 1 && boot == 0 {
 			return fmt.Errorf("%w: this role may not read and write the tables %s and %s, which grants do; as their owner "+

@@ -317,7 +317,9 @@ var CreateSQL = createDDL + "SELECT 1"
 
 // ExistsSQL yields "E R NOW U B": E 1 when the tables and the functions exist, R 1 when the server is in recovery
 // (a standby), the server's clock, U 1 when this role may move the fencing sequence (UPDATE on it: the first grant
-// after a crash moves it, see restartCheck), and B 1 when it may read and write Boot and Timelines (which grants do).
+// after a crash moves it, see restartCheck), B 1 when it may read and write Boot and Timelines (which grants do),
+// M 1 when the sequence may grow past its value and 2^32 more (the move; one made by hand AS integer, or with a small
+// MAXVALUE, may not), and L 1 when Boot is unlogged (one made logged by hand would never be emptied by a crash).
 const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regclass('" + Timelines + "') IS NOT NULL " +
 	"AND to_regclass('" + Waits + "') IS NOT NULL AND to_regclass('" + Boot + "') IS NOT NULL " +
 	"AND to_regproc('" + grantFunc + "') IS NOT NULL AND to_regproc('" + renewFunc + "') IS NOT NULL " +
@@ -325,7 +327,10 @@ const ExistsSQL = "SELECT (to_regclass('" + Table + "') IS NOT NULL AND to_regcl
 	" || ' ' || coalesce(CASE WHEN to_regclass('" + session.FenceSeq + "') IS NOT NULL THEN has_sequence_privilege('" +
 	session.FenceSeq + "', 'UPDATE') END, true)::int" +
 	" || ' ' || coalesce(CASE WHEN to_regclass('" + Boot + "') IS NOT NULL THEN has_table_privilege('" + Boot +
-	"', 'SELECT, INSERT, UPDATE') AND has_table_privilege('" + Timelines + "', 'SELECT, INSERT, UPDATE') END, true)::int"
+	"', 'SELECT, INSERT, UPDATE') AND has_table_privilege('" + Timelines + "', 'SELECT, INSERT, UPDATE') END, true)::int" +
+	" || ' ' || coalesce((SELECT s.seqmax >= 4611686018427387904 FROM pg_catalog.pg_sequence AS s WHERE s.seqrelid = to_regclass('" +
+	session.FenceSeq + "')), true)::int" +
+	" || ' ' || coalesce((SELECT c.relpersistence = 'u' FROM pg_catalog.pg_class AS c WHERE c.oid = to_regclass('" + Boot + "')), true)::int"
 
 // durable makes the statement's commit flush its WAL before it answers (the first grant after a crash, which moves
 // the fencing sequence: see restartCheck), without waiting for a synchronous standby: a promotion is covered
