@@ -140,7 +140,7 @@ func TestLeaseCleanRestartNoQuiet(t *testing.T) {
 
 // errIsQuiet: a grant refused for the quiet period after a crash.
 func errIsQuiet(err error) bool {
-	return errors.Is(err, ErrNotAcquired) && strings.Contains(err.Error(), "crash less than one lease length")
+	return errors.Is(err, ErrNotAcquired) && strings.Contains(err.Error(), "started after a crash")
 }
 
 // keyValue is k's int8, as the lease table keeps it.
