@@ -297,6 +297,11 @@ func (c *countedConn) done() {
 	}
 }
 
+// QueryTextUntil is the backend's, by the connection's deadline where it offers one (session.QueryTextUntil).
+func (c *countedConn) QueryTextUntil(deadline time.Time, sql string) (string, error) {
+	return session.QueryTextUntil(c.Conn, deadline, sql)
+}
+
 // QueryText is the backend's, for deadlock detection's readings.
 func (c *countedConn) QueryText(ctx context.Context, sql string) (string, error) {
 	q, ok := c.Conn.(textQuerier)

@@ -37,6 +37,7 @@ type Locker struct {
 	closeCtx    context.Context
 	closeCancel context.CancelCauseFunc
 	inflight    sync.WaitGroup // Lock calls under way
+	endOp       func()         // inflight.Done, made once (a method value made at each call is an allocation)
 	heldWG      sync.WaitGroup // locks in held
 
 	names           sync.Map     // int8 keys whose names Lead wrote to the names table, or is writing (publishName)
@@ -110,6 +111,7 @@ func newLocker(pool session.Pool, pgxp *pgxpool.Pool, o config.Options) *Locker 
 		fenceSem: make(chan struct{}, 1),
 	}
 	l.cfg.Events = sessionEvents(l.obs)
+	l.endOp = l.inflight.Done
 	if pool != nil {
 		pool = countingPool{Pool: pool, now: &l.connsNow, peak: &l.connsPeak}
 	}
@@ -502,7 +504,7 @@ func (l *Locker) begin(ctx context.Context, wait bool) (context.Context, func(),
 	l.inflight.Add(1)
 	l.mu.Unlock()
 	if !wait {
-		return ctx, l.inflight.Done, nil
+		return ctx, l.endOp, nil
 	}
 	cctx, cancel := context.WithCancelCause(ctx)
 	stop := context.AfterFunc(l.closeCtx, func() { cancel(ErrClosed) })

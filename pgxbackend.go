@@ -94,6 +94,11 @@ func (a *pgxConn) QueryText(ctx context.Context, sql string) (string, error) {
 	return a.ExecText(ctx, sql)
 }
 
+// QueryTextUntil is QueryText bounded by a deadline on the connection's socket (session.UntilQuerier).
+func (a *pgxConn) QueryTextUntil(deadline time.Time, sql string) (string, error) {
+	return a.ExecTextUntil(deadline, sql)
+}
+
 func (a *pgxConn) Ping(ctx context.Context) error { return a.Translate(a.c.Ping(ctx)) }
 
 func (a *pgxConn) Release() { a.c.Release() }

@@ -350,6 +350,23 @@ func (a *conn) QueryText(ctx context.Context, q string) (string, error) {
 	return v, session.TranslateErr(err)
 }
 
+// QueryTextUntil is QueryText bounded by deadline (session.UntilQuerier): on the socket's deadline with pgx's
+// driver, else with a context that ends then.
+func (a *conn) QueryTextUntil(deadline time.Time, q string) (string, error) {
+	if a.pgx == nil {
+		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		defer cancel()
+		return a.QueryText(ctx, q)
+	}
+	var v string
+	err := a.c.Raw(func(any) error {
+		var err error
+		v, err = a.pgx.ExecTextUntil(deadline, q)
+		return err
+	})
+	return v, err
+}
+
 // bounded runs f, a statement on the connection under the ctx it is given, and returns when it does or when ctx
 // ends (or Abort is called), whichever is first. pgx honours ctx itself; lib/pq answers a cancelled ctx only once
 // the server does, which on a dead network is never. f's ctx ends with ctx or with Abort, so lib/pq sends its

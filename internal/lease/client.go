@@ -115,19 +115,24 @@ type answer struct {
 }
 
 func parseAnswer(s string) (answer, error) {
-	f := strings.Fields(s)
 	bad := func() (answer, error) { return answer{}, fmt.Errorf("advlock: unexpected lease answer %q", s) }
-	if len(f) < 2 || len(f[0]) != 1 {
+	kind, rest, _ := strings.Cut(strings.TrimSpace(s), " ")
+	if len(kind) != 1 {
 		return bad()
 	}
-	n := make([]int64, len(f)-1)
-	for i, v := range f[1:] {
-		var err error
-		if n[i], err = strconv.ParseInt(v, 10, 64); err != nil {
+	var nums [5]int64
+	n := nums[:0]
+	for f := range strings.FieldsSeq(rest) {
+		v, err := strconv.ParseInt(f, 10, 64)
+		if err != nil || len(n) == len(nums) {
 			return bad()
 		}
+		n = append(n, v)
 	}
-	a := answer{kind: f[0][0], now: n[len(n)-1]}
+	if len(n) == 0 {
+		return bad()
+	}
+	a := answer{kind: kind[0], now: n[len(n)-1]}
 	switch {
 	case a.kind == 'g' && len(n) == 2 && n[0] > 0:
 		a.term = n[0]
@@ -514,12 +519,21 @@ func (c *Client) leave(waiter string) {
 
 // newOwner is a new grant's owner: random, with the lease length after a '/', so that a taker knows how long a
 // holder may trust what it sees (grantDDL).
-func (c *Client) newOwner() string { return newID() + "/" + ms(c.cfg.Length) }
+func (c *Client) newOwner() string {
+	var b [64]byte
+	return string(strconv.AppendInt(append(appendID(b[:0]), '/'), c.cfg.Length.Milliseconds(), 10))
+}
 
 func newID() string {
-	var b [16]byte
-	_, _ = crand.Read(b[:])
-	return hex.EncodeToString(b[:])
+	var b [32]byte
+	return string(appendID(b[:0]))
+}
+
+// appendID appends 16 random bytes in hex to b.
+func appendID(b []byte) []byte {
+	var r [16]byte
+	_, _ = crand.Read(r[:])
+	return hex.AppendEncode(b, r[:])
 }
 
 // exec sends one statement on a connection of pool and gives the connection back (a lease holds nothing on it),
@@ -545,26 +559,32 @@ func exec(ctx context.Context, pool session.Pool, bound time.Duration, sql strin
 		c.Release()
 		return "", false, session.WithContext(ctx, err)
 	}
-	qctx := ctx
-	if whole {
-		qctx = context.WithoutCancel(ctx)
+	var cut bool // the statement's bound, or ctx when it cuts, ended before its answer was read
+	if whole || ctx.Done() == nil {
+		// Nothing but the bound can cut it: bounded by the connection's own deadline where the backend offers one
+		// (no context, timer or watch of it to make at every statement).
+		deadline := time.Now().Add(bound)
+		txt, err = session.QueryTextUntil(c, deadline, sql)
+		cut = !time.Now().Before(deadline)
+	} else {
+		qctx, cancel := context.WithTimeout(ctx, bound)
+		txt, err = c.QueryText(qctx, sql)
+		cut = qctx.Err() != nil
+		cancel()
 	}
-	qctx, cancel = context.WithTimeout(qctx, bound)
-	defer cancel()
-	txt, err = c.QueryText(qctx, sql)
-	if err != nil && qctx.Err() == nil && rolledBack(err) {
+	if err != nil && !cut && rolledBack(err) {
 		// The server refused the statement: it ran in a transaction of its own, which rolled back, and the
 		// connection is idle: kept, and nothing the statement did is left to undo.
 		c.Release()
 		return "", false, err
 	}
-	if err != nil || qctx.Err() != nil {
+	if err != nil || cut {
 		c.Destroy()
 		switch {
 		case ctx.Err() != nil && !whole:
 			return "", true, session.WithContext(ctx, errOr(err, ctx.Err()))
-		case qctx.Err() != nil:
-			return "", true, &noAnswer{what: "no answer from the server", bound: bound, cause: errOr(err, qctx.Err())}
+		case cut:
+			return "", true, &noAnswer{what: "no answer from the server", bound: bound, cause: errOr(err, context.DeadlineExceeded)}
 		}
 		return "", true, err
 	}

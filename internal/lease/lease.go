@@ -18,7 +18,7 @@
 //     client last learnt of it, so that a statement held back on its way grants nothing). A step of it makes a
 //     statement refused early or undone later, never a second holder.
 //
-// The exceptions, the quiet periods after a promotion and after a crash, are in grantDDL.
+// The exception, the wait after a crash or a promotion (the server's clock measures it), is in restartCheck.
 package lease
 
 import (

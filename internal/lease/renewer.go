@@ -42,6 +42,7 @@ type renewers struct {
 	kick    chan struct{} // capacity 1: adds or halts are waiting
 	results chan result   // the answers of the statements on the wire, and the ends of lost leases
 	idle    chan struct{} // made by a Close that waits for the loop, closed when it returns
+	lp      *loop         // the loop's state, kept for its next run (its heap, buffers and timer reused)
 }
 
 // stopped returns a channel closed once the loop is not running.
@@ -142,6 +143,9 @@ func (r *renewers) poke() {
 type loop struct {
 	c       *Client
 	h       leaseHeap
+	timer   *time.Timer // stopped between turns
+	adds    []*Lease    // the adds and halts of this turn, their arrays handed back to renewers for the next
+	halts   []*Lease
 	pending *batch // the renewals stepped so far this turn, sent at its end
 	wire    int    // statements on the wire
 	ending  int    // leases whose renewals have ended, their end still running
@@ -150,13 +154,21 @@ type loop struct {
 // renewLoop steps the Client's leases until none is left.
 func (c *Client) renewLoop() {
 	r := &c.r
-	lp := &loop{c: c}
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
+	r.mu.Lock()
+	lp := r.lp // one loop runs at a time (running): the last run's state is free
+	if lp == nil {
+		lp = &loop{c: c, timer: time.NewTimer(time.Hour)}
+		lp.timer.Stop()
+		r.lp = lp
+	}
+	r.mu.Unlock()
+	timer := lp.timer
 	for {
 		r.mu.Lock()
-		adds, halts := r.adds, r.halts
-		r.adds, r.halts = nil, nil
+		clear(lp.adds)
+		clear(lp.halts)
+		lp.adds, lp.halts, r.adds, r.halts = r.adds, r.halts, lp.adds[:0], lp.halts[:0]
+		adds, halts := lp.adds, lp.halts
 		if len(adds) == 0 && len(halts) == 0 && lp.h.Len() == 0 && lp.ending == 0 && lp.wire == 0 {
 			r.running = false
 			if r.idle != nil {

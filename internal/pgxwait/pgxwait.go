@@ -33,16 +33,44 @@ func (r *Reader) ExecInt(ctx context.Context, sql string) (int64, error) {
 }
 
 // ExecText runs sql (several statements allowed) over the simple protocol and returns the text in the first column
-// of the last statement's first row.
+// of the last statement's first row. It reads the answer as it comes, keeping only that text.
 func (r *Reader) ExecText(ctx context.Context, sql string) (string, error) {
-	results, err := r.PC.Exec(ctx, sql).ReadAll()
-	if err != nil {
+	mrr := r.PC.Exec(ctx, sql)
+	var v string
+	row := false // the statement read last had a row
+	for mrr.NextResult() {
+		rr := mrr.ResultReader()
+		row = rr.NextRow()
+		if row && len(rr.Values()) > 0 {
+			v = string(rr.Values()[0])
+		} else {
+			row = false
+		}
+		if _, err := rr.Close(); err != nil {
+			_ = mrr.Close()
+			return "", r.Translate(err)
+		}
+	}
+	if err := mrr.Close(); err != nil {
 		return "", r.Translate(err)
 	}
-	if len(results) == 0 || len(results[len(results)-1].Rows) == 0 || len(results[len(results)-1].Rows[0]) == 0 {
+	if !row {
 		return "", errors.New("advlock: statement returned no row")
 	}
-	return string(results[len(results)-1].Rows[0][0]), nil
+	return v, nil
+}
+
+// ExecTextUntil is ExecText bounded by a deadline on the connection's socket instead of a context (see
+// session.UntilQuerier): nothing to allocate, and nothing for pgx's context handler to do, which may be configured
+// to send a cancel request that could hit a later statement. Past the deadline it fails with a timeout, and the
+// connection is to be destroyed. The deadline is cleared before it returns, whatever happened: a connection whose
+// statement the server refused goes back to its pool, where a deadline left on it would cut another's statement.
+func (r *Reader) ExecTextUntil(deadline time.Time, sql string) (string, error) {
+	nc := r.PC.Conn()
+	_ = nc.SetDeadline(deadline)
+	v, err := r.ExecText(context.Background(), sql)
+	_ = nc.SetDeadline(time.Time{})
+	return v, err
 }
 
 // Translate maps an error from a statement on the connection: server errors to the sentinels they stand for, and

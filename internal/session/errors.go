@@ -54,6 +54,9 @@ func ReadOnly(err error) error { return &codedError{sentinel: ErrReadOnly, err: 
 // SQLState returns the SQLSTATE of the server error in err (any driver whose errors have a SQLState method:
 // pgconn.PgError, lib/pq's Error), or "".
 func SQLState(err error) string {
+	if err == nil {
+		return ""
+	}
 	var s interface{ SQLState() string }
 	if errors.As(err, &s) {
 		return s.SQLState()

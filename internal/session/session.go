@@ -78,6 +78,24 @@ type Conn interface {
 	Wire(f func(pc *pgconn.PgConn) error) error
 }
 
+// UntilQuerier is what a Conn offers when it can bound a statement by a deadline on the connection itself (pgx's:
+// the socket's deadline) rather than by a context, which costs a context, its timer and the driver's watch of it at
+// every statement. Past the deadline the statement fails (a timeout), and the connection is to be destroyed.
+type UntilQuerier interface {
+	QueryTextUntil(deadline time.Time, sql string) (string, error)
+}
+
+// QueryTextUntil runs sql on c as QueryText does, bounded by deadline: on the connection's own deadline where c
+// offers it (UntilQuerier), else with a context that ends at deadline.
+func QueryTextUntil(c Conn, deadline time.Time, sql string) (string, error) {
+	if q, ok := c.(UntilQuerier); ok {
+		return q.QueryTextUntil(deadline, sql)
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	return c.QueryText(ctx, sql)
+}
+
 // Dialer is what a Pool offers when it can open a connection outside itself: a reading that must not wait for the
 // pool's connections (deadlock detection while every one of them waits) takes one.
 type Dialer interface {
