@@ -169,6 +169,9 @@ func (res *results) print(w io.Writer) {
 	if r := res.find(wUncontended, leasesName, "throughput", "cycles/s"); r != nil {
 		target("leases, 1 goroutine, x raw pgx's advisory locks (aim 0.5x)", r, func(r *result) bool { return r.XRaw >= 0.5 }, fmt.Sprintf("%.2fx", r.XRaw))
 	}
+	if r := res.find(wMemory, leasesName, "per acquire+release", "allocs/op"); r != nil { // half the 94 of 2026-12-04
+		target("leases, allocations per cycle <= 47", r, func(r *result) bool { return r.Value <= 47 }, num(r.Value))
+	}
 	for _, via := range []string{"", viaBouncer} {
 		if r := res.find(wHandoff, leasesName+via, "p50", "ms"); r != nil {
 			target("leases"+via+" handoff p50 <= 2x the poll interval (400 ms)", r, func(r *result) bool { return r.Value <= 2*ms(leasePoll) }, num(r.Value)+" ms")
