@@ -298,8 +298,8 @@ func (c *countedConn) done() {
 }
 
 // QueryTextUntil is the backend's, by the connection's deadline where it offers one (session.QueryTextUntil).
-func (c *countedConn) QueryTextUntil(deadline time.Time, sql string) (string, error) {
-	return session.QueryTextUntil(c.Conn, deadline, sql)
+func (c *countedConn) QueryTextUntil(ctx context.Context, deadline time.Time, sql string) (string, error) {
+	return session.QueryTextUntil(ctx, c.Conn, deadline, sql)
 }
 
 // QueryText is the backend's, for deadlock detection's readings.

@@ -95,7 +95,7 @@ func (a *pgxConn) QueryText(ctx context.Context, sql string) (string, error) {
 }
 
 // QueryTextUntil is QueryText bounded by a deadline on the connection's socket (session.UntilQuerier).
-func (a *pgxConn) QueryTextUntil(deadline time.Time, sql string) (string, error) {
+func (a *pgxConn) QueryTextUntil(_ context.Context, deadline time.Time, sql string) (string, error) {
 	return a.ExecTextUntil(deadline, sql)
 }
 

@@ -352,9 +352,9 @@ func (a *conn) QueryText(ctx context.Context, q string) (string, error) {
 
 // QueryTextUntil is QueryText bounded by deadline (session.UntilQuerier): on the socket's deadline with pgx's
 // driver, else with a context that ends then.
-func (a *conn) QueryTextUntil(deadline time.Time, q string) (string, error) {
+func (a *conn) QueryTextUntil(ctx context.Context, deadline time.Time, q string) (string, error) {
 	if a.pgx == nil {
-		ctx, cancel := context.WithDeadline(context.Background(), deadline)
+		ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 		defer cancel()
 		return a.QueryText(ctx, q)
 	}

@@ -564,7 +564,7 @@ func exec(ctx context.Context, pool session.Pool, bound time.Duration, sql strin
 		// Nothing but the bound can cut it: bounded by the connection's own deadline where the backend offers one
 		// (no context, timer or watch of it to make at every statement).
 		deadline := time.Now().Add(bound)
-		txt, err = session.QueryTextUntil(c, deadline, sql)
+		txt, err = session.QueryTextUntil(ctx, c, deadline, sql)
 		cut = !time.Now().Before(deadline)
 	} else {
 		qctx, cancel := context.WithTimeout(ctx, bound)

@@ -63,13 +63,23 @@ func (r *Reader) ExecText(ctx context.Context, sql string) (string, error) {
 // ExecTextUntil is ExecText bounded by a deadline on the connection's socket instead of a context (see
 // session.UntilQuerier): nothing to allocate, and nothing for pgx's context handler to do, which may be configured
 // to send a cancel request that could hit a later statement. Past the deadline it fails with a timeout, and the
-// connection is to be destroyed. The deadline is cleared before it returns, whatever happened: a connection whose
-// statement the server refused goes back to its pool, where a deadline left on it would cut another's statement.
-func (r *Reader) ExecTextUntil(deadline time.Time, sql string) (string, error) {
+// connection is to be destroyed; the error then matches context.DeadlineExceeded, as a context's deadline would
+// (whatever pgconn made of the socket's timeout). The deadline is cleared before it returns, whatever happened, on a
+// connection still open: one whose statement the server refused goes back to its pool, where a deadline left on it
+// would cut another's statement (a closed one is pgconn's to drain and close, under a deadline of its own).
+func (r *Reader) ExecTextUntil(deadline time.Time, sql string) (v string, err error) {
 	nc := r.PC.Conn()
 	_ = nc.SetDeadline(deadline)
-	v, err := r.ExecText(context.Background(), sql)
-	_ = nc.SetDeadline(time.Time{})
+	defer func() {
+		if !r.PC.IsClosed() {
+			_ = nc.SetDeadline(time.Time{})
+		}
+	}()
+	v, err = r.ExecText(context.Background(), sql)
+	var ne net.Error
+	if err != nil && errors.As(err, &ne) && ne.Timeout() && !time.Now().Before(deadline) {
+		err = fmt.Errorf("%w: %w", context.DeadlineExceeded, ne)
+	}
 	return v, err
 }
 

@@ -8,21 +8,25 @@ import (
 	"testing"
 	"time"
 
+	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
-// ExecTextUntil bounds a statement by the socket's deadline: a statement still running at the deadline fails with
-// a timeout then, not when it ends.
+// ExecTextUntil bounds a statement by the socket's deadline: a statement still running at the deadline fails then,
+// not when it ends, with an error that says so as a context's deadline would (not as a session that ended).
 func TestExecTextUntilCutsAtTheDeadline(t *testing.T) {
 	r := &Reader{PC: pgtest.Conn(t, pgtest.URL(t)).PgConn()}
 	start := time.Now()
 	_, err := r.ExecTextUntil(start.Add(200*time.Millisecond), "SELECT pg_sleep(3)::text")
 	took := time.Since(start)
 	var ne net.Error
-	if !errors.As(err, &ne) || !ne.Timeout() {
-		t.Fatalf("a statement past its deadline: %v (after %v), want a timeout", err, took)
+	if !errors.Is(err, context.DeadlineExceeded) || !errors.As(err, &ne) || !ne.Timeout() {
+		t.Fatalf("a statement past its deadline: %v (after %v), want a timeout matching context.DeadlineExceeded", err, took)
+	}
+	if session.Ended(err) {
+		t.Errorf("a statement past its deadline: %v, which reads as a session that ended", err)
 	}
 	if took > 2500*time.Millisecond {
 		t.Errorf("a statement past its deadline returned after %v: when it ended, not at its deadline", took)

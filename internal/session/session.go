@@ -80,18 +80,20 @@ type Conn interface {
 
 // UntilQuerier is what a Conn offers when it can bound a statement by a deadline on the connection itself (pgx's:
 // the socket's deadline) rather than by a context, which costs a context, its timer and the driver's watch of it at
-// every statement. Past the deadline the statement fails (a timeout), and the connection is to be destroyed.
+// every statement. ctx is for its values only: its end does not cut the statement. Past the deadline the statement
+// fails with an error that matches context.DeadlineExceeded, as a context's deadline would, and the connection is to
+// be destroyed.
 type UntilQuerier interface {
-	QueryTextUntil(deadline time.Time, sql string) (string, error)
+	QueryTextUntil(ctx context.Context, deadline time.Time, sql string) (string, error)
 }
 
-// QueryTextUntil runs sql on c as QueryText does, bounded by deadline: on the connection's own deadline where c
-// offers it (UntilQuerier), else with a context that ends at deadline.
-func QueryTextUntil(c Conn, deadline time.Time, sql string) (string, error) {
+// QueryTextUntil runs sql on c as QueryText does, bounded by deadline and not by ctx's end (ctx: its values): on the
+// connection's own deadline where c offers it (UntilQuerier), else with a context that ends at deadline.
+func QueryTextUntil(ctx context.Context, c Conn, deadline time.Time, sql string) (string, error) {
 	if q, ok := c.(UntilQuerier); ok {
-		return q.QueryTextUntil(deadline, sql)
+		return q.QueryTextUntil(ctx, deadline, sql)
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer cancel()
 	return c.QueryText(ctx, sql)
 }
