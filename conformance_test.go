@@ -77,9 +77,24 @@ func idlePIDs(t *testing.T, pool *pgxpool.Pool) []uint32 {
 	return pids
 }
 
+// The suite over pgxpool, directly and through PgBouncer in session pooling mode (where session locks keep every
+// guarantee), the two at once: they wait far more than they compute, and each keys its locks apart.
 func TestConformance(t *testing.T) {
 	url := pgtest.URL(t)
-	conformance.Run(t, pgxBackend(url, url))
+	t.Run("direct", func(t *testing.T) {
+		t.Parallel()
+		conformance.Run(t, pgxBackend(url, url))
+	})
+	t.Run("pgbouncer-session", func(t *testing.T) {
+		t.Parallel()
+		if testing.Short() {
+			t.Skip("starts pgbouncer")
+		}
+		be := pgxBackend(pgtest.Bouncer(t, url, "session"), url)
+		be.Pooled = true
+		be.CancelIterations = 300 // the cancel race's 1000 run on the direct backend; PgBouncer relays the same cancel
+		conformance.Run(t, be)
+	})
 }
 
 // Leases over pgxpool keep their guarantees directly and through PgBouncer in transaction mode, with the DSN as
@@ -93,18 +108,6 @@ func TestConformanceLeases(t *testing.T) {
 		}
 		conformance.Leases(t, pgxBackend(pgtest.Bouncer(t, url, "transaction"), url))
 	})
-}
-
-// Through PgBouncer in session pooling mode, session locks keep every guarantee.
-func TestConformancePgBouncerSession(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts pgbouncer")
-	}
-	url := pgtest.URL(t)
-	be := pgxBackend(pgtest.Bouncer(t, url, "session"), url)
-	be.Pooled = true
-	be.CancelIterations = 300 // the cancel race's 1000 run on the direct backend; PgBouncer relays the same cancel
-	conformance.Run(t, be)
 }
 
 // Through PgBouncer in transaction pooling mode, session locks cannot work: they are detected and refused, never
