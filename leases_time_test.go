@@ -592,17 +592,41 @@ func TestLeaseUndoneOnceTheLinkIsBack(t *testing.T) {
 	}
 }
 
-// lostAnswer is a pool whose next lease grant, once next is set, runs but its answer is lost, and whose link is
-// then down (every connection refused) for down.
+// lostAnswer is a pool whose next grant, once next is set, is made but its answer is lost, and whose link is then
+// down (every connection refused) for down. The link's window is kept on the monotonic clock: a step of the
+// machine's wall clock (seen once in a suite run: the test's sleep, counted from a wall-clock end, came out 2 s
+// short) neither shortens nor lengthens it.
 type lostAnswer struct {
 	session.Pool
-	down      time.Duration
-	next      atomic.Bool
-	downUntil atomic.Int64 // unix nanoseconds
+	down time.Duration
+	next atomic.Bool
+
+	mu        sync.Mutex
+	downUntil time.Time // with its monotonic reading; zero: the link is up
+}
+
+// linkDown takes the link down for d from now (0: up now).
+func (p *lostAnswer) linkDown(d time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.downUntil = time.Time{}
+	if d > 0 {
+		p.downUntil = time.Now().Add(d)
+	}
+}
+
+// upIn is how long until the link is up again (0 or less: it is).
+func (p *lostAnswer) upIn() time.Duration {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.downUntil.IsZero() {
+		return 0
+	}
+	return time.Until(p.downUntil)
 }
 
 func (p *lostAnswer) Acquire(ctx context.Context) (session.Conn, error) {
-	if time.Now().UnixNano() < p.downUntil.Load() {
+	if p.upIn() > 0 {
 		return nil, errors.New("link down")
 	}
 	c, err := p.Pool.Acquire(ctx)
@@ -617,10 +641,12 @@ type lostAnswerConn struct {
 	p *lostAnswer
 }
 
+// QueryText loses the answer of a grant that was made ("g"), not of one refused (a step of the server's clock may
+// make a grant too late, which the client then sends again).
 func (c *lostAnswerConn) QueryText(ctx context.Context, sql string) (string, error) {
 	r, err := c.Conn.QueryText(ctx, sql)
-	if err == nil && strings.Contains(sql, "advlock_lease_grant") && c.p.next.CompareAndSwap(true, false) {
-		c.p.downUntil.Store(time.Now().Add(c.p.down).UnixNano())
+	if err == nil && strings.Contains(sql, "advlock_lease_grant") && strings.HasPrefix(r, "g ") && c.p.next.CompareAndSwap(true, false) {
+		c.p.linkDown(c.p.down)
 		return "", errors.New("connection reset: the answer was lost")
 	}
 	return r, err
@@ -668,9 +694,9 @@ func TestLeaseLostRowsDeleted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	link.downUntil.Store(time.Now().Add(link.down).UnixNano()) // every renewal fails from now on, for 2.5 s
+	link.linkDown(link.down) // every renewal fails from now on, for 2.5 s
 	pgtest.WaitClosed(t, lk.Done(), 5*time.Second, "a lease whose renewals all fail")
-	time.Sleep(time.Until(time.Unix(0, link.downUntil.Load())) + time.Second)
+	time.Sleep(link.upIn() + time.Second)
 	if owners := leaseOwners(t, obs, k); len(owners) != 0 {
 		t.Errorf("a second after the link came back, the lost lease's rows: %v", owners)
 	}
@@ -685,7 +711,7 @@ func TestLeaseLostRowsDeleted(t *testing.T) {
 	if owners := leaseOwners(t, obs, k2); len(owners) != 1 {
 		t.Fatalf("the grant whose answer was lost: rows %v, want its lease still there (the test proves nothing otherwise)", owners)
 	}
-	link.downUntil.Store(0) // the link back as Close is called: its last attempt goes through
+	link.linkDown(0) // the link back as Close is called: its last attempt goes through
 	l.Close()
 	if owners := leaseOwners(t, obs, k2); len(owners) != 0 {
 		t.Errorf("after Close, the grant in doubt's rows: %v", owners)
