@@ -335,15 +335,10 @@ func (a *conn) QueryInt(ctx context.Context, q string, args ...any) (int64, erro
 
 // QueryText runs q and returns the text in the first column of its one row.
 func (a *conn) QueryText(ctx context.Context, q string) (string, error) {
-	var v string
 	if a.pgx != nil { // over the simple protocol, as QueryInt without arguments
-		err := a.c.Raw(func(any) error {
-			var err error
-			v, err = a.pgx.ExecText(ctx, q)
-			return err
-		})
-		return v, err
+		return a.rawText(func() (string, error) { return a.pgx.ExecText(ctx, q) })
 	}
+	var v string
 	_, err := a.bounded(ctx, func(ctx context.Context) (int64, error) {
 		return 0, a.c.QueryRowContext(ctx, q).Scan(&v)
 	})
@@ -358,10 +353,15 @@ func (a *conn) QueryTextUntil(ctx context.Context, deadline time.Time, q string)
 		defer cancel()
 		return a.QueryText(ctx, q)
 	}
+	return a.rawText(func() (string, error) { return a.pgx.ExecTextUntil(deadline, q) })
+}
+
+// rawText runs f, a statement on pgx's own connection, with the driver connection held (database/sql's Raw).
+func (a *conn) rawText(f func() (string, error)) (string, error) {
 	var v string
 	err := a.c.Raw(func(any) error {
 		var err error
-		v, err = a.pgx.ExecTextUntil(deadline, q)
+		v, err = f()
 		return err
 	})
 	return v, err
