@@ -139,3 +139,95 @@ func TestLeaseSweep(t *testing.T) {
 		t.Errorf("rows left in the lease tables: %d (%v)", rows, err)
 	}
 }
+
+// A dead holder's rows are deleted a lease length after the sweep first read them, whatever the server's clock
+// says, and however many rows the tables hold. The tables hold, in key order: 2,100 leases whose owner says 60 s (a
+// holder that may still trust them: more than a read covers, 2,000 rows of each table), then 2,496 leases of a dead
+// holder whose owner says 1 s, and the live leases of two Lockers of 1.5 s among them; all of them expire an hour away
+// on the server's clock (as after the server's clock stepped back an hour); 2,500 waits seen an hour ahead; and a
+// row no Locker made, whose expiry is infinity. The sweep deletes every dead lease and wait, and nothing else: the
+// 60 s leases stay, and so do the live ones, with their terms, though each Locker reads the other's at every sweep,
+// and the row at infinity. The server says so (the tables).
+func TestLeaseSweepReadsEveryRow(t *testing.T) {
+	t.Parallel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 2*time.Minute)
+	const length = 1500 * time.Millisecond
+	l := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length))
+	defer l.Close()
+	other := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length), WithLeaseHolder("sweep-other"))
+	defer other.Close()
+	const long, dead = 2100, 2500
+	terms := map[int64]int64{}
+	var live []*Lock
+	for i, lk := range []*Locker{l, other, l, other} {
+		k := int64(long + dead/2 + i) // among the dead rows' keys, and so in the pages read
+		lock, err := lk.TryLock(ctx, Int64Key(k))
+		if err != nil {
+			t.Fatal(err)
+		}
+		live = append(live, lock)
+		terms[k] = lock.Token()
+	}
+	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires, holder) "+
+		"SELECT 1, k, 'a11ea11ea11ea11e' || lpad(to_hex(k), 16, '0') || '/60000', k, clock_timestamp() + interval '1 hour', "+
+		"'sweep-long' FROM generate_series(0, $1 - 1) AS k", long); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires, holder) "+
+		"VALUES (1, -1, 'by hand', 1, 'infinity', 'sweep-long')"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires, holder) "+
+		"SELECT 1, k, 'dead0000dead0000' || lpad(to_hex(k), 16, '0') || '/1000', k, clock_timestamp() + interval '1 hour', "+
+		"'sweep-dead' FROM generate_series($1::int8, $1::int8 + $2::int8 - 1) AS k WHERE k NOT BETWEEN $1::int8 + $2::int8 / 2 AND $1::int8 + $2::int8 / 2 + 3", long, dead); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Waits+" (space, key, waiter, since, seen, holder) "+
+		"SELECT 1, k, 'dead0000dead0000' || lpad(to_hex(k), 16, '0'), clock_timestamp(), clock_timestamp() + interval '1 hour', "+
+		"'sweep-dead' FROM generate_series(0, $1 - 1) AS k", dead); err != nil {
+		t.Fatal(err)
+	}
+	left := func() (leases, waits int) {
+		t.Helper()
+		if err := obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+lease.Table+" WHERE holder = 'sweep-dead'), "+
+			"(SELECT count(*) FROM "+lease.Waits+" WHERE holder = 'sweep-dead')").Scan(&leases, &waits); err != nil {
+			t.Fatal(err)
+		}
+		return leases, waits
+	}
+	start := time.Now()
+	var leasesGone, waitsGone time.Duration
+	for deadline := start.Add(90 * time.Second); leasesGone == 0 || waitsGone == 0; time.Sleep(50 * time.Millisecond) {
+		a, b := left()
+		if a == 0 && leasesGone == 0 {
+			leasesGone = time.Since(start)
+		}
+		if b == 0 && waitsGone == 0 {
+			waitsGone = time.Since(start)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("90 s on: %d of the %d dead leases and %d of the %d dead waits left", a, dead-4, b, dead)
+		}
+	}
+	t.Logf("%d dead leases (owner's length 1 s, expiry an hour away) gone in %v, %d dead waits in %v (lease length %v)",
+		dead-4, leasesGone.Round(10*time.Millisecond), dead, waitsGone.Round(10*time.Millisecond), length)
+	for _, lk := range live {
+		v, _ := lk.Key().Int64()
+		if err := lk.Err(); err != nil {
+			t.Errorf("a live lease of %d ended: %v", v, err)
+		}
+		var term int64
+		if err := obs.QueryRow(ctx, "SELECT term FROM "+lease.Table+" WHERE space = 1 AND key = $1", v).Scan(&term); err != nil || term != terms[v] {
+			t.Errorf("a live lease's row of %d: term %d (%v), want %d", v, term, err, terms[v])
+		}
+		if err := lk.Unlock(ctx); err != nil {
+			t.Error(err)
+		}
+	}
+	var kept int
+	if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Table+" WHERE holder = 'sweep-long'").Scan(&kept); err != nil || kept != long+1 {
+		t.Errorf("%d of the %d leases whose owner says 60 s and the row at infinity are left (%v)", kept, long+1, err)
+	}
+}

@@ -25,6 +25,7 @@ type Client struct {
 	pool  session.Pool
 	cfg   Config
 	clock serverClock
+	id    string // 16 hex digits, random: the start of its owners and waiters, by which its sweep knows its own rows
 
 	mu      sync.Mutex
 	seen    map[session.ID]sighting
@@ -44,8 +45,9 @@ type Client struct {
 
 // NewClient makes the Client of a Locker's leases.
 func NewClient(pool session.Pool, cfg Config) *Client {
-	c := &Client{pool: pool, cfg: cfg, seen: map[session.ID]sighting{}, closing: make(chan struct{}),
-		bgConns: make(chan struct{}, bgConns)}
+	var id [16]byte
+	c := &Client{pool: pool, cfg: cfg, id: string(appendRandom(id[:0], 8)), seen: map[session.ID]sighting{},
+		closing: make(chan struct{}), bgConns: make(chan struct{}, bgConns)}
 	c.bgCtx, c.bgStop = context.WithCancel(context.Background())
 	c.r.init()
 	return c
@@ -284,7 +286,7 @@ func (c *Client) granted(id session.ID, owner string, term int64, sent time.Time
 // is given back.
 func (c *Client) Wait(ctx context.Context, id session.ID, alts []session.ID, onEnd session.OnEnd) (*Lease, error) {
 	ids := append([]session.ID{id}, alts...)
-	waiter := newID()
+	waiter := c.newWaiter()
 	owner := c.newOwner()
 	queued := false // a try found a key held: the wait may have rows in Waits
 	var last error  // why the last poll did not grant
@@ -517,23 +519,24 @@ func (c *Client) leave(waiter string) {
 	_, _, _ = exec(context.Background(), c.pool, c.cfg.Bound, LeaveSQL(waiter), false)
 }
 
-// newOwner is a new grant's owner: random, with the lease length after a '/', so that a taker knows how long a
-// holder may trust what it sees (grantDDL).
+// newOwner is a new grant's owner: the Client's id and 8 random bytes in hex, with the lease length after a '/', so
+// that a taker knows how long a holder may trust what it sees (grantDDL).
 func (c *Client) newOwner() string {
 	var b [64]byte
-	return string(strconv.AppendInt(append(appendID(b[:0]), '/'), c.cfg.Length.Milliseconds(), 10))
+	return string(strconv.AppendInt(append(appendRandom(append(b[:0], c.id...), 8), '/'), c.cfg.Length.Milliseconds(), 10))
 }
 
-func newID() string {
+// newWaiter is a new wait's waiter: the Client's id and 8 random bytes in hex.
+func (c *Client) newWaiter() string {
 	var b [32]byte
-	return string(appendID(b[:0]))
+	return string(appendRandom(append(b[:0], c.id...), 8))
 }
 
-// appendID appends 16 random bytes in hex to b.
-func appendID(b []byte) []byte {
+// appendRandom appends n (at most 16) random bytes in hex to b.
+func appendRandom(b []byte, n int) []byte {
 	var r [16]byte
-	_, _ = crand.Read(r[:])
-	return hex.AppendEncode(b, r[:])
+	_, _ = crand.Read(r[:n])
+	return hex.AppendEncode(b, r[:n])
 }
 
 // exec sends one statement on a connection of pool and gives the connection back (a lease holds nothing on it),

@@ -9,8 +9,8 @@ import (
 )
 
 // The tables leases live in, in schema public like the fencing sequence. A lease is a row: the key it excludes
-// (space 1 an int8 key, 2 a pair, as PostgreSQL's two advisory key spaces), who holds it (owner: random per grant,
-// with the holder's lease length after a '/'), its term (a fencing token, drawn as a session lock's is: one
+// (space 1 an int8 key, 2 a pair, as PostgreSQL's two advisory key spaces), who holds it (owner: its Client's id and a random
+// part, per grant, with the holder's lease length after a '/'), its term (a fencing token, drawn as a session lock's is: one
 // sequence, the timeline above it), its expiry on the server's clock (expires: a later one at every grant and
 // renewal of the row, whatever the clock does), when it was granted and a description of the holder for people
 // (holder).
@@ -25,7 +25,8 @@ import (
 // an empty table says that a crash may have taken back grants and renewals that their holders were told of (they
 // commit without waiting for their WAL to be flushed): see restartCheck.
 //
-// Waits holds a row for each waiting Lock and key it waits for (waiter: random per wait), refreshed while it waits
+// Waits holds a row for each waiting Lock and key it waits for (waiter: its Client's id and a
+// random part, per wait), refreshed while it waits
 // (seen, at most once a second) and deleted when it is granted or gives up: a key goes to the waiter that has
 // waited longest among those seen in the last WaitStale, and a try does not take a key that live waiters wait for.
 const (

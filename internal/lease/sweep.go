@@ -3,6 +3,7 @@ package lease
 import (
 	"context"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -15,32 +16,64 @@ import (
 // holder that died (SIGKILL, a lost machine) stays until a grant of its key takes it over, which for a key nobody
 // takes again (a per-tick or per-job key) is never; the row of a waiter that died stays for ever.
 //
-// Every Client whose tables exist sweeps, every Sweep (jittered): it reads the rows that look dead on the server's
-// clock (a lease past its expiry, a wait not seen within WaitStale), and deletes those it has seen unchanged for
-// their holder's lease length on its own monotonic clock, each keyed on the record it saw. That is the takeover's
-// rule (Client.matured): the holder trusts its lease for less than its length from the send of the statement that
-// made the record, so a record unchanged for that length after it was read belongs to a holder that has stopped
-// trusting it, whatever the server's clock did; and a record does not come back (every grant and renewal makes the
-// expiry later), so a lease granted or renewed since is not deleted. A crash may bring an older record back (it took
-// back the renewals after it): one the sweep then watches anew, its holder renewing it meanwhile, and within the
-// quiet period after the crash (see restartCheck). The server's clock only chooses what to watch:
-// one that steps forward makes every row a candidate, and none is deleted while its holder renews it. A deleted
-// lease frees its key as a takeover would, and the next grant of it is made like any other (the wait after a
-// crash or a promotion included). A wait's row is deleted once it has not changed for a lease length, or 2*WaitStale when
-// that is longer: a live waiter refreshes it at least once a second while it polls, and a row deleted under a waiter
-// that was only held up (a pause, a partition, the wait after a crash or a promotion, whose answers refresh nothing) is
-// written again at its next poll (the waiter queues anew).
+// Every Client whose tables exist sweeps, every Sweep or less (jittered between half of it and all of it): it reads
+// the rows of other Clients, all of them (its own only once they look dead on the server's clock: its own live
+// ones it renews, and those it lost or gave back it deletes itself, see retire), sightPage of each table a read, on
+// from where the last read stopped. It deletes each row once it has seen it unchanged for its holder's lease length
+// on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
+// read). That is the takeover's rule (Client.matured): the holder trusts its lease for less than its length from
+// the send of the statement that made the record, which ran before the read, so a record unchanged for that length
+// after it was read belongs to a holder that has stopped trusting it, whatever any clock did; and a record does not
+// come back (every grant and renewal makes the expiry later), so a lease granted or renewed since is not deleted.
+// A dead holder's row is read within a Sweep of its last write and deleted its lease length later: a lease length
+// and a Sweep after its holder's last renewal, while the tables hold at most sightPage rows of other Clients (each
+// sightPage more adds a Sweep). No clock but the sweeper's own counts: a server clock that steps changes nothing.
+// A crash may bring an older record back (it took back the renewals after it), one the sweep may have seen before
+// them and so delete a lease length after that sighting, while its holder may still trust a renewal the crash took
+// back: the key then goes to nobody before the quiet period after the crash has passed (see restartCheck), by
+// which time that trust has ended (the holder's renewals after the crash find the row gone: it is told). A deleted lease
+// frees its key as a takeover would, and the next grant of it is made like any other (the wait after a crash or a
+// promotion included). A wait's row is deleted once it has not changed for a lease length, or 2*WaitStale when that
+// is longer: a live waiter refreshes it at least once a second while it polls, and a row deleted under a waiter
+// that was only held up (a pause, a partition, the wait after a crash or a promotion, whose answers refresh
+// nothing) is written again at its next poll (the waiter queues anew). A row no Client writes (a space other than
+// 1 or 2, an expiry or a sighting at infinity, a waiter not in hex) is left alone.
+//
+// The cost: a read of the other Clients' rows every Sweep or less, and a sighting kept for each (no bound: what the
+// tables hold); the rows of a holder whose lease length is shorter than the time between two reads get a delete
+// that finds them changed.
 
-// sweepMax bounds the rows of each table one sweep reads and deletes: a backlog goes at that rate.
-const sweepMax = "1000"
+// sightPage bounds the rows of each table one read reads; sweepMax, those one statement deletes.
+const (
+	sightPage = 2000
+	sweepMax  = 1000
+)
 
-// sweepReadSQL reads the candidates, as one text: the leases past their expiry on the server's clock ("space key
-// term expiry_us length_ms" each, the holder's length from its owner, 0 when it does not say), a ';', and the
-// waits not seen within WaitStale ("space key waiter seen_us" each), each list separated by ','.
-const sweepReadSQL = "SELECT concat((SELECT string_agg(concat_ws(' ', l.space, l.key, l.term, (extract(epoch FROM l.expires) * 1000000)::int8, " +
-	"CASE WHEN l.owner ~ '/[0-9]{1,12}$' THEN substring(l.owner FROM '/([0-9]+)$')::int8 ELSE 0 END), ',') FROM (SELECT * FROM " + Table +
-	" WHERE expires < clock_timestamp() LIMIT " + sweepMax + ") AS l), ';', (SELECT string_agg(concat_ws(' ', w.space, w.key, w.waiter, " +
-	"(extract(epoch FROM w.seen) * 1000000)::int8), ',') FROM (SELECT * FROM " + Waits + " AS w WHERE NOT (" + LiveWait + ") LIMIT " + sweepMax + ") AS w))"
+// sweepReadSQL reads rows of the tables, as one text: the leases ("space key term expiry_us length_ms" each, the
+// holder's length from its owner, 0 when it does not say), a ';', the waits ("space key waiter seen_us" each), each
+// list in the tables' order and separated by ',', a ';' and the server's clock (microseconds). Each list starts after
+// its cursor (nil: at the start) and holds at most sightPage rows: those of other Clients than the one whose id is
+// own, and its own that look dead on the server's clock. A waiter that is not a hex id (not one of ours) is left out.
+func sweepReadSQL(own string, leaseFrom *session.ID, waitFrom *waitRow) string {
+	page := strconv.Itoa(sightPage)
+	var b strings.Builder
+	b.WriteString("SELECT concat((SELECT string_agg(concat_ws(' ', l.space, l.key, l.term, (extract(epoch FROM l.expires) * 1000000)::int8, " +
+		"CASE WHEN l.owner ~ '/[0-9]{1,12}$' THEN substring(l.owner FROM '/([0-9]+)$')::int8 ELSE 0 END), ',' ORDER BY l.space, l.key) FROM (SELECT * FROM " +
+		Table + " AS l WHERE l.space IN (1, 2) AND isfinite(l.expires) AND (left(l.owner, 16) <> '" + own + "' OR l.expires < clock_timestamp())")
+	if leaseFrom != nil {
+		b.WriteString(" AND (l.space, l.key) > (" + space(*leaseFrom) + ", " + strconv.FormatInt(leaseFrom.V, 10) + ")")
+	}
+	b.WriteString(" ORDER BY l.space, l.key LIMIT " + page + ") AS l), ';', (SELECT string_agg(concat_ws(' ', w.space, w.key, w.waiter, " +
+		"(extract(epoch FROM w.seen) * 1000000)::int8), ',' ORDER BY w.space, w.key, w.waiter COLLATE \"C\") FROM (SELECT * FROM " + Waits +
+		" AS w WHERE w.space IN (1, 2) AND isfinite(w.seen) AND w.waiter ~ '^[0-9a-f]{1,64}$' AND (left(w.waiter, 16) <> '" + own + "' OR NOT (" + LiveWait + "))")
+	if waitFrom != nil {
+		b.WriteString(" AND (w.space, w.key, w.waiter COLLATE \"C\") > (" + space(waitFrom.id) + ", " +
+			strconv.FormatInt(waitFrom.id.V, 10) + ", '" + waitFrom.waiter + "')")
+	}
+	b.WriteString(" ORDER BY w.space, w.key, w.waiter COLLATE \"C\" LIMIT " + page + ") AS w), ';', " +
+		"(extract(epoch FROM clock_timestamp()) * 1000000)::int8)")
+	return b.String()
+}
 
 // waitRow names a wait's row.
 type waitRow struct {
@@ -48,10 +81,27 @@ type waitRow struct {
 	waiter string
 }
 
-// sweeper is what a Client's sweep has seen: the records of the candidates and since when (its monotonic clock).
+func idLess(a, b session.ID) bool { return !a.Pair && b.Pair || a.Pair == b.Pair && a.V < b.V }
+
+func waitLess(a, b waitRow) bool { return idLess(a.id, b.id) || a.id == b.id && a.waiter < b.waiter }
+
+func cmpBy[K any](less func(a, b K) bool, a, b K) int {
+	switch {
+	case less(a, b):
+		return -1
+	case less(b, a):
+		return 1
+	}
+	return 0
+}
+
+// sweeper is what a Client's sweep has seen: the records of the rows read and since when (its monotonic clock), and
+// where the next read of each table starts.
 type sweeper struct {
-	leases map[session.ID]sighting
-	waits  map[waitRow]sighting // rec.exp is the row's seen
+	leases    map[session.ID]sighting
+	waits     map[waitRow]sighting // rec.exp is the row's seen
+	leaseFrom *session.ID
+	waitFrom  *waitRow
 }
 
 // startSweep starts the Client's sweep, once; Close stops it.
@@ -68,38 +118,55 @@ func (c *Client) startSweep() {
 	go c.sweep(ctx)
 }
 
-// sweep runs the sweeps until Close: the first after half a period or so (jittered), then one every Sweep or so.
+// sweep runs the sweeps until Close: the first read after half a period or so (jittered), then one every Sweep or
+// less; between them, it wakes when a row it watches has been unchanged for long enough, and deletes it.
 func (c *Client) sweep(ctx context.Context) {
 	defer close(c.sweepDone)
 	s := &sweeper{leases: map[session.ID]sighting{}, waits: map[waitRow]sighting{}}
-	d := c.cfg.Sweep/4 + rand.N(c.cfg.Sweep/2+1)
+	nextRead := time.Now().Add(c.cfg.Sweep/4 + rand.N(c.cfg.Sweep/2+1))
+	failing := false // the last statement failed: nothing before the next read
 	for {
-		t := time.NewTimer(d)
+		wake := nextRead
+		if m, ok := s.nextMaturity(); ok && !failing && m.Before(wake) {
+			wake = m
+		}
+		t := time.NewTimer(time.Until(wake))
 		select {
 		case <-ctx.Done():
 			t.Stop()
 			return
 		case <-t.C:
 		}
-		d = c.cfg.Sweep/2 + rand.N(c.cfg.Sweep+1)
-		if err := c.sweepOnce(ctx, s); err != nil {
-			d *= 4 // the server or the network is failing: the sweep can wait, and takes no connection meanwhile
+		failing = false
+		if !time.Now().Before(nextRead) {
+			err := c.sweepRead(ctx, s)
+			nextRead = time.Now().Add(c.cfg.Sweep/2 + rand.N(c.cfg.Sweep/2+1))
+			if err != nil {
+				// The server or the network is failing: the sweep can wait, and takes no connection meanwhile.
+				nextRead, failing = time.Now().Add(4*c.cfg.Sweep), true
+				continue
+			}
+		}
+		if err := c.sweepDelete(ctx, s, time.Now()); err != nil {
+			nextRead, failing = time.Now().Add(4*c.cfg.Sweep), true
 		}
 	}
 }
 
-// sweepOnce reads the candidates and deletes those it has watched long enough. A read or delete that fails changes
-// nothing: the next sweep reads again.
-func (c *Client) sweepOnce(ctx context.Context, s *sweeper) error {
-	txt, _, err := exec(ctx, c.pool, c.cfg.Bound, sweepReadSQL, false)
+// sweepRead reads the next page of each table and records what it saw. A read that fails changes nothing.
+func (c *Client) sweepRead(ctx context.Context, s *sweeper) error {
+	txt, _, err := exec(ctx, c.pool, c.cfg.Bound, sweepReadSQL(c.id, s.leaseFrom, s.waitFrom), false)
 	recv := time.Now()
 	if err != nil {
 		return err
 	}
-	leasesTxt, waitsTxt, _ := strings.Cut(txt, ";")
-	leases := map[session.ID]sighting{}
-	var gone []string
-	for _, f := range splitRows(leasesTxt, 5) {
+	leasesTxt, rest, _ := strings.Cut(txt, ";")
+	waitsTxt, srvTxt, _ := strings.Cut(rest, ";")
+	srv, _ := strconv.ParseInt(srvTxt, 10, 64)
+
+	rows := splitRows(leasesTxt, 5)
+	leases := make([]sight[session.ID], 0, len(rows))
+	for _, f := range rows {
 		id, ok := parseID(f[0], f[1])
 		term, err1 := strconv.ParseInt(f[2], 10, 64)
 		exp, err2 := strconv.ParseInt(f[3], 10, 64)
@@ -107,50 +174,130 @@ func (c *Client) sweepOnce(ctx context.Context, s *sweeper) error {
 		if !ok || err1 != nil || err2 != nil || err3 != nil {
 			continue
 		}
-		need := time.Duration(lenMs) * time.Millisecond
-		if need <= 0 {
-			// An owner that does not say (an earlier version's): its length may be longer than this Client's, and
-			// the row's time left, which a taker watches it for instead, is gone by now. Left to its takeover.
-			continue
+		// An owner that does not say its length (an earlier version's, need 0) is not watched: its length may be
+		// longer than this Client's, and the row's time left, which a taker watches it for instead, is gone by now.
+		// Left to its takeover.
+		x := sight[session.ID]{id, record{term, exp}, time.Duration(lenMs) * time.Millisecond}
+		if mutant.On(mutant.LeaseSweepServerExpiry) && x.need > 0 && exp < srv {
+			x.need = time.Nanosecond // deleted once its expiry has passed on the server's clock
 		}
-		rec := record{term, exp}
-		seen, had := s.leases[id]
-		if !had || seen.rec != rec {
-			seen = sighting{rec: rec, first: recv, need: need}
-		}
-		seen.last = recv
-		leases[id] = seen
-		if recv.Sub(seen.first) >= seen.need || mutant.On(mutant.LeaseSweepServerExpiry) {
-			gone = append(gone, "("+f[0]+","+f[1]+","+f[2]+","+f[3]+")")
-		}
+		leases = append(leases, x)
 	}
-	s.leases = leases // what was not read again has changed, or gone
-	waits := map[waitRow]sighting{}
-	var left []string
-	for _, f := range splitRows(waitsTxt, 4) {
+	watch(s.leases, &s.leaseFrom, idLess, leases, len(rows) >= sightPage, recv)
+
+	rows = splitRows(waitsTxt, 4)
+	waits := make([]sight[waitRow], 0, len(rows))
+	for _, f := range rows {
 		id, ok := parseID(f[0], f[1])
 		seenUs, err := strconv.ParseInt(f[3], 10, 64)
 		if !ok || err != nil || !isHex(f[2]) {
 			continue
 		}
-		k := waitRow{id, f[2]}
-		rec := record{exp: seenUs}
-		seen, had := s.waits[k]
-		if !had || seen.rec != rec {
-			seen = sighting{rec: rec, first: recv, need: max(c.cfg.Length, 2*WaitStale)}
+		waits = append(waits, sight[waitRow]{waitRow{id, f[2]}, record{exp: seenUs}, max(c.cfg.Length, 2*WaitStale)})
+	}
+	watch(s.waits, &s.waitFrom, waitLess, waits, len(rows) >= sightPage, recv)
+	return nil
+}
+
+// sight is a row a read found: its record, and how long it must stay unchanged before it is deleted (0: never).
+type sight[K comparable] struct {
+	k    K
+	rec  record
+	need time.Duration
+}
+
+// watch records in m what a read of one table found at recv, starting after *from (nil: at the start) in the
+// table's order (less): a record not seen before is watched from recv; one the read's range held and it did not
+// find has changed or gone, and is forgotten. A full read ends its range at its last row, where the next starts;
+// else the range runs to the end of the table, and the next read starts at the start.
+func watch[K comparable](m map[K]sighting, from **K, less func(a, b K) bool, got []sight[K], full bool, recv time.Time) {
+	found := make(map[K]bool, len(got))
+	var last K
+	for i, x := range got {
+		if i == 0 || less(last, x.k) {
+			last = x.k
 		}
-		seen.last = recv
-		waits[k] = seen
-		if recv.Sub(seen.first) >= seen.need {
-			left = append(left, "("+f[0]+","+f[1]+",'"+f[2]+"',"+f[3]+")")
+		found[x.k] = true
+		if x.need <= 0 {
+			delete(m, x.k)
+			continue
+		}
+		if seen, had := m[x.k]; !had || seen.rec != x.rec {
+			m[x.k] = sighting{rec: x.rec, first: recv, need: x.need}
+		} else if x.need < seen.need { // the same record says the same length: only a mutant's is shorter
+			seen.need = x.need
+			m[x.k] = seen
 		}
 	}
-	s.waits = waits
+	for k := range m {
+		if !found[k] && (*from == nil || less(**from, k)) && (!full || len(got) == 0 || !less(last, k)) {
+			delete(m, k)
+		}
+	}
+	*from = nil
+	if full && len(got) > 0 {
+		*from = &last
+	}
+}
+
+// nextMaturity is the earliest moment a row the sweeper watches will have been unchanged for long enough.
+func (s *sweeper) nextMaturity() (time.Time, bool) {
+	var m time.Time
+	ok := false
+	for _, x := range s.leases {
+		if t := x.first.Add(x.need); !ok || t.Before(m) {
+			m, ok = t, true
+		}
+	}
+	for _, x := range s.waits {
+		if t := x.first.Add(x.need); !ok || t.Before(m) {
+			m, ok = t, true
+		}
+	}
+	return m, ok
+}
+
+// sweepDelete deletes the rows watched long enough by now (up to sweepMax of each table), each only while it is
+// still the record seen, and forgets them. A delete that fails changes nothing: the next wake tries again.
+func (c *Client) sweepDelete(ctx context.Context, s *sweeper, now time.Time) error {
+	var gone []session.ID
+	var left []waitRow
+	for id, x := range s.leases {
+		if len(gone) < sweepMax && !now.Before(x.first.Add(x.need)) {
+			gone = append(gone, id)
+		}
+	}
+	for k, x := range s.waits {
+		if len(left) < sweepMax && !now.Before(x.first.Add(x.need)) {
+			left = append(left, k)
+		}
+	}
 	if len(gone) == 0 && len(left) == 0 {
 		return nil
 	}
-	_, _, err = exec(ctx, c.pool, c.cfg.Bound, sweepDeleteSQL(gone, left), false)
-	return err
+	// In the tables' order, as every sweeper deletes: two that delete the same rows at once lock them in one order.
+	slices.SortFunc(gone, func(a, b session.ID) int { return cmpBy(idLess, a, b) })
+	slices.SortFunc(left, func(a, b waitRow) int { return cmpBy(waitLess, a, b) })
+	var goneTxt, leftTxt []string
+	for _, id := range gone {
+		x := s.leases[id]
+		goneTxt = append(goneTxt, "("+space(id)+","+strconv.FormatInt(id.V, 10)+","+
+			strconv.FormatInt(x.rec.term, 10)+","+strconv.FormatInt(x.rec.exp, 10)+")")
+	}
+	for _, k := range left {
+		leftTxt = append(leftTxt, "("+space(k.id)+","+strconv.FormatInt(k.id.V, 10)+",'"+k.waiter+"',"+
+			strconv.FormatInt(s.waits[k].rec.exp, 10)+")")
+	}
+	if _, _, err := exec(ctx, c.pool, c.cfg.Bound, sweepDeleteSQL(goneTxt, leftTxt), false); err != nil {
+		return err
+	}
+	for _, id := range gone {
+		delete(s.leases, id)
+	}
+	for _, k := range left {
+		delete(s.waits, k)
+	}
+	return nil
 }
 
 // sweepDeleteSQL deletes the leases gone ("(space,key,term,expiry_us)" each) and the waits left
@@ -164,13 +311,13 @@ func sweepDeleteSQL(gone, left []string) string {
 	b.WriteString("SELECT set_config('lock_timeout', '1000', true), set_config('synchronous_commit', 'off', true);\nWITH ")
 	if len(gone) > 0 {
 		b.WriteString("d AS (DELETE FROM " + Table + " AS l USING (VALUES " + strings.Join(gone, ",") + ") AS v(sp, k, tm, ex) " +
-			"WHERE l.space = v.sp AND l.key = v.k AND l.term = v.tm AND (extract(epoch FROM l.expires) * 1000000)::int8 = v.ex RETURNING 1), ")
+			"WHERE l.space = v.sp AND l.key = v.k AND l.term = v.tm AND l.expires = 'epoch'::timestamptz + v.ex * interval '1 microsecond' RETURNING 1), ")
 	} else {
 		b.WriteString("d AS (SELECT 1 WHERE false), ")
 	}
 	if len(left) > 0 {
 		b.WriteString("e AS (DELETE FROM " + Waits + " AS w USING (VALUES " + strings.Join(left, ",") + ") AS v(sp, k, wt, sn) " +
-			"WHERE w.space = v.sp AND w.key = v.k AND w.waiter = v.wt AND (extract(epoch FROM w.seen) * 1000000)::int8 = v.sn RETURNING 1) ")
+			"WHERE w.space = v.sp AND w.key = v.k AND w.waiter = v.wt AND w.seen = 'epoch'::timestamptz + v.sn * interval '1 microsecond' RETURNING 1) ")
 	} else {
 		b.WriteString("e AS (SELECT 1 WHERE false) ")
 	}
@@ -198,7 +345,7 @@ func parseID(space, key string) (session.ID, bool) {
 	return session.ID{Pair: space == "2", V: v}, true
 }
 
-// isHex reports whether s is a waiter id as newID makes them (and so safe inside a literal).
+// isHex reports whether s is a waiter id as newWaiter makes them (and so safe inside a literal).
 func isHex(s string) bool {
 	if s == "" || len(s) > 64 {
 		return false
