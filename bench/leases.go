@@ -327,3 +327,94 @@ func forEach(n int, f func(i int) error) error {
 	wg.Wait()
 	return first
 }
+
+const wSwept = "12. rows of a holder cut off"
+
+// leasesSwept measures how soon the tables lose the rows of a holder that stops answering: a Locker of 3 s leases
+// holds 1,000 and waits for 100 keys that another Locker holds; then its pool is closed under it (no statement of
+// its reaches the server again, as for a SIGKILLed process), and the other Locker's sweep deletes its rows. The
+// time is counted from the cut, so it is at most the bound counted from the last renewal (a lease length and a
+// sweep period for leases; the longer of a lease length and 6 s, and a period, for waits).
+func leasesSwept(ctx context.Context, e *env, col *collector) {
+	const n, m, ln = 1000, 100, 3 * time.Second
+	obs, err := pgx.Connect(ctx, e.pgURL)
+	if err != nil {
+		log.Printf("%s: %v", wSwept, err)
+		return
+	}
+	defer obs.Close(ctx)
+	tag := fmt.Sprintf("bench-swept-%d", time.Now().UnixNano())
+	livePool, err := pgxpool.New(ctx, e.poolURL)
+	if err != nil {
+		log.Printf("%s: %v", wSwept, err)
+		return
+	}
+	defer livePool.Close()
+	live := advlock.New(livePool, advlock.WithLeases(), advlock.WithLeaseLength(ln))
+	defer live.Close()
+	deadPool, err := pgxpool.New(ctx, e.poolURL)
+	if err != nil {
+		log.Printf("%s: %v", wSwept, err)
+		return
+	}
+	dead := advlock.New(deadPool, advlock.WithLeases(), advlock.WithLeaseLength(ln), advlock.WithLeaseHolder(tag))
+	defer dead.Close()
+	held := make([]*advlock.Lock, m)
+	if err := forEach(m, func(i int) (err error) {
+		held[i], err = live.TryLock(ctx, advlock.NameKey(fmt.Sprintf("%s-w-%d", tag, i)))
+		return err
+	}); err != nil {
+		log.Printf("%s: %v", wSwept, err)
+		return
+	}
+	defer func() {
+		for _, lk := range held {
+			if lk != nil {
+				_ = lk.Unlock(ctx)
+			}
+		}
+	}()
+	if err := forEach(n, func(i int) error {
+		_, err := dead.TryLock(ctx, advlock.NameKey(fmt.Sprintf("%s-%d", tag, i)))
+		return err
+	}); err != nil {
+		log.Printf("%s: %v", wSwept, err)
+		return
+	}
+	waitCtx, stopWaits := context.WithCancel(ctx)
+	defer stopWaits()
+	for i := range m {
+		go func() { _, _ = dead.Lock(waitCtx, advlock.NameKey(fmt.Sprintf("%s-w-%d", tag, i))) }()
+	}
+	rows := func() (leases, waits int) {
+		_ = obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM public.advlock_lease WHERE holder LIKE '%' || $1), "+
+			"(SELECT count(*) FROM public.advlock_lease_wait WHERE holder LIKE '%' || $1)", tag).Scan(&leases, &waits)
+		return leases, waits
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if a, b := rows(); a == n && b == m {
+			break
+		} else if time.Now().After(deadline) {
+			log.Printf("%s: the holder's rows: %d leases, %d waits; want %d and %d", wSwept, a, b, n, m)
+			return
+		}
+	}
+	deadPool.Close() // nothing of the holder's reaches the server from here on
+	cut := time.Now()
+	var leasesGone, waitsGone time.Duration
+	for deadline := cut.Add(60 * time.Second); leasesGone == 0 || waitsGone == 0; time.Sleep(20 * time.Millisecond) {
+		a, b := rows()
+		if a == 0 && leasesGone == 0 {
+			leasesGone = time.Since(cut)
+		}
+		if b == 0 && waitsGone == 0 {
+			waitsGone = time.Since(cut)
+		}
+		if time.Now().After(deadline) {
+			log.Printf("%s: 60 s after the cut, %d leases and %d waits left", wSwept, a, b)
+			return
+		}
+	}
+	col.add(wSwept, leasesName, "1,000 leases of 3s gone after the cut", "s", leasesGone.Seconds(), "bound: 4 s (a lease length and a sweep period)")
+	col.add(wSwept, leasesName, "100 waits gone after the cut", "s", waitsGone.Seconds(), "bound: 7 s (6 s and a sweep period)")
+}

@@ -187,6 +187,12 @@ func (res *results) print(w io.Writer) {
 	if r := res.find(wLeasesHeld, leasesName, "server transactions a second, "+held, "xact/s"); r != nil {
 		target("leases: 2,000 held, renewed every 1 s, <= 100 transactions/s", r, func(r *result) bool { return r.Value <= 100 }, num(r.Value))
 	}
+	if r := res.find(wSwept, leasesName, "1,000 leases of 3s gone after the cut", "s"); r != nil {
+		target("leases: a dead holder's rows gone within a lease length and a sweep period (4 s)", r, func(r *result) bool { return r.Value <= 4 }, fmt.Sprintf("%.1f s", r.Value))
+	}
+	if r := res.find(wSwept, leasesName, "100 waits gone after the cut", "s"); r != nil {
+		target("leases: a dead waiter's rows gone within 6 s and a sweep period (7 s)", r, func(r *result) bool { return r.Value <= 7 }, fmt.Sprintf("%.1f s", r.Value))
+	}
 	if r := res.find(wLoss, leasesName, "p50 after its row is deleted (renewed every 5s)", "ms"); r != nil {
 		target("leases loss noticed p50 <= the lease length (15 s)", r, func(r *result) bool { return r.Value <= 15000 }, num(r.Value)+" ms")
 	}

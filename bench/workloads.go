@@ -106,6 +106,7 @@ func run(ctx context.Context, e *env, cs []contender) *results {
 	held(ctx, e, cs, col)
 	if hasLeases(cs) {
 		leasesHeld(ctx, e, col)
+		leasesSwept(ctx, e, col)
 	}
 	return collate(col, cs)
 }
