@@ -46,6 +46,27 @@ func sweepHolder(spec string) {
 	select {}
 }
 
+// untilGone polls rows (the dead holder's leases and waits in the tables) until both are 0, and returns how long
+// each took; it fails the test after limit.
+func untilGone(t *testing.T, rows func() (leases, waits int), limit time.Duration, since string) (leasesGone, waitsGone time.Duration) {
+	t.Helper()
+	start := time.Now()
+	for leasesGone == 0 || waitsGone == 0 {
+		a, b := rows()
+		if a == 0 && leasesGone == 0 {
+			leasesGone = time.Since(start)
+		}
+		if b == 0 && waitsGone == 0 {
+			waitsGone = time.Since(start)
+		}
+		if time.Since(start) > limit {
+			t.Fatalf("%v %s: %d of the dead holder's leases and %d of its waits left", limit, since, a, b)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return leasesGone, waitsGone
+}
+
 // The rows dead holders and dead waiters leave are deleted, and nothing else: a process holding 20 leases (of
 // 1.5 s) and waiting for 5 keys is SIGKILLed; the sweep of a Locker that holds those 5 keys deletes its 20 leases
 // and its 5 waits, while the Locker's own 5 leases stay held, renewed, their rows and terms unchanged. The server
@@ -103,20 +124,7 @@ func TestLeaseSweep(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = cmd.Wait()
-	killed := time.Now()
-	var leasesGone, waitsGone time.Duration
-	for deadline := killed.Add(60 * time.Second); leasesGone == 0 || waitsGone == 0; time.Sleep(50 * time.Millisecond) {
-		a, b := held()
-		if a == 0 && leasesGone == 0 {
-			leasesGone = time.Since(killed)
-		}
-		if b == 0 && waitsGone == 0 {
-			waitsGone = time.Since(killed)
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("60 s after the holder's SIGKILL: %d of its leases and %d of its waits left", a, b)
-		}
-	}
+	leasesGone, waitsGone := untilGone(t, held, 60*time.Second, "after the holder's SIGKILL")
 	t.Logf("after the SIGKILL, the dead holder's %d leases were gone in %v, its %d waits in %v (lease length %v)",
 		n, leasesGone.Round(10*time.Millisecond), m, waitsGone.Round(10*time.Millisecond), length)
 	for _, lk := range mine {
@@ -197,20 +205,7 @@ func TestLeaseSweepReadsEveryRow(t *testing.T) {
 		}
 		return leases, waits
 	}
-	start := time.Now()
-	var leasesGone, waitsGone time.Duration
-	for deadline := start.Add(90 * time.Second); leasesGone == 0 || waitsGone == 0; time.Sleep(50 * time.Millisecond) {
-		a, b := left()
-		if a == 0 && leasesGone == 0 {
-			leasesGone = time.Since(start)
-		}
-		if b == 0 && waitsGone == 0 {
-			waitsGone = time.Since(start)
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("90 s on: %d of the %d dead leases and %d of the %d dead waits left", a, dead-4, b, dead)
-		}
-	}
+	leasesGone, waitsGone := untilGone(t, left, 90*time.Second, "after the rows were written")
 	t.Logf("%d dead leases (owner's length 1 s, expiry an hour away) gone in %v, %d dead waits in %v (lease length %v)",
 		dead-4, leasesGone.Round(10*time.Millisecond), dead, waitsGone.Round(10*time.Millisecond), length)
 	for _, lk := range live {
