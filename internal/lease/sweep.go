@@ -21,12 +21,14 @@ import (
 // ones it renews, and those it lost or gave back it deletes itself, see retire), sightPage of each table a read, on
 // from where the last read stopped. It deletes each row once it has seen it unchanged for its holder's lease length
 // on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
-// read). That is the takeover's rule (Client.matured): the holder trusts its lease for less than its length from
+// read), provided a later read saw it unchanged too (so that the live rows of a holder whose lease is shorter than
+// the time between two reads, renewed in between, cost no delete). That is the takeover's rule (Client.matured): the holder trusts its lease for less than its length from
 // the send of the statement that made the record, which ran before the read, so a record unchanged for that length
 // after it was read belongs to a holder that has stopped trusting it, whatever any clock did; and a record does not
 // come back (every grant and renewal makes the expiry later), so a lease granted or renewed since is not deleted.
-// A dead holder's row is read within a Sweep of its last write and deleted its lease length later: a lease length
-// and a Sweep after its holder's last renewal, while the tables hold at most sightPage rows of other Clients (each
+// A dead holder's row is read within a Sweep of its last write, again within another, and deleted its lease length
+// after the first read: a lease length and a Sweep after its holder's last renewal when its length is a Sweep or
+// more (two Sweeps when it is shorter), while the tables hold at most sightPage rows of other Clients (each
 // sightPage more adds a Sweep). No clock but the sweeper's own counts: a server clock that steps changes nothing.
 // A crash may bring an older record back (it took back the renewals after it), one the sweep may have seen before
 // them and so delete a lease length after that sighting, while its holder may still trust a renewal the crash took
@@ -40,8 +42,7 @@ import (
 // 1 or 2, an expiry or a sighting at infinity, a waiter not in hex) is left alone.
 //
 // The cost: a read of the other Clients' rows every Sweep or less, and a sighting kept for each (no bound: what the
-// tables hold); the rows of a holder whose lease length is shorter than the time between two reads get a delete
-// that finds them changed.
+// tables hold).
 
 // sightPage bounds the rows of each table one read reads; sweepMax, those one statement deletes.
 const (
@@ -223,9 +224,10 @@ func watch[K comparable](m map[K]sighting, from **K, less func(a, b K) bool, got
 			continue
 		}
 		if seen, had := m[x.k]; !had || seen.rec != x.rec {
-			m[x.k] = sighting{rec: x.rec, first: recv, need: x.need}
-		} else if x.need < seen.need { // the same record says the same length: only a mutant's is shorter
-			seen.need = x.need
+			m[x.k] = sighting{rec: x.rec, first: recv, need: x.need, last: recv}
+		} else {
+			seen.last = recv                   // seen again unchanged: it is due at first+need
+			seen.need = min(seen.need, x.need) // the same record says the same length: only a mutant's is shorter
 			m[x.k] = seen
 		}
 	}
@@ -240,17 +242,27 @@ func watch[K comparable](m map[K]sighting, from **K, less func(a, b K) bool, got
 	}
 }
 
-// nextMaturity is the earliest moment a row the sweeper watches will have been unchanged for long enough.
+// due reports when a row the sweeper watches may be deleted: once it has been unchanged for its need since the read
+// that first saw it, and a later read has seen it unchanged (a row whose holder renews it between two reads, a
+// live one whose lease is shorter than the time between them, costs no delete). ok is false before that read.
+func due(x sighting) (at time.Time, ok bool) {
+	if !x.last.After(x.first) && x.need > time.Nanosecond { // a need of 1 ns: the mutant's, which does not wait
+		return time.Time{}, false
+	}
+	return x.first.Add(x.need), true
+}
+
+// nextMaturity is the earliest moment a row the sweeper watches is due.
 func (s *sweeper) nextMaturity() (time.Time, bool) {
 	var m time.Time
 	ok := false
 	for _, x := range s.leases {
-		if t := x.first.Add(x.need); !ok || t.Before(m) {
+		if t, d := due(x); d && (!ok || t.Before(m)) {
 			m, ok = t, true
 		}
 	}
 	for _, x := range s.waits {
-		if t := x.first.Add(x.need); !ok || t.Before(m) {
+		if t, d := due(x); d && (!ok || t.Before(m)) {
 			m, ok = t, true
 		}
 	}
@@ -263,12 +275,12 @@ func (c *Client) sweepDelete(ctx context.Context, s *sweeper, now time.Time) err
 	var gone []session.ID
 	var left []waitRow
 	for id, x := range s.leases {
-		if len(gone) < sweepMax && !now.Before(x.first.Add(x.need)) {
+		if t, d := due(x); d && len(gone) < sweepMax && !now.Before(t) {
 			gone = append(gone, id)
 		}
 	}
 	for k, x := range s.waits {
-		if len(left) < sweepMax && !now.Before(x.first.Add(x.need)) {
+		if t, d := due(x); d && len(left) < sweepMax && !now.Before(t) {
 			left = append(left, k)
 		}
 	}
