@@ -699,6 +699,9 @@ func (c *campaign) history() (map[string]*CS, map[string]map[string]int, []Viola
 					cs.Ended, cs.Cause, cs.Unlock, cs.Clean, cs.ToldBy = true, e.Cause, e.Unlock, e.Clean, e.ToldBy
 					cs.Session = e.Session
 					cs.End = time.Unix(0, e.At)
+					if e.Start != 0 {
+						cs.Release = time.Unix(0, e.Start)
+					}
 					if e.Told != 0 {
 						cs.Told = time.Unix(0, e.Told)
 					}

@@ -356,6 +356,27 @@ func TestChecker(t *testing.T) {
 				}
 			})
 		}
+		// A release and the next grant of its key, both taken back by the crash: the log has the first lease
+		// renewed at 0 and nothing after. Its holder called Unlock at 445 ms and was told at 470; the other worker
+		// was granted the key at 460, between the two (the release had deleted the row by then). The lease ended
+		// once its release began: no overlap. A grant before the release began (440) is two leases at once; so is
+		// the grant at 460 when the history says only when the release returned.
+		for _, tc := range []struct {
+			bAt     int
+			release bool
+			want    int
+		}{{460, true, 0}, {440, true, 1}, {460, false, 1}} {
+			h := build(csSpec{"a", 0, "x", 1, true, -1, []int{10, 300}, nil}, csSpec{"b", 1, "x", 2, true, -1, []int{tc.bAt, 2700}, nil})
+			h.Leases, h.LeaseLength, h.Evidence = map[int64]*LeaseLife{1: {Key: "k", Worker: 0, Granted: at(0), Renewed: at(0)}}, 2*time.Second, crash
+			h.LeaseLog = []time.Time{at(0)}
+			h.CS["a"].End = at(470)
+			if tc.release {
+				h.CS["a"].Release = at(445)
+			}
+			if got := kinds(Check(h))[VOverlap]; got != tc.want {
+				t.Errorf("the next grant at %d ms, the release's start recorded %v: %d overlaps, want %d (%v)", tc.bAt, tc.release, got, tc.want, Check(h))
+			}
+		}
 		// A lease in the log, renewed last at 400 ms (its renewal at 600 ms lost, with the crash at 500): its holder
 		// writes until 2.7 s, within a lease length of the crash (and the slack); without the crash, past the lease's end at 2.4 s.
 		for _, crashed := range []bool{false, true} {

@@ -29,6 +29,7 @@ type CS struct {
 	Wait    string    // the recorded wait that was granted it (a reader's or writer's), if any
 	Begin   time.Time // just after the grant (its holder's record; zero in old histories: its first write)
 	End     time.Time // just after the release returned; zero if its end was never recorded
+	Release time.Time // when Unlock was called (or Do's fn returned): it ended between then and End; zero: not recorded
 	Ended   bool      // its end was recorded (a SIGKILLed worker records none)
 	Told    time.Time // when the library said the lock ended; zero if never
 	ToldBy  string    // done: the lock's Done (fn's ctx) closed; unlock: only the release said so

@@ -382,15 +382,18 @@ const (
 //   - A lease that lived at a crash, and had not ended by its log long before it, may have lost renewals its holder
 //     was told of, sent before the crash: it lives until one lease length after the crash, unless another grant of
 //     its key came before the crash (a renewal after it would have changed the record its taker watched, or found
-//     the row another's: it ended by then). One its holder released before the crash ended then, whatever the log
-//     says after (the crash may have taken the release back, and the row is then taken over as after a death).
+//     the row another's: it ended by then). One its holder released before the crash ended when its release
+//     began, whatever the log says after (the crash may have taken the release back, and the row is then taken
+//     over as after a death; the next grant may come before the release returns).
 //
 // So no later grant of its key may come before then (the quiet period after a crash), and its holder may act until
 // then.
 func (h *History) crashLosses(holders map[int64]*CS) {
+	// released: t's holder released it, confirmed, before at; its lease ended on the server once its release began
+	// (at End when that was not recorded): another grant of its key may come before the release returns.
 	released := func(t int64, at time.Time) (time.Time, bool) {
 		if c := holders[t]; c != nil && c.Clean && c.End.Before(at) {
-			return c.End, true
+			return cmp.Or(c.Release, c.End), true
 		}
 		return time.Time{}, false
 	}

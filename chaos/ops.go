@@ -221,6 +221,7 @@ func (w *worker) section(op string, lk *advlock.Lock, mode, cs, wait string, pid
 	t := told() // before Unlock, which ends Done too
 	by := toldBy(t)
 	uctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	releasing := time.Now().UnixNano()
 	uerr := lk.Unlock(uctx)
 	cancel()
 	if t == 0 && errors.Is(uerr, advlock.ErrLockLost) {
@@ -234,7 +235,7 @@ func (w *worker) section(op string, lk *advlock.Lock, mode, cs, wait string, pid
 		}
 	}
 	w.emit(event{T: "end", CS: cs, Key: canon(lk.Key()), Told: t, ToldBy: by, Cause: cause, Unlock: classify(uerr),
-		Clean: uerr == nil && t == 0, Session: w.obs.sessionOf(canon(lk.Key()))})
+		Clean: uerr == nil && t == 0, Session: w.obs.sessionOf(canon(lk.Key())), Start: releasing})
 	return uerr
 }
 
@@ -465,7 +466,7 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(20+rng.IntN(500))*time.Millisecond)
 	defer cancel()
 	var cs string
-	var t int64
+	var t, releasing int64
 	ctx, pid := withPIDBox(ctx)
 	err := l.Do(ctx, key, func(fctx context.Context) error {
 		cs = w.csID()
@@ -474,6 +475,7 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 		r := rngFor(cs)
 		w.critical(canon(key), "x", advlock.FenceToken(fctx), cs, fctx.Done(), r, 2+r.IntN(3), 40*time.Millisecond)
 		t = lockEnded(told(), ctx, fctx)
+		releasing = time.Now().UnixNano() // Do releases once fn returns
 		return nil
 	})
 	if cs != "" {
@@ -482,8 +484,8 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 			t, by = time.Now().UnixNano(), "unlock" // told by Do's release
 		}
 		w.emit(event{T: "end", CS: cs, Key: canon(key), Told: t, ToldBy: by, Cause: causeOf(t, err), Unlock: classify(err),
-			Session: w.obs.sessionOf(canon(key)),
-			Clean:   err == nil && t == 0})
+			Session: w.obs.sessionOf(canon(key)), Start: releasing,
+			Clean: err == nil && t == 0})
 	}
 	return err
 }
@@ -502,7 +504,7 @@ func (w *worker) pair(l *advlock.Locker, rng *rand.Rand) error {
 	ctx, cancel := context.WithTimeout(context.Background(), pairWait+3*time.Second)
 	defer cancel()
 	var cs string
-	var t int64
+	var t, releasing int64
 	var ierr error // the inner lock's
 	ctx, pid := withPIDBox(ctx)
 	err := l.Do(ctx, first, func(fctx context.Context) error {
@@ -524,6 +526,7 @@ func (w *worker) pair(l *advlock.Locker, rng *rand.Rand) error {
 			w.critical(canon(first), "x", token, cs, fctx.Done(), r, 1, time.Millisecond) // the last write, then Do releases
 		}
 		t = lockEnded(told(), ctx, fctx)
+		releasing = time.Now().UnixNano()
 		return nil // Do's error is then its own lock's and release's alone
 	})
 	if cs != "" {
@@ -532,8 +535,8 @@ func (w *worker) pair(l *advlock.Locker, rng *rand.Rand) error {
 			t, by = time.Now().UnixNano(), "unlock"
 		}
 		w.emit(event{T: "end", CS: cs, Key: canon(first), Told: t, ToldBy: by, Cause: causeOf(t, err), Unlock: classify(err),
-			Session: w.obs.sessionOf(canon(first)),
-			Clean:   err == nil && t == 0})
+			Session: w.obs.sessionOf(canon(first)), Start: releasing,
+			Clean: err == nil && t == 0})
 	}
 	if err == nil {
 		return ierr

@@ -89,7 +89,7 @@ type event struct {
 	// op
 	Result string `json:"result,omitempty"`
 	Err    string `json:"err,omitempty"`
-	Start  int64  `json:"start,omitempty"` // unix ns, this machine's clock (the server's too: same host)
+	Start  int64  `json:"start,omitempty"` // unix ns, this machine's clock (the server's too: same host); an end's: its release began
 	End    int64  `json:"end,omitempty"`
 	// end of a critical section
 	Told    int64  `json:"told,omitempty"`    // when the library told of the lock's end (Done, fn's ctx), 0 if never
