@@ -95,10 +95,8 @@ func idlePIDs(t *testing.T, db *sql.DB) []uint32 {
 	return pids
 }
 
-// The two drivers' suites run at once, and beside TestPgBouncer's two: they wait far more than they compute, and
-// each keys its locks apart.
+// The two drivers' suites run at once: they wait far more than they compute, and each keys its locks apart.
 func TestConformance(t *testing.T) {
-	t.Parallel()
 	url := pgtest.URL(t)
 	for _, driver := range []string{"pgx", "postgres"} {
 		t.Run(driver, func(t *testing.T) {
@@ -261,7 +259,6 @@ func TestPgBouncer(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts pgbouncer")
 	}
-	t.Parallel() // beside TestConformance
 	url := pgtest.URL(t)
 	t.Run("session", func(t *testing.T) {
 		burl := pgtest.Bouncer(t, url, "session")
