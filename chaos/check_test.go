@@ -357,7 +357,7 @@ func TestChecker(t *testing.T) {
 			})
 		}
 		// A release and the next grant of its key, both taken back by the crash: the log has the first lease
-		// renewed at 0 and nothing after. Its holder called Unlock at 445 ms and was told at 470; the other worker
+		// renewed at 0 and nothing after. Its holder called Unlock at 445 ms, which returned at 470; the other worker
 		// was granted the key at 460, between the two (the release had deleted the row by then). The lease ended
 		// once its release began: no overlap. A grant before the release began (440) is two leases at once; so is
 		// the grant at 460 when the history says only when the release returned.

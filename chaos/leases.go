@@ -32,8 +32,9 @@ type LeaseLife struct {
 	// Gap is the longest time between two records of it (its grant and a renewal, or two renewals), ending at GapAt.
 	Gap   time.Duration
 	GapAt time.Time
-	// CrashEnd, when set, is when it ended on the server at the latest, given what crashes of the server
-	// (restart_immediate) may have taken back (see crashLosses): it stands for the end its log implies.
+	// CrashEnd, when set, is when it ended on the server, given what crashes of the server (restart_immediate) may
+	// have taken back (see crashLosses): at the latest, or, for one its holder released, when that release began.
+	// It stands for the end its log implies.
 	CrashEnd time.Time `json:",omitempty"`
 	// Lost: its grant is not in the log; a crash took it back (see crashLosses). Granted is when its holder was
 	// told of it.
@@ -439,7 +440,7 @@ func (h *History) crashLosses(holders map[int64]*CS) {
 				continue
 			}
 			if end, ok := released(t, e.Until); ok { // the crash may have taken its release back: it ended then
-				if g := l.gone(); g.IsZero() || g.After(end) {
+				if g := l.gone(); g.IsZero() || g.After(holders[t].End) { // unless the log kept it
 					l.CrashEnd = end
 				}
 				continue

@@ -643,7 +643,8 @@ func (w *worker) lead(stop context.Context, l *advlock.Locker, rng *rand.Rand) e
 			cause = classify(context.Cause(fctx))
 		}
 		// Lead releases after fn returns: the term is clean when that release went through, never told of an end.
-		w.obs.returned(token, event{T: "end", CS: cs, Key: canon(leadKey), Told: t, ToldBy: toldBy(t), Cause: cause, Unlock: "ok"})
+		w.obs.returned(token, event{T: "end", CS: cs, Key: canon(leadKey), Told: t, ToldBy: toldBy(t), Cause: cause, Unlock: "ok",
+			Start: time.Now().UnixNano()})
 		return nil
 	})
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {

@@ -22,23 +22,24 @@ import (
 // from where the last read stopped. It deletes each row once it has seen it unchanged for its holder's lease length
 // on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
 // read), provided a later read saw it unchanged too (so that the live rows of a holder whose lease is shorter than
-// the time between two reads, renewed in between, cost no delete). That is the takeover's rule (Client.matured): the holder trusts its lease for less than its length from
-// the send of the statement that made the record, which ran before the read, so a record unchanged for that length
-// after it was read belongs to a holder that has stopped trusting it, whatever any clock did; and a record does not
-// come back (every grant and renewal makes the expiry later), so a lease granted or renewed since is not deleted.
-// A dead holder's row is read within a Sweep of its last write, again within another, and deleted its lease length
-// after the first read: a lease length and a Sweep after its holder's last renewal when its length is a Sweep or
-// more (two Sweeps when it is shorter), while the tables hold at most sightPage rows of other Clients (each
-// sightPage more adds a Sweep). No clock but the sweeper's own counts: a server clock that steps changes nothing.
-// A crash may bring an older record back (it took back the renewals after it), one the sweep may have seen before
-// them and so delete a lease length after that sighting, while its holder may still trust a renewal the crash took
-// back: the key then goes to nobody before the quiet period after the crash has passed (see restartCheck), by
-// which time that trust has ended (the holder's renewals after the crash find the row gone: it is told). A deleted lease
-// frees its key as a takeover would, and the next grant of it is made like any other (the wait after a crash or a
-// promotion included). A wait's row is deleted once it has not changed for a lease length, or 2*WaitStale when that
-// is longer: a live waiter refreshes it at least once a second while it polls, and a row deleted under a waiter
-// that was only held up (a pause, a partition, the wait after a crash or a promotion, whose answers refresh
-// nothing) is written again at its next poll (the waiter queues anew). A row no Client writes (a space other than
+// the time between two reads, renewed in between, cost no delete). That is the takeover's rule (Client.matured):
+// the holder trusts its lease for less than its length from the send of the statement that made the record, which
+// ran before the read, so a record unchanged for that length after it was read belongs to a holder that has
+// stopped trusting it, whatever any clock did; and a record does not come back (every grant and renewal makes the
+// expiry later), so a lease granted or renewed since is not deleted. A dead holder's row is read within a Sweep of
+// its last write, again within another, and deleted its lease length after the first read: a lease length and a
+// Sweep after its holder's last renewal when its length is a Sweep or more (two Sweeps when it is shorter), while
+// the tables hold at most sightPage rows of other Clients. With k pages, a row is read every k reads: a length and k
+// Sweeps, or 2k Sweeps when that is longer. No clock but the sweeper's own counts: a server clock that steps
+// changes nothing. A crash may bring an older record back (it took back the renewals after it), one the sweep may
+// have seen before them and so delete a lease length after that sighting, while its holder may still trust a
+// renewal the crash took back: the key then goes to nobody before the quiet period after the crash has passed (see
+// restartCheck), by which time that trust has ended (the holder's renewals after the crash find the row gone: it
+// is told). A deleted lease frees its key as a takeover would, and the next grant of it is made like any other (the
+// wait after a crash or a promotion included). A wait's row is deleted once it has not changed for a lease length,
+// or 2*WaitStale when that is longer: a live waiter refreshes it at least once a second while it polls, and a row
+// deleted under a waiter that was only held up (a pause, a partition, the wait after a crash or a promotion, whose
+// answers refresh nothing) is written again at its next poll (the waiter queues anew). A row no Client writes (a space other than
 // 1 or 2, an expiry or a sighting at infinity, a waiter not in hex) is left alone.
 //
 // The cost: a read of the other Clients' rows every Sweep or less, and a sighting kept for each (no bound: what the
