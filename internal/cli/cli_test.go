@@ -514,17 +514,19 @@ func TestLsTreeGolden(t *testing.T) {
 }
 
 // ls --watch on a pipe prints one snapshot after another, with no escape codes, and ends cleanly when its context
-// does; --dsn also works before the command.
+// does (here once it has printed 3, however long a loaded machine takes over them); --dsn also works before the
+// command.
 func TestLsWatchSnapshots(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	var out, errb bytes.Buffer
-	code := Main(ctx, []string{"--dsn", pgtest.URL(t), "ls", "--watch", "--interval", "100ms"}, Stdio{In: strings.NewReader(""), Out: &out, Err: &errb})
+	var errb bytes.Buffer
+	out := &framesOut{frame: "advlock ls, every 100ms", want: 3, full: cancel}
+	code := Main(ctx, []string{"--dsn", pgtest.URL(t), "ls", "--watch", "--interval", "100ms"}, Stdio{In: strings.NewReader(""), Out: out, Err: &errb})
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, errb.String())
 	}
-	if n := strings.Count(out.String(), "advlock ls, every 100ms"); n < 3 || strings.Contains(out.String(), "\x1b") {
-		t.Errorf("%d frames (want several), escape codes: %v\n%s", n, strings.Contains(out.String(), "\x1b"), out.String())
+	if n := out.frames(); n < 3 || strings.Contains(out.String(), "\x1b") {
+		t.Errorf("%d frames in 30 s (want 3), escape codes: %v\n%s", n, strings.Contains(out.String(), "\x1b"), out.String())
 	}
 	if code, _, errOut := run(t, "", "--dsn"); code != exitUsage || !strings.Contains(errOut, "--dsn") {
 		t.Errorf("--dsn without a value: exit %d %q", code, errOut)
@@ -558,4 +560,35 @@ func TestDemoServerRefuses(t *testing.T) {
 				p.err.String(), p.out.String(), tc.want)
 		}
 	}
+}
+
+// framesOut is a command's output that calls full once it holds want frames (each starting with frame).
+type framesOut struct {
+	mu    sync.Mutex
+	b     bytes.Buffer
+	frame string
+	want  int
+	full  func()
+}
+
+func (o *framesOut) Write(p []byte) (int, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	n, err := o.b.Write(p)
+	if strings.Count(o.b.String(), o.frame) >= o.want {
+		o.full()
+	}
+	return n, err
+}
+
+func (o *framesOut) frames() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return strings.Count(o.b.String(), o.frame)
+}
+
+func (o *framesOut) String() string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.b.String()
 }
