@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -71,7 +72,8 @@ type Options struct {
 	Sessions string
 	// DeadlockBound, when not zero, is how long the checker lets a cycle of waits last (DeadlockBound by default):
 	// the mutation suite runs beside every other test package on a 2-core machine, where a Locker's readings of
-	// the lock graph come late, and its bound only has to tell detection from none (the waits end at pairWait).
+	// the lock graph come late, and its bound only has to tell detection from none (the pairs' waits end at twice
+	// the bound, or pairWait when that is longer).
 	DeadlockBound time.Duration
 }
 
@@ -448,7 +450,7 @@ func (c *campaign) newSlot(i int) (*slot, error) {
 	s.cfg = workerConfig{ID: i, Name: fmt.Sprintf("chaos-w%d", i), DSN: dsn, Ledger: c.ledgerURL(), Locks: locks, Shared: shared,
 		Broken: c.opt.Broken, Seed: c.opt.Seed*1000 + uint64(i), Keepalive: c.opt.Keepalive,
 		History: filepath.Join(c.dir, fmt.Sprintf("w%d.jsonl", i)), Goroutines: 4, Ops: c.opt.Ops,
-		WaitSlice: c.opt.WaitSlice}
+		WaitSlice: c.opt.WaitSlice, PairWait: pairWaitFor(cmp.Or(c.opt.DeadlockBound, DeadlockBound))}
 	if c.opt.Leases {
 		s.cfg.LeaseLength = c.opt.LeaseLength
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"math/rand/v2"
@@ -499,9 +500,10 @@ func (w *worker) do(l *advlock.Locker, key advlock.Key, rng *rand.Rand) error {
 func (w *worker) pair(l *advlock.Locker, rng *rand.Rand) error {
 	i := rng.IntN(len(pairKeys))
 	first, next := pairKeys[i], pairKeys[(i+1+rng.IntN(len(pairKeys)-1))%len(pairKeys)]
-	done := w.track("pair", pairWait+4*time.Second)
+	wait := cmp.Or(w.cfg.PairWait, pairWait)
+	done := w.track("pair", wait+4*time.Second)
 	defer done()
-	ctx, cancel := context.WithTimeout(context.Background(), pairWait+3*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), wait+3*time.Second)
 	defer cancel()
 	var cs string
 	var t, releasing int64
@@ -517,7 +519,7 @@ func (w *worker) pair(l *advlock.Locker, rng *rand.Rand) error {
 		var werr error
 		ierr = w.sessionLockIn(fctx, "pair_inner", next, "x", 200*time.Millisecond, func(actx context.Context) (*advlock.Lock, error) {
 			w.emit(event{T: "wait", Op: "pair", CS: cs, Key: canon(next), Mode: "x"})
-			lk, err := within(pairWait, func(ctx context.Context) (*advlock.Lock, error) { return l.Lock(ctx, next) })(actx)
+			lk, err := within(wait, func(ctx context.Context) (*advlock.Lock, error) { return l.Lock(ctx, next) })(actx)
 			w.emit(event{T: "waited", Op: "pair", CS: cs, Key: canon(next), Mode: "x", Result: classify(err), Err: errString(err)})
 			werr = err
 			return lk, err

@@ -43,6 +43,8 @@ type workerConfig struct {
 	WaitSlice  time.Duration `json:"wait_slice,omitempty"`
 	// LeaseLength, when not zero: the worker's locks are leases of this length (Options.Leases).
 	LeaseLength time.Duration `json:"lease_length,omitempty"`
+	// PairWait, when not zero, bounds a pair operation's wait for its second key in place of pairWait.
+	PairWait time.Duration `json:"pair_wait,omitempty"`
 }
 
 // Keys the workers contend for.
@@ -63,8 +65,13 @@ var (
 const queueWait = 8 * time.Second
 
 // pairWait bounds a pair operation's wait for its second key: far longer than a cycle may last (History's
-// DeadlockBound), so that only the Locker's detection, or a fault, ends a cycle in time.
+// DeadlockBound), so that only the Locker's detection, or a fault, ends a cycle in time. A campaign with a longer
+// bound makes its pairs wait twice that (see pairWaitFor).
 const pairWait = 8 * time.Second
+
+// pairWaitFor is the pairs' wait for a campaign whose cycles may last bound: at least twice the bound, so that a
+// cycle nothing detects outlasts it also when its first wait began well before the last.
+func pairWaitFor(bound time.Duration) time.Duration { return max(pairWait, 2*bound) }
 
 const (
 	semName = "chaos"
