@@ -3,6 +3,7 @@ package advlock
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -152,3 +153,57 @@ func (f endObserver) LockStart(ctx context.Context, _ LockCall) (context.Context
 }
 func (f endObserver) Session(SessionEvent) {}
 func (f endObserver) LockEnd(e LockEnd)    { f(e) }
+
+// Inspect lists rows that no Locker writes (an expiry at infinity, a time past any driver's years, written by hand)
+// as held for ever, beside the others, instead of failing: such a row holds its key until someone deletes it.
+func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
+	ctx := ctxT(t, 30*time.Second)
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	conn := pgtest.Conn(t, url)
+	l := New(pgtest.Pool(t, url, nil), WithLeases())
+	defer l.Close()
+	k := key(t)
+	lk, err := l.TryLock(ctx, k) // makes the tables
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lk.Unlock(ctx)
+	for _, q := range []string{
+		"INSERT INTO public.advlock_lease (space, key, owner, term, expires, granted, holder) VALUES " +
+			"(1, 1, 'by hand', 1, 'infinity', '-infinity', 'hand 1'), (1, 2, 'by hand', 2, '20000-01-01', 'infinity', 'hand 2')",
+		"INSERT INTO public.advlock_lease_wait (space, key, waiter, since, seen, holder) VALUES " +
+			"(1, 1, 'by hand', '-infinity', clock_timestamp(), 'hand 3')",
+	} {
+		if _, err := conn.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rows, err := Inspect(ctx, conn)
+	if err != nil {
+		t.Fatalf("Inspect with rows written by hand: %v", err)
+	}
+	got := map[string]LockInfo{}
+	for _, r := range rows {
+		if r.Lease != nil {
+			got[fmt.Sprint(r.Granted, " ", r.Key)] = r
+		}
+	}
+	one, two := Int64Key(1).String(), Int64Key(2).String()
+	for _, want := range []string{"true " + one, "true " + two, "false " + one} {
+		if _, ok := got[want]; !ok {
+			t.Errorf("Inspect did not list %q: %v", want, got)
+		}
+	}
+	if r := got["true "+one]; r.Lease != nil && (r.Lease.Left < 100*365*24*time.Hour || r.Lease.Expires.Year() != 9999 || r.Lease.Granted.Year() != 1) {
+		t.Errorf("a lease whose expiry is infinity: %+v, want 9999-12-31, the longest time left, granted 0001-01-01", *r.Lease)
+	}
+	if r := got["true "+two]; r.Lease != nil && (r.Lease.Expires.Year() != 9999 || r.Lease.Granted.Year() != 9999) {
+		t.Errorf("a lease of year 20000: %+v, want 9999-12-31", *r.Lease)
+	}
+	if r := got["false "+one]; r.WaitStart == nil || r.WaitStart.Year() != 1 {
+		t.Errorf("a wait since -infinity: %+v, want since 0001-01-01", r)
+	}
+	if _, ok := got["true "+k.String()]; !ok {
+		t.Errorf("Inspect did not list the Locker's own lease of %s beside them", k)
+	}
+}

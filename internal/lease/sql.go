@@ -558,14 +558,28 @@ func RetireSQL(ids []session.ID, owner string) string {
 // in one statement: granted (false for a wait), space, key, term, holder, granted, expires, the milliseconds left
 // until expires on the server's clock (for a wait: 0, its since, its since, 0). Run it only where ReadableSQL said
 // yes, for waits too. The server's clock decides nothing here: it is what advlock ls shows.
+//
+// A time no Locker writes (infinity, or a year no driver reads, written by hand: the sweep leaves such a row alone,
+// and it holds its key until deleted) is listed as the nearest of 0001-01-01 and 9999-12-31, and the time left at
+// most the longest time.Duration, so that one such row lists as held for ever instead of failing the whole list.
 func ListSQL(waits bool) string {
-	q := "SELECT true, space, key, term, holder, granted, expires, " +
-		"(extract(epoch FROM expires - clock_timestamp()) * 1000)::int8 FROM " + Table + " WHERE expires > clock_timestamp()"
+	q := "SELECT true, space, key, term, holder, " + listTime("granted") + ", " + listTime("expires") + ", " +
+		"least(extract(epoch FROM " + listTime("expires") + " - clock_timestamp()) * 1000, " + maxLeftMS + ")::int8 FROM " +
+		Table + " WHERE expires > clock_timestamp()"
 	if waits {
-		q += " UNION ALL SELECT false, space, key, 0, holder, since, since, 0 FROM " + Waits + " AS w WHERE " + LiveWait
+		q += " UNION ALL SELECT false, space, key, 0, holder, " + listTime("since") + ", " + listTime("since") + ", 0 FROM " +
+			Waits + " AS w WHERE " + LiveWait
 	}
 	return q + " ORDER BY 1 DESC, 2, 3, 6"
 }
+
+// listTime is column c within the years every driver reads (see ListSQL).
+func listTime(c string) string {
+	return "least(greatest(" + c + ", '0001-01-01 00:00:00+00'::timestamptz), '9999-12-31 23:59:59+00'::timestamptz)"
+}
+
+// maxLeftMS is the longest time.Duration in whole milliseconds.
+const maxLeftMS = "9223372036854"
 
 // ReadableSQL yields whether the lease table, and the table of waits, exist and the current role may read them (no
 // error either way, even for a role that may not use schema public: a read inside the caller's transaction must
