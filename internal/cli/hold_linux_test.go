@@ -3,7 +3,6 @@ package cli
 import (
 	"context"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"syscall"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // run --hold-at-least: a quick COMMAND's KEY stays held until the hold has passed (advlock ls shows it held past
@@ -63,10 +63,11 @@ func TestRunHoldAtLeast(t *testing.T) {
 		t.Errorf("KEY still held after run exited")
 	}
 
-	// During a hold: advlock ls shows the key held past its work, in each of its forms; a second host's run
+	// During a hold (of an hour: only a signal or a loss ends it, whatever the machine's speed): advlock ls shows the key held past its work, in each of its forms; a second host's run
 	// --no-wait --quiet exits 75 printing nothing, and without --quiet says why.
-	q := start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "sh", "-c", commandThenGone)
-	inHold(t, q)
+	key, _ := advlock.ParseKey(k)
+	q := start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "1h", k, "--", "sh", "-c", commandThenGone)
+	inHold(t, obs, key, q)
 	if !held(k) {
 		t.Fatalf("KEY not held after COMMAND ended, during the hold")
 	}
@@ -87,7 +88,7 @@ func TestRunHoldAtLeast(t *testing.T) {
 		t.Errorf("run --no-wait during a hold: exit %d stderr %q", code, r.err.String())
 	}
 	// A signal during the hold ends it at once, with COMMAND's status.
-	if code := endHold(t, q); code != 0 {
+	if code := endHold(t, obs, key, q); code != 0 {
 		t.Errorf("SIGTERM during the hold: exit %d, want COMMAND's 0 (stderr %q)", code, q.err.String())
 	}
 	if held(k) {
@@ -95,8 +96,8 @@ func TestRunHoldAtLeast(t *testing.T) {
 	}
 
 	// A loss during the hold: reported, COMMAND's status kept.
-	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "30s", k, "--", "sh", "-c", commandThenGone)
-	inHold(t, q)
+	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "1h", k, "--", "sh", "-c", commandThenGone)
+	inHold(t, obs, key, q)
 	var pid int32
 	for deadline := time.Now().Add(10 * time.Second); pid == 0; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -125,39 +126,36 @@ func TestRunHoldAtLeast(t *testing.T) {
 // commandThenGone is a COMMAND that prints its pid, ignores the signals run forwards, and exits 0.
 const commandThenGone = `trap "" TERM INT HUP; echo $$`
 
-// endHold sends SIGTERM to p until it exits, and returns its exit status. (Sent again and again: the first may come
-// before run has begun to hold on, and is then COMMAND's, which may ignore it.)
-func endHold(t *testing.T, p *proc) int {
+// endHold ends p's hold (inHold first) with one SIGTERM, and returns run's exit status. Once the key is marked held
+// past its work, COMMAND has ended and run has unlocked: a signal then is run's, read by its hold (sent while COMMAND
+// ran it would be COMMAND's; sent again after the hold ended it could find run's handlers gone).
+func endHold(t *testing.T, obs *pgx.Conn, k advlock.Key, p *proc) int {
 	t.Helper()
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(300 * time.Millisecond) {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-p.done:
-		default:
-			if time.Now().Before(deadline) {
-				continue
-			}
-		}
-		break
+	inHold(t, obs, k, p)
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
 	}
 	return p.wait(t, 20*time.Second)
 }
 
-// inHold waits until p's COMMAND (commandThenGone) has exited and been reaped, and a moment more: run holds on.
-func inHold(t *testing.T, p *proc) {
+// inHold waits until Inspect lists k as held past its work (lingering): p's COMMAND has ended and run, having
+// unlocked before its --hold-at-least passed, holds on.
+func inHold(t *testing.T, obs *pgx.Conn, k advlock.Key, p *proc) {
 	t.Helper()
-	var pid string
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if pid = strings.TrimSpace(p.out.String()); pid != "" {
-			if _, err := os.Stat("/proc/" + pid); os.IsNotExist(err) {
-				break
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		rows, err := advlock.Inspect(context.Background(), obs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range rows {
+			if r.Key.Equal(k) && r.Granted && r.Lingering {
+				return
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("COMMAND (pid %q) still there after 20 s; stderr %q", pid, p.err.String())
+			t.Fatalf("%s not listed as held past its work 20 s on; stdout %q stderr %q", k, p.out.String(), p.err.String())
 		}
 	}
-	time.Sleep(300 * time.Millisecond)
 }
 
 // run --tick PERIOD: KEY becomes the name KEY@TICK for this host's clock rounded to PERIOD (COMMAND sees it in
@@ -171,7 +169,7 @@ func TestRunTick(t *testing.T) {
 		time.Sleep(d + time.Second)
 	}
 	want := advlock.TickKey(name, time.Now(), period)
-	p := start(t, dbEnv(t), "run", "--no-wait", "--tick", "1h", "--hold-at-least", "30s", name, "--", "sh", "-c", `trap "" TERM INT HUP; echo $ADVLOCK_KEY`)
+	p := start(t, dbEnv(t), "run", "--no-wait", "--tick", "1h", "--hold-at-least", "1h", name, "--", "sh", "-c", `trap "" TERM INT HUP; echo $ADVLOCK_KEY`)
 	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(p.out.String(), "@"); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("COMMAND did not run: stderr %q", p.err.String())
@@ -185,7 +183,7 @@ func TestRunTick(t *testing.T) {
 	if code := q.wait(t, 20*time.Second); code != exitNotAcquired || q.out.Len() != 0 {
 		t.Errorf("a second run of the tick during the hold: exit %d stdout %q, want 75", code, q.out.String())
 	}
-	if code := endHold(t, p); code != 0 {
+	if code := endHold(t, pgtest.Conn(t, pgtest.URL(t)), want, p); code != 0 {
 		t.Errorf("run --tick: exit %d (stderr %q)", code, p.err.String())
 	}
 	if code, _, errOut := run(t, "", "run", "--tick", "1m", "42", "--", "true"); code != exitUsage || !strings.Contains(errOut, "--tick needs KEY to be a name") {
