@@ -78,8 +78,8 @@ type LeaseInfo struct {
 	Expires time.Time     // when it ends unless renewed (the server's clock)
 	Left    time.Duration // until Expires, on the server's clock at the read
 	// A row no Locker writes (written by hand: an expiry at infinity, a year past 9999) holds its key until it is
-	// deleted (BreakLease): its times are listed as the nearest of 0001-01-01 and 9999-12-31, Left at most the
-	// longest Duration.
+	// deleted (BreakLease): its times are listed as the nearest of 0001-01-02 and 9999-12-30 (UTC), Left at most
+	// the longest Duration.
 }
 
 // HeldLock is one lock a waiting caller holds.

@@ -2,6 +2,7 @@ package advlock
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -194,14 +195,30 @@ func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 			t.Errorf("Inspect did not list %q: %v", want, got)
 		}
 	}
-	if r := got["true "+one]; r.Lease != nil && (r.Lease.Left < 100*365*24*time.Hour || r.Lease.Expires.Year() != 9999 || r.Lease.Granted.Year() != 1) {
-		t.Errorf("a lease whose expiry is infinity: %+v, want 9999-12-31, the longest time left, granted 0001-01-01", *r.Lease)
+	year := func(at time.Time) int { return at.UTC().Year() }
+	if r := got["true "+one]; r.Lease != nil && (r.Lease.Left < 100*365*24*time.Hour || year(r.Lease.Expires) != 9999 || year(r.Lease.Granted) != 1) {
+		t.Errorf("a lease whose expiry is infinity: %+v, want 9999-12-30, the longest time left, granted 0001-01-02", *r.Lease)
 	}
-	if r := got["true "+two]; r.Lease != nil && (r.Lease.Expires.Year() != 9999 || r.Lease.Granted.Year() != 9999) {
-		t.Errorf("a lease of year 20000: %+v, want 9999-12-31", *r.Lease)
+	if r := got["true "+two]; r.Lease != nil && (year(r.Lease.Expires) != 9999 || year(r.Lease.Granted) != 9999) {
+		t.Errorf("a lease of year 20000: %+v, want 9999-12-30", *r.Lease)
 	}
-	if r := got["false "+one]; r.WaitStart == nil || r.WaitStart.Year() != 1 {
-		t.Errorf("a wait since -infinity: %+v, want since 0001-01-01", r)
+	if r := got["false "+one]; r.WaitStart == nil || year(*r.WaitStart) != 1 {
+		t.Errorf("a wait since -infinity: %+v, want since 0001-01-02", r)
+	}
+	// What advlock ls --json prints: Go's JSON encoding of a time needs years 0 to 9999, in whatever zone the
+	// driver gives it.
+	for _, zone := range []*time.Location{time.FixedZone("+14", 14*3600), time.FixedZone("-12", -12*3600)} {
+		for _, r := range got {
+			at := []time.Time{r.Lease.Granted, r.Lease.Expires}
+			if r.WaitStart != nil {
+				at = append(at, *r.WaitStart)
+			}
+			for _, a := range at {
+				if _, err := json.Marshal(a.In(zone)); err != nil {
+					t.Errorf("%s in zone %s: %v", a, zone, err)
+				}
+			}
+		}
 	}
 	if _, ok := got["true "+k.String()]; !ok {
 		t.Errorf("Inspect did not list the Locker's own lease of %s beside them", k)

@@ -560,8 +560,9 @@ func RetireSQL(ids []session.ID, owner string) string {
 // yes, for waits too. The server's clock decides nothing here: it is what advlock ls shows.
 //
 // A time no Locker writes (infinity, or a year no driver reads, written by hand: the sweep leaves such a row alone,
-// and it holds its key until deleted) is listed as the nearest of 0001-01-01 and 9999-12-31, and the time left at
-// most the longest time.Duration, so that one such row lists as held for ever instead of failing the whole list.
+// and it holds its key until deleted) is listed as the nearest of 0001-01-02 and 9999-12-30 (UTC: years 1 to 9999
+// in every time zone, as Go's JSON encoding of a time requires), and the time left at most the longest
+// time.Duration, so that one such row lists as held for ever instead of failing the whole list.
 func ListSQL(waits bool) string {
 	q := "SELECT true, space, key, term, holder, " + listTime("granted") + ", " + listTime("expires") + ", " +
 		"least(extract(epoch FROM " + listTime("expires") + " - clock_timestamp()) * 1000, " + maxLeftMS + ")::int8 FROM " +
@@ -575,7 +576,7 @@ func ListSQL(waits bool) string {
 
 // listTime is column c within the years every driver reads (see ListSQL).
 func listTime(c string) string {
-	return "least(greatest(" + c + ", '0001-01-01 00:00:00+00'::timestamptz), '9999-12-31 23:59:59+00'::timestamptz)"
+	return "least(greatest(" + c + ", '0001-01-02 00:00:00+00'::timestamptz), '9999-12-30 00:00:00+00'::timestamptz)"
 }
 
 // maxLeftMS is the longest time.Duration in whole milliseconds.
