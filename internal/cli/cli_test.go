@@ -19,6 +19,7 @@ import (
 
 	"github.com/advlock/advlock"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -218,20 +219,29 @@ func holderOf(t *testing.T, key advlock.Key) advlock.LockInfo {
 	conn := pgtest.Conn(t, pgtest.URL(t))
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		rows, err := advlock.Inspect(context.Background(), conn)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, r := range rows {
-			if r.Granted && r.Key.Equal(key) {
-				return r
-			}
+		if r, ok := heldRow(t, conn, key); ok {
+			return r
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("nobody holds %s", key)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// heldRow is Inspect's row of key's holder, read once, if one holds it.
+func heldRow(t *testing.T, conn *pgx.Conn, key advlock.Key) (advlock.LockInfo, bool) {
+	t.Helper()
+	rows, err := advlock.Inspect(context.Background(), conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		if r.Granted && r.Key.Equal(key) {
+			return r, true
+		}
+	}
+	return advlock.LockInfo{}, false
 }
 
 func TestRunExclusion(t *testing.T) {

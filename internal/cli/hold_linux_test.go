@@ -21,25 +21,13 @@ import (
 func TestRunHoldAtLeast(t *testing.T) {
 	ctx := context.Background()
 	obs := pgtest.Conn(t, pgtest.URL(t))
-	held := func(k string) bool {
-		rows, err := advlock.Inspect(ctx, obs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		key, _ := advlock.ParseKey(k)
-		for _, r := range rows {
-			if r.Key == key && r.Granted {
-				return true
-			}
-		}
-		return false
-	}
-
 	k := strconv.FormatInt(time.Now().UnixNano(), 10) // an int8 KEY: Inspect shows it as it is
+	key, _ := advlock.ParseKey(k)
+	held := func() bool { _, ok := heldRow(t, obs, key); return ok }
 
 	// A short hold that ends by itself: run exits with COMMAND's status, not before the hold, and lets go. (Only the
-	// end is timed here; what is seen during a hold is checked below, in holds of 30 s ended by a signal, so that a
-	// slow machine cannot make the hold pass before the check.)
+	// end is timed here; what is seen during a hold is checked below, in holds of an hour that only a signal or a
+	// loss ends, so that a slow machine cannot make the hold pass before the check.)
 	const hold = 2 * time.Second
 	started := time.Now()
 	p := start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "2s", k, "--", "sh", "-c", "echo job; exit 3")
@@ -50,7 +38,7 @@ func TestRunHoldAtLeast(t *testing.T) {
 	}
 	time.Sleep(200 * time.Millisecond) // COMMAND has ended; run holds on
 	// The grant came after started, so a read that returned before started+hold saw the hold's time.
-	if h := held(k); !h && time.Since(started) < hold {
+	if h := held(); !h && time.Since(started) < hold {
 		t.Fatalf("KEY not held after COMMAND ended, during the hold")
 	}
 	if code := p.wait(t, 20*time.Second); code != 3 {
@@ -59,16 +47,15 @@ func TestRunHoldAtLeast(t *testing.T) {
 	if d := time.Since(started); d < hold {
 		t.Errorf("run exited %v after it started, before its hold of %v", d, hold)
 	}
-	if held(k) {
+	if held() {
 		t.Errorf("KEY still held after run exited")
 	}
 
-	// During a hold (of an hour: only a signal or a loss ends it, whatever the machine's speed): advlock ls shows the key held past its work, in each of its forms; a second host's run
+	// During a hold: advlock ls shows the key held past its work, in each of its forms; a second host's run
 	// --no-wait --quiet exits 75 printing nothing, and without --quiet says why.
-	key, _ := advlock.ParseKey(k)
 	q := start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "1h", k, "--", "sh", "-c", commandThenGone)
 	inHold(t, obs, key, q)
-	if !held(k) {
+	if !held() {
 		t.Fatalf("KEY not held after COMMAND ended, during the hold")
 	}
 	url := pgtest.URL(t)
@@ -91,27 +78,14 @@ func TestRunHoldAtLeast(t *testing.T) {
 	if code := endHold(t, obs, key, q); code != 0 {
 		t.Errorf("SIGTERM during the hold: exit %d, want COMMAND's 0 (stderr %q)", code, q.err.String())
 	}
-	if held(k) {
+	if held() {
 		t.Errorf("KEY still held after a SIGTERM ended the hold")
 	}
 
 	// A loss during the hold: reported, COMMAND's status kept.
 	q = start(t, dbEnv(t), "run", "--no-wait", "--hold-at-least", "1h", k, "--", "sh", "-c", commandThenGone)
 	inHold(t, obs, key, q)
-	var pid int32
-	for deadline := time.Now().Add(10 * time.Second); pid == 0; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("KEY never held")
-		}
-		rows, _ := advlock.Inspect(ctx, obs)
-		key, _ := advlock.ParseKey(k)
-		for _, row := range rows {
-			if row.Key == key && row.Granted {
-				pid = row.PID
-			}
-		}
-	}
-	if _, err := obs.Exec(ctx, "SELECT pg_terminate_backend($1::int4)", int64(pid)); err != nil {
+	if _, err := obs.Exec(ctx, "SELECT pg_terminate_backend($1::int4)", int64(holderOf(t, key).PID)); err != nil {
 		t.Fatal(err)
 	}
 	if code := q.wait(t, 20*time.Second); code != 0 || !strings.Contains(q.err.String(), "lost during --hold-at-least") {
@@ -123,8 +97,8 @@ func TestRunHoldAtLeast(t *testing.T) {
 	}
 }
 
-// commandThenGone is a COMMAND that prints its pid, ignores the signals run forwards, and exits 0.
-const commandThenGone = `trap "" TERM INT HUP; echo $$`
+// commandThenGone is a COMMAND that ignores the signals run forwards, and exits 0.
+const commandThenGone = `trap "" TERM INT HUP`
 
 // endHold ends p's hold (inHold first) with one SIGTERM, and returns run's exit status. Once the key is marked held
 // past its work, COMMAND has ended and run has unlocked: a signal then is run's, read by its hold (sent while COMMAND
@@ -143,14 +117,8 @@ func endHold(t *testing.T, obs *pgx.Conn, k advlock.Key, p *proc) int {
 func inHold(t *testing.T, obs *pgx.Conn, k advlock.Key, p *proc) {
 	t.Helper()
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		rows, err := advlock.Inspect(context.Background(), obs)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, r := range rows {
-			if r.Key.Equal(k) && r.Granted && r.Lingering {
-				return
-			}
+		if r, ok := heldRow(t, obs, k); ok && r.Lingering {
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("%s not listed as held past its work 20 s on; stdout %q stderr %q", k, p.out.String(), p.err.String())

@@ -388,11 +388,9 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt, slow bool) {
 	pids := map[uint32]bool{}
 	var calls []string // each call's time and error, for a failure's message
 	waited := 0        // calls seen waiting in the server
-	n := 0             // calls made
 	// 30 calls; with slow, on until 10 have waited in the server (at most 100 calls): on a loaded machine a
 	// connection may take far longer than 270 ms to be ready, and the calls before that cannot wait in the server.
 	for i := 0; i < 30 || slow && waited < 10 && i < 100; i++ {
-		n++
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 		var opts []advlock.CallOption
 		if waitOpt { // the bound is Wait's
@@ -453,6 +451,7 @@ func (s *suite) timedWaitsKeepSessions1(t *testing.T, waitOpt, slow bool) {
 			t.Errorf("call %d returned %v after it began (deadline 100ms)", i, took)
 		}
 	}
+	n := len(calls) // calls made
 	switch {
 	case len(pids) == 0 || len(pids) > 3 && !slow:
 		t.Errorf("%d timed-out waits used %d server sessions %v, want 1 to 3; the calls:\n%s", n, len(pids), pids,
