@@ -61,7 +61,7 @@ func renewed(t *testing.T, c *pgx.Conn, sql string) string {
 
 // freshTables makes a database of its own with the fencing sequence and the lease tables and functions, and returns
 // its URL.
-func freshTables(t *testing.T) string {
+func freshTables(t testing.TB) string {
 	t.Helper()
 	url := pgtest.FreshDB(t, pgtest.URL(t))
 	if _, err := pgtest.Conn(t, url).Exec(context.Background(), "CREATE SEQUENCE "+session.FenceSeq+"; "+CreateSQL); err != nil {
