@@ -101,11 +101,12 @@ func heldRefs(ctx context.Context) []session.Ref {
 
 // waiter is a watched wait: a Lock, RLock or Lead campaign whose caller holds locks.
 type waiter struct {
-	seq  int64 // in the order the Locker's waits began
-	t    session.Target
-	key  Key
-	held []session.Ref
-	tag  session.WaitTag
+	seq   int64     // in the order the Locker's waits began
+	since time.Time // when it began (the first reading of the graph comes deadlockFirst into the oldest wait)
+	t     session.Target
+	key   Key
+	held  []session.Ref
+	tag   session.WaitTag
 	// ownPath, guarded by l.mu: it takes a session of its own (its key was not free on a shared session, or it
 	// passed by its gate), so until it waits in the server it is a wait only its Locker sees.
 	ownPath bool
@@ -134,7 +135,7 @@ type noDetectKey struct{}
 // watchWait registers a wait of t whose caller holds held, and returns the context the wait goes on with: it
 // publishes the wait, and the detector ends it with a *DeadlockError as its cause.
 func (l *Locker) watchWait(ctx context.Context, key Key, t session.Target, held []session.Ref) (*waiter, context.Context) {
-	w := &waiter{t: t, key: key, held: held}
+	w := &waiter{t: t, key: key, held: held, since: time.Now()}
 	var b strings.Builder
 	b.WriteString("w=" + session.Ref{ID: t.ID, Shared: t.Shared}.Lock() + " h=")
 	for i, r := range held {
@@ -213,7 +214,19 @@ func (l *Locker) detect() {
 			l.mu.Unlock()
 			return
 		}
+		var oldest time.Time
+		for w := range l.waiters {
+			if oldest.IsZero() || w.since.Before(oldest) {
+				oldest = w.since
+			}
+		}
 		l.mu.Unlock()
+		// The timer may be a wait's that has ended, and the waits now younger (a wait granted at once, then another):
+		// none is read before it has lasted deadlockFirst.
+		if age := time.Since(oldest); age < deadlockFirst {
+			t.Reset(deadlockFirst - age)
+			continue
+		}
 		// Not in step with the waits' slices (which leave the queue for a moment each second): 0.75 to 1.25 s.
 		next := deadlockRound*3/4 + rand.N(deadlockRound/2)
 		if l.deadlockRound(&own) {

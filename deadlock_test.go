@@ -697,3 +697,60 @@ func (b *bundle) waitingPID(t *testing.T, k Key) uint32 {
 	}
 	return 0
 }
+
+// A Locker reads the lock graph only for a watched wait that has lasted half a second (deadlockFirst), also when
+// its detector was started by an earlier wait, granted at once: a wait begun 400 ms later that lasts 300 ms (its
+// key held by another Locker meanwhile) used to be read at the first wait's 500 ms, 100 ms into its own.
+func TestDeadlockNoReadingOfAYoungWait(t *testing.T) {
+	b := setup(t)
+	other := New(b.pool)
+	defer other.Close()
+	ctx := ctxT(t, 60*time.Second)
+	nop := func(context.Context) error { return nil }
+	for try := 1; ; try++ {
+		before := b.l.Stats().GraphReadings
+		outer, first, young := key(t), key(t), key(t)
+		start := time.Now()
+		if err := b.l.Do(ctx, outer, func(ctx context.Context) error { return b.l.Do(ctx, first, nop) }); err != nil {
+			t.Fatal(err) // a watched wait granted at once: it starts the detector
+		}
+		hold, err := other.Lock(ctx, young)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Until(start.Add(400 * time.Millisecond)))
+		go func() {
+			time.Sleep(300 * time.Millisecond)
+			if err := hold.Unlock(ctx); err != nil {
+				t.Error(err)
+			}
+		}()
+		var began time.Time
+		var lasted time.Duration
+		err = b.l.Do(ctx, outer, func(ctx context.Context) error {
+			began = time.Now()
+			defer func() { lasted = time.Since(began) }()
+			return b.l.Do(ctx, young, nop)
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(1500 * time.Millisecond) // past any reading either wait's timer would make
+		readings := b.l.Stats().GraphReadings - before
+		// The moment the first wait's timer fires (start+deadlockFirst) falls within the second wait, which is
+		// younger than deadlockFirst throughout.
+		if at := start.Add(deadlockFirst); lasted < deadlockFirst && began.Before(at) && began.Add(lasted).After(at) {
+			if readings != 0 {
+				t.Errorf("%d readings of the lock graph for waits of %v at most (the first began %v before the second)",
+					readings, lasted.Round(time.Millisecond), 400*time.Millisecond)
+			}
+			return
+		}
+		// A loaded machine: the second wait came too late, or lasted half a second itself (and may have been read).
+		t.Logf("try %d: the second wait began %v after the first and lasted %v; again", try,
+			began.Sub(start).Round(time.Millisecond), lasted.Round(time.Millisecond))
+		if try == 5 {
+			t.Fatalf("in 5 tries no wait shorter than %v across the first's timer: the test proves nothing", deadlockFirst)
+		}
+	}
+}
