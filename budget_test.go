@@ -600,19 +600,23 @@ func TestBudgetWaitServed(t *testing.T) {
 	}
 	s := sample(t, url, app)
 	time.Sleep(200 * time.Millisecond) // the others take the key in turn
-	start := time.Now()
-	lk, err := l.Lock(ctx, hot, Wait(10*time.Second))
-	if err != nil {
-		t.Fatalf("a wait behind a hot key with every session of its own taken, while the others took it %d times: %v",
-			taken.Load(), err)
-	}
-	t.Logf("granted after %v (the others took it %d times meanwhile); %d yields", time.Since(start).Round(time.Millisecond),
-		taken.Load(), l.Stats().WaitYields)
-	if err := lk.Unlock(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if l.Stats().WaitYields == 0 {
-		t.Error("no wait gave its session up")
+	// A try may find the key free between two of the others (once in a loaded CI run, after 22 ms): no wait then,
+	// and nothing gave its session up. Again, at most 20 times, until a wait was served by a campaign's session.
+	for try := 1; l.Stats().WaitYields == 0; try++ {
+		if try > 20 {
+			t.Fatal("in 20 waits, none made a campaign give its session up: each found the key free at once")
+		}
+		start := time.Now()
+		lk, err := l.Lock(ctx, hot, Wait(10*time.Second))
+		if err != nil {
+			t.Fatalf("a wait behind a hot key with every session of its own taken, while the others took it %d times: %v",
+				taken.Load(), err)
+		}
+		t.Logf("granted after %v (the others took it %d times meanwhile); %d yields", time.Since(start).Round(time.Millisecond),
+			taken.Load(), l.Stats().WaitYields)
+		if err := lk.Unlock(ctx); err != nil {
+			t.Fatal(err)
+		}
 	}
 	stop()
 	bg.Wait()
