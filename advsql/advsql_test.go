@@ -14,18 +14,31 @@ import (
 	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/conformance"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
-	_ "github.com/jackc/pgx/v5/stdlib"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 	_ "github.com/lib/pq"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
-// openDB opens a *sql.DB with driver ("pgx" or "postgres") and closes it when the test ends.
+// openDB opens a *sql.DB with driver ("pgx" or "postgres") and closes it when the test ends. pgx's connections
+// send no cancel request to a PgBouncer that one can crash (see pgtest.DropCancels; lib/pq's suite runs with
+// NoCancel there).
 func openDB(t *testing.T, driver, url string) *sql.DB {
 	t.Helper()
-	db, err := sql.Open(driver, url)
-	if err != nil {
-		t.Fatal(err)
+	var db *sql.DB
+	if driver == "pgx" {
+		cfg, err := pgx.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pgtest.DropCancels(&cfg.Config)
+		db = stdlib.OpenDB(*cfg)
+	} else {
+		var err error
+		if db, err = sql.Open(driver, url); err != nil {
+			t.Fatal(err)
+		}
 	}
 	t.Cleanup(func() { db.Close() })
 	return db
@@ -268,7 +281,7 @@ func TestPgBouncer(t *testing.T) {
 				be := Backend(driver, burl, url)
 				be.Pooled = true
 				be.CancelIterations = 300 // the full count runs on the direct backends
-				be.NoCancel = driver == "postgres" && bouncerCrashesOnCancel(t)
+				be.NoCancel = driver == "postgres" && pgtest.BouncerCrashesOnCancel()
 				conformance.Run(t, be)
 			})
 		}
@@ -316,17 +329,6 @@ func TestPgBouncer(t *testing.T) {
 			})
 		}
 	})
-}
-
-// bouncerCrashesOnCancel reports whether the installed PgBouncer is one (1.18 to 1.20) that can exit with "server in
-// bad state" when a cancel request arrives for a server connection being cancelled (pgbouncer issue #822, fixed by
-// pull request #927). lib/pq sends a cancel request whenever a context ends while a statement runs.
-func bouncerCrashesOnCancel(t *testing.T) bool {
-	v, err := pgtest.BouncerVersion()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return v[0] == 1 && v[1] >= 18 && v[1] <= 20
 }
 
 // DoTx leaves its transaction without a snapshot once the lock is granted, with either driver: the holder's own

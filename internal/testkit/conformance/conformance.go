@@ -44,7 +44,8 @@ type Backend struct {
 	Shares bool
 	// NoCancel: tests must not end a context while a statement runs (the subtests that do are skipped, and the
 	// ended-ctx unlock over a slow link too). PgBouncer 1.18 to 1.20 can crash on the cancel requests that lib/pq
-	// then sends (pgbouncer issue #822 and its kin).
+	// then sends (pgbouncer issue #822 and its kin). pgx's connections, opened with pgtest's helpers, drop theirs
+	// there instead (pgtest.DropCancels), and run every subtest.
 	NoCancel bool
 }
 
@@ -550,6 +551,7 @@ func (s *suite) proxyURL(t *testing.T) (string, *faults.Proxy) {
 		t.Fatal(err)
 	}
 	p := faults.Start(t, u.Host)
+	pgtest.NoCancelsTo(p.Addr(), u.Host)
 	u.Host = p.Addr()
 	q := u.Query()
 	q.Set("connect_timeout", "2")

@@ -1,6 +1,7 @@
 package pgtest
 
 import (
+	"net/url"
 	"os"
 	"testing"
 
@@ -21,6 +22,13 @@ func StartBouncer(tb testing.TB, serverURL, mode string) *pgcluster.Bouncer {
 	b, err := pgcluster.StartBouncer(serverURL, mode)
 	if err != nil {
 		tb.Fatalf("pgtest: %v", err)
+	}
+	if BouncerCrashesOnCancel() {
+		u, err := url.Parse(b.URL)
+		if err != nil {
+			tb.Fatalf("pgtest: %v", err)
+		}
+		noCancelAddrs.Store(u.Host, true) // see DropCancels
 	}
 	tb.Cleanup(func() {
 		if died := b.Died(); died != "" {

@@ -118,6 +118,7 @@ func Pool(tb testing.TB, url string, cfg func(*pgxpool.Config)) *pgxpool.Pool {
 		tb.Fatal(err)
 	}
 	pc.MaxConns = 32
+	DropCancels(&pc.ConnConfig.Config)
 	if cfg != nil {
 		cfg(pc)
 	}
@@ -137,7 +138,12 @@ func Conn(tb testing.TB, url string) *pgx.Conn {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := pgx.Connect(ctx, url)
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	DropCancels(&cfg.Config)
+	c, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
