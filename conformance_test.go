@@ -90,9 +90,11 @@ func TestConformance(t *testing.T) {
 		if testing.Short() {
 			t.Skip("starts pgbouncer")
 		}
-		be := pgxBackend(pgtest.Bouncer(t, url, "session"), url)
+		b := pgtest.StartBouncer(t, url, "session")
+		pgtest.NoCancelsReached(t, b)
+		be := pgxBackend(b.URL, url)
 		be.Pooled = true
-		be.CancelIterations = 300 // the cancel race's 1000 run on the direct backend; PgBouncer relays the same cancel
+		be.CancelIterations = 300 // the cancel race's 1000 run on the direct backend
 		conformance.Run(t, be)
 	})
 }

@@ -274,14 +274,20 @@ func TestPgBouncer(t *testing.T) {
 	}
 	url := pgtest.URL(t)
 	t.Run("session", func(t *testing.T) {
-		burl := pgtest.Bouncer(t, url, "session")
+		b := pgtest.StartBouncer(t, url, "session")
+		pgtest.NoCancelsReached(t, b)
+		crashes, err := pgtest.BouncerCrashesOnCancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		burl := b.URL
 		for _, driver := range []string{"pgx", "postgres"} {
 			t.Run(driver, func(t *testing.T) {
 				t.Parallel() // as in TestConformance
 				be := Backend(driver, burl, url)
 				be.Pooled = true
 				be.CancelIterations = 300 // the full count runs on the direct backends
-				be.NoCancel = driver == "postgres" && pgtest.BouncerCrashesOnCancel()
+				be.NoCancel = driver == "postgres" && crashes
 				conformance.Run(t, be)
 			})
 		}

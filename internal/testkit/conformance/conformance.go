@@ -37,8 +37,9 @@ type Backend struct {
 	EventDriven bool
 	// CancelIterations for the cancel race (at least 1000 unless -short).
 	CancelIterations int
-	// Pooled: a pooler (PgBouncer) sits between; closing a client connection resets the server session (DISCARD
-	// ALL drops its advisory locks) instead of ending it.
+	// Pooled: a pooler (PgBouncer) sits between; closing an idle client connection resets the server session
+	// (DISCARD ALL drops its advisory locks) instead of ending it; closing one whose statement runs closes the
+	// server connection, whose backend ends once its statement does.
 	Pooled bool
 	// Shares: the backend supports shared sessions; the suite then runs in both modes.
 	Shares bool
@@ -551,7 +552,7 @@ func (s *suite) proxyURL(t *testing.T) (string, *faults.Proxy) {
 		t.Fatal(err)
 	}
 	p := faults.Start(t, u.Host)
-	pgtest.NoCancelsTo(p.Addr(), u.Host)
+	pgtest.NoCancelsTo(t, p.Addr(), u.Host)
 	u.Host = p.Addr()
 	q := u.Query()
 	q.Set("connect_timeout", "2")

@@ -3,6 +3,8 @@ package pgtest
 import (
 	"net/url"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/advlock/advlock/internal/pgcluster"
@@ -23,12 +25,19 @@ func StartBouncer(tb testing.TB, serverURL, mode string) *pgcluster.Bouncer {
 	if err != nil {
 		tb.Fatalf("pgtest: %v", err)
 	}
-	if BouncerCrashesOnCancel() {
+	crashes, err := BouncerCrashesOnCancel()
+	if err != nil {
+		b.Stop()
+		os.RemoveAll(b.Dir)
+		tb.Fatalf("pgtest: %v", err)
+	}
+	if crashes {
 		u, err := url.Parse(b.URL)
 		if err != nil {
 			tb.Fatalf("pgtest: %v", err)
 		}
 		noCancelAddrs.Store(u.Host, true) // see DropCancels
+		tb.Cleanup(func() { noCancelAddrs.Delete(u.Host) })
 	}
 	tb.Cleanup(func() {
 		if died := b.Died(); died != "" {
@@ -44,3 +53,37 @@ func StartBouncer(tb testing.TB, serverURL, mode string) *pgcluster.Bouncer {
 
 // BouncerVersion returns the installed PgBouncer's major and minor version.
 func BouncerVersion() ([2]int, error) { return pgcluster.BouncerVersion() }
+
+// NoCancelsReached fails the test, as it ends, when a cancel request reached b, a PgBouncer that one can crash (see
+// DropCancels), according to its log: the check that what the test opened through it went through DropCancels (or
+// sends none, as lib/pq with NoCancel). Call it right after StartBouncer.
+func NoCancelsReached(tb testing.TB, b *pgcluster.Bouncer) {
+	tb.Helper()
+	crashes, err := BouncerCrashesOnCancel()
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	if !crashes {
+		return
+	}
+	tb.Cleanup(func() {
+		log, err := os.ReadFile(filepath.Join(b.Dir, "log"))
+		if err != nil {
+			tb.Errorf("pgtest: PgBouncer's log: %v", err)
+			return
+		}
+		var n int
+		var first string
+		for _, l := range strings.Split(string(log), "\n") {
+			if strings.Contains(l, "cancel req") { // "cancel request", "cancel req"
+				if n == 0 {
+					first = l
+				}
+				n++
+			}
+		}
+		if n > 0 {
+			tb.Errorf("pgtest: %d lines of the log of a PgBouncer that cancel requests can crash tell of one, the first: %s", n, first)
+		}
+	})
+}

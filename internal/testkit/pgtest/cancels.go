@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -30,16 +31,21 @@ var droppedCancels atomic.Int64
 
 // BouncerCrashesOnCancel reports whether the installed PgBouncer is one (1.18 to 1.20) that cancel requests can
 // crash (see above).
-func BouncerCrashesOnCancel() bool {
+func BouncerCrashesOnCancel() (bool, error) {
 	v, err := BouncerVersion()
-	return err == nil && v[0] == 1 && v[1] >= 18 && v[1] <= 20
+	if err != nil {
+		return false, err
+	}
+	return v[0] == 1 && v[1] >= 18 && v[1] <= 20, nil
 }
 
 // NoCancelsTo makes the connections DropCancels configures for addr (host:port) send no cancel request when the
-// one at upstream (host:port) takes none: a proxy at addr in front of a crash-prone PgBouncer at upstream.
-func NoCancelsTo(addr, upstream string) {
+// one at upstream (host:port) takes none, until the test ends: a proxy at addr in front of a crash-prone PgBouncer
+// at upstream.
+func NoCancelsTo(tb testing.TB, addr, upstream string) {
 	if _, ok := noCancelAddrs.Load(upstream); ok {
 		noCancelAddrs.Store(addr, true)
+		tb.Cleanup(func() { noCancelAddrs.Delete(addr) })
 	}
 }
 
@@ -50,7 +56,8 @@ func TakesCancels(cfg *pgconn.Config) bool {
 }
 
 // DropCancels makes the connections cfg opens drop the cancel requests they would send, when its address takes
-// none (TakesCancels); otherwise it leaves cfg alone.
+// none (TakesCancels); otherwise it leaves cfg alone. Only a plain cancel request is seen: one sent over TLS (which
+// the PgBouncers the tests start do not offer) goes through.
 func DropCancels(cfg *pgconn.Config) {
 	if TakesCancels(cfg) {
 		return
