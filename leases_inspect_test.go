@@ -156,7 +156,8 @@ func (f endObserver) Session(SessionEvent) {}
 func (f endObserver) LockEnd(e LockEnd)    { f(e) }
 
 // Inspect lists rows that no Locker writes (an expiry at infinity, a time past any driver's years, written by hand)
-// as held for ever, beside the others, instead of failing: such a row holds its key until someone deletes it.
+// as held for ever, beside the others, instead of failing: such a row holds its key until someone deletes it, and
+// a try or a wait for its key is refused or waits.
 func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 	ctx := ctxT(t, 30*time.Second)
 	url := pgtest.FreshDB(t, pgtest.URL(t))
@@ -222,5 +223,17 @@ func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 	}
 	if _, ok := got["true "+k.String()]; !ok {
 		t.Errorf("Inspect did not list the Locker's own lease of %s beside them", k)
+	}
+	// Their keys are held: a try is refused, a wait waits (the grants of earlier versions failed with an SQL error).
+	for _, hk := range []Key{Int64Key(1), Int64Key(2)} {
+		if _, err := l.TryLock(ctx, hk); !errors.Is(err, ErrNotAcquired) {
+			t.Errorf("TryLock of %s, held by a row written by hand: %v, want ErrNotAcquired", hk, err)
+		}
+		wctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+		_, err := l.Lock(wctx, hk)
+		cancel()
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Lock of %s with 500 ms, held by a row written by hand: %v, want the deadline", hk, err)
+		}
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -140,13 +141,17 @@ func parseAnswer(s string) (answer, error) {
 		a.term = n[0]
 	case a.kind == 'h' && len(n) == 5:
 		a.rec = record{n[0], n[1]}
-		a.holderLen, a.left = time.Duration(n[2])*time.Millisecond, time.Duration(n[3])*time.Millisecond
+		// The time left within what a time.Duration holds (the server's function bounds it too).
+		a.holderLen, a.left = time.Duration(n[2])*time.Millisecond, time.Duration(min(max(n[3], -maxLeft), maxLeft))*time.Millisecond
 	case strings.IndexByte("wrls", a.kind) >= 0 && len(n) == 1:
 	default:
 		return bad()
 	}
 	return a, nil
 }
+
+// maxLeft is the longest time.Duration in whole milliseconds (maxLeftMS).
+const maxLeft = math.MaxInt64 / int64(time.Millisecond)
 
 // notGranted is the error of a grant answered other than 'g'.
 func (a answer) notGranted() error {

@@ -56,9 +56,9 @@ const LiveWait = "w.seen > clock_timestamp() - interval '3 seconds' AND w.seen <
 // while a deploy rolls. Earlier versions: advlock_lease_grant_v1 and _v2 (a takeover decided by the server's clock)
 // and advlock_lease_renew_v1 and _v2 (one lease a call), advlock_lease_grant_v3 and advlock_lease_renew_many_v1
 // (each commit flushed its WAL), advlock_lease_grant_v4 (its wait after a crash was the asker's lease length, in a
-// table of another shape).
+// table of another shape), advlock_lease_grant_v5 (it failed on a row whose expiry is infinity, see rowExp).
 const (
-	grantFunc   = "public.advlock_lease_grant_v5"
+	grantFunc   = "public.advlock_lease_grant_v6"
 	renewFunc   = "public.advlock_lease_renew_many_v2"
 	releaseFunc = "public.advlock_lease_release_v1"
 )
@@ -165,6 +165,7 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"  mine timestamptz;\n" +
 	"  durable text := " + lazy + ";\n" +
 	"  bounded text := set_config('lock_timeout', '1000', true);\n" +
+	"  r_far bool;\n" +
 	"  r_term int8;\n" +
 	"  r_exp int8;\n" +
 	"  r_len int8;\n" +
@@ -178,8 +179,9 @@ const grantDDL = "FUNCTION " + grantFunc + "(sp int, k int8, own text, hold text
 	"  IF wt <> '' THEN\n" +
 	"    SELECT w.since INTO mine FROM " + Waits + " AS w WHERE w.space = sp AND w.key = k AND w.waiter = wt;\n" +
 	"  END IF;\n" +
-	"  SELECT l.term, (extract(epoch FROM l.expires) * 1000000)::int8, CASE WHEN l.owner ~ '/[0-9]{1,12}$' THEN substring(l.owner FROM '/([0-9]+)$')::int8 ELSE 0 END, " +
-	"(extract(epoch FROM l.expires - clock_timestamp()) * 1000)::int8 INTO r_term, r_exp, r_len, r_left FROM " + Table +
+	"  SELECT " + farExp + ", l.term, " + rowExp + ", CASE WHEN " + farExp + " THEN 0 WHEN l.owner ~ '/[0-9]{1,12}$' THEN substring(l.owner FROM '/([0-9]+)$')::int8 ELSE 0 END, " +
+	"CASE WHEN " + farExp + " THEN " + maxLeftMS + " ELSE greatest(least(extract(epoch FROM l.expires - clock_timestamp()) * 1000, " +
+	maxLeftMS + "), -" + maxLeftMS + ")::int8 END INTO r_far, r_term, r_exp, r_len, r_left FROM " + Table +
 	" AS l WHERE l.space = sp AND l.key = k;\n" +
 	"  IF " + heldCheck + " THEN\n" +
 	"    res := 'h ' || r_term || ' ' || r_exp || ' ' || r_len || ' ' || r_left;\n" +
@@ -267,11 +269,26 @@ const restartQuiet = "  IF coalesce(booted, clock_timestamp()) > clock_timestamp
 // errLateGrant is the SQLSTATE of a grant that ran past its until (grantDDL): nothing was granted.
 const errLateGrant = "AL001"
 
-// heldCheck: the key has a row other than the record the caller has seen unchanged for a lease length.
-const heldCheck = "r_term IS NOT NULL AND (r_term <> seen_term OR r_exp <> seen_exp)"
+// heldCheck: the key has a row other than the record the caller has seen unchanged for a lease length, or one whose
+// expiry no Locker writes (farExp), which nobody takes over.
+const heldCheck = "r_term IS NOT NULL AND (r_term <> seen_term OR r_exp <> seen_exp OR r_far)"
 
 // takeoverCheck: the row found on conflict is the record the caller has seen unchanged for a lease length.
-const takeoverCheck = "l.term = seen_term AND " + "(extract(epoch FROM l.expires) * 1000000)::int8" + " = seen_exp"
+const takeoverCheck = "l.term = seen_term AND " + rowExp + " = seen_exp AND NOT (" + farExp + ")"
+
+// rowExp is a row's expiry in microseconds as grants name it: within listTime's years, so that an expiry no Locker
+// writes (infinity, a year past 9999, written by hand) is a number too, where extract's would not fit an int8 (the
+// grants of earlier versions failed on it). Expiries a Locker writes are as they are.
+const rowExp = "(extract(epoch FROM " + listedExp + ") * 1000000)::int8"
+
+// listedExp is listTime("l.expires"), as a constant.
+const listedExp = "least(greatest(l.expires, " + firstListed + "), " + lastListed + ")"
+
+// farExp: the row's expiry is one no Locker writes (outside listTime's years). A grant answers such a row as held
+// by a holder of unknown length with the longest time left (r_len 0, r_left maxLeftMS), so that no caller's
+// sighting of it ever matures into a takeover, and refuses a takeover that names it anyway (heldCheck,
+// takeoverCheck): it holds its key until someone deletes it, as the sweep leaves it.
+const farExp = "l.expires <> " + listedExp
 
 // renewDDL: see RenewManySQL. Its parameters: for each lease renewed, its space, key, owner, term and until (as for
 // a grant: the end of the holder's trust on the server's clock as the holder knows it, 0 for no limit), each an
@@ -576,8 +593,14 @@ func ListSQL(waits bool) string {
 
 // listTime is column c within the years every driver reads (see ListSQL).
 func listTime(c string) string {
-	return "least(greatest(" + c + ", '0001-01-02 00:00:00+00'::timestamptz), '9999-12-30 00:00:00+00'::timestamptz)"
+	return "least(greatest(" + c + ", " + firstListed + "), " + lastListed + ")"
 }
+
+// The first and last times listed (see ListSQL).
+const (
+	firstListed = "'0001-01-02 00:00:00+00'::timestamptz"
+	lastListed  = "'9999-12-30 00:00:00+00'::timestamptz"
+)
 
 // maxLeftMS is the longest time.Duration in whole milliseconds.
 const maxLeftMS = "9223372036854"

@@ -152,6 +152,48 @@ func TestStatements(t *testing.T) {
 	term(t, c, GrantSQL(session.ID{Pair: true, V: 7<<32 | 9}, "y", "y", time.Second, "", record{}, 0))
 }
 
+// Rows no Locker writes (written by hand): an expiry at infinity, -infinity or past year 9999 is held, answered
+// with a record (not an SQL error, as the grants of earlier versions gave), by a holder of no known length with the
+// longest time left, so that no sighting of it matures into a takeover, whatever its owner says; naming its record
+// takes nothing. An expiry within the years, however far, is a row like any other: its owner's length, its time
+// left within a time.Duration, taken over by naming its record.
+func TestGrantRowsWrittenByHand(t *testing.T) {
+	url := freshTables(t)
+	c := pgtest.Conn(t, url)
+	ctx := context.Background()
+	far := []string{"infinity", "-infinity", "20000-01-01 00:00:00+00"}
+	for i, exp := range append(far, "9000-01-01 00:00:00+00", "1000-01-01 00:00:00+00") {
+		id := session.ID{V: int64(100 + i)}
+		if _, err := c.Exec(ctx, "INSERT INTO "+Table+" (space, key, owner, term, expires) VALUES (1, $1, 'hand/500', 7, $2::timestamptz)", id.V, exp); err != nil {
+			t.Fatal(err)
+		}
+		a := ask(t, c, GrantSQL(id, "asker/300", "asker", 300*time.Millisecond, "", record{}, 0))
+		if a.kind != 'h' || a.rec.term != 7 {
+			t.Fatalf("a try of a key whose row expires at %s: %+v, want held by term 7", exp, a)
+		}
+		if i < len(far) {
+			if a.holderLen != 0 || a.left != time.Duration(maxLeft)*time.Millisecond {
+				t.Errorf("expiry %s: holder's length %v, left %v; want 0 and the longest time.Duration", exp, a.holderLen, a.left)
+			}
+			cl := &Client{cfg: Config{Length: 300 * time.Millisecond}, seen: map[session.ID]sighting{}}
+			cl.observe(id, a, time.Now())
+			if r := cl.matured(id, time.Now().Add(100*365*24*time.Hour)); r != (record{}) {
+				t.Errorf("expiry %s: a sighting matured a century on", exp)
+			}
+			if r := ask(t, c, GrantSQL(id, "asker/300", "asker", 300*time.Millisecond, "", a.rec, 0)); r.kind != 'h' {
+				t.Errorf("expiry %s: a takeover naming its record: %+v, want held", exp, r)
+			}
+			continue
+		}
+		if a.holderLen != 500*time.Millisecond || (a.left > 0) != (i == len(far)) {
+			t.Errorf("expiry %s: holder's length %v, left %v; want 500ms, left of the expiry's sign", exp, a.holderLen, a.left)
+		}
+		if g := ask(t, c, GrantSQL(id, "asker/300", "asker", 300*time.Millisecond, "", a.rec, 0)); g.kind != 'g' {
+			t.Errorf("expiry %s: a takeover naming its record: %+v, want granted", exp, g)
+		}
+	}
+}
+
 // One statement renews many leases, each as its own statement would, and answers a letter for each in order: "1"
 // for a holder's lease (an int8 key and a pair), "0" for another owner's or another term's, "l" past its until;
 // a row another transaction has locked (a taker's grant under way) is "b" at once, the statement waiting for no row
