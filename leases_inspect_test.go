@@ -172,7 +172,8 @@ func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 	defer lk.Unlock(ctx)
 	for _, q := range []string{
 		"INSERT INTO public.advlock_lease (space, key, owner, term, expires, granted, holder) VALUES " +
-			"(1, 1, 'by hand', 1, 'infinity', '-infinity', 'hand 1'), (1, 2, 'by hand', 2, '20000-01-01', 'infinity', 'hand 2')",
+			"(1, 1, 'by hand', 1, 'infinity', '-infinity', 'hand 1'), (1, 2, 'by hand', 2, '20000-01-01', 'infinity', 'hand 2'), " +
+			"(1, 3, 'by hand/500', 3, '-infinity', clock_timestamp(), 'hand 3')",
 		"INSERT INTO public.advlock_lease_wait (space, key, waiter, since, seen, holder) VALUES " +
 			"(1, 1, 'by hand', '-infinity', clock_timestamp(), 'hand 3')",
 	} {
@@ -190,8 +191,8 @@ func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 			got[fmt.Sprint(r.Granted, " ", r.Key)] = r
 		}
 	}
-	one, two := Int64Key(1).String(), Int64Key(2).String()
-	for _, want := range []string{"true " + one, "true " + two, "false " + one} {
+	one, two, three := Int64Key(1).String(), Int64Key(2).String(), Int64Key(3).String()
+	for _, want := range []string{"true " + one, "true " + two, "true " + three, "false " + one} {
 		if _, ok := got[want]; !ok {
 			t.Errorf("Inspect did not list %q: %v", want, got)
 		}
@@ -202,6 +203,9 @@ func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 	}
 	if r := got["true "+two]; r.Lease != nil && (year(r.Lease.Expires) != 9999 || year(r.Lease.Granted) != 9999) {
 		t.Errorf("a lease of year 20000: %+v, want 9999-12-30", *r.Lease)
+	}
+	if r := got["true "+three]; r.Lease != nil && (r.Lease.Left < 100*365*24*time.Hour || year(r.Lease.Expires) != 9999) {
+		t.Errorf("a lease whose expiry is -infinity (held until deleted): %+v, want 9999-12-30, the longest time left", *r.Lease)
 	}
 	if r := got["false "+one]; r.WaitStart == nil || year(*r.WaitStart) != 1 {
 		t.Errorf("a wait since -infinity: %+v, want since 0001-01-02", r)
@@ -225,7 +229,7 @@ func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 		t.Errorf("Inspect did not list the Locker's own lease of %s beside them", k)
 	}
 	// Their keys are held: a try is refused, a wait waits (the grants of earlier versions failed with an SQL error).
-	for _, hk := range []Key{Int64Key(1), Int64Key(2)} {
+	for _, hk := range []Key{Int64Key(1), Int64Key(2), Int64Key(3)} {
 		if _, err := l.TryLock(ctx, hk); !errors.Is(err, ErrNotAcquired) {
 			t.Errorf("TryLock of %s, held by a row written by hand: %v, want ErrNotAcquired", hk, err)
 		}
@@ -235,5 +239,17 @@ func TestLeaseInspectRowsWrittenByHand(t *testing.T) {
 		if !errors.Is(err, context.DeadlineExceeded) {
 			t.Errorf("Lock of %s with 500 ms, held by a row written by hand: %v, want the deadline", hk, err)
 		}
+	}
+	// What ls lists, break deletes (the row at -infinity was listed by nobody before, and so could not be broken).
+	if r := got["true "+three]; r.Lease == nil {
+		t.Fatal("the row at -infinity was not listed: nothing to break")
+	}
+	if ok, err := BreakLease(ctx, conn, Int64Key(3), got["true "+three].Lease.Token); err != nil || !ok {
+		t.Errorf("BreakLease of the row at -infinity: %v, %v", ok, err)
+	}
+	if lk, err := l.TryLock(ctx, Int64Key(3)); err != nil {
+		t.Errorf("TryLock after the row at -infinity was broken: %v", err)
+	} else {
+		_ = lk.Unlock(ctx)
 	}
 }

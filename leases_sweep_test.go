@@ -153,9 +153,10 @@ func TestLeaseSweep(t *testing.T) {
 // holder that may still trust them: more than a read covers, 2,000 rows of each table), then 2,496 leases of a dead
 // holder whose owner says 1 s, and the live leases of two Lockers of 1.5 s among them; all of them expire an hour away
 // on the server's clock (as after the server's clock stepped back an hour); 2,500 waits seen an hour ahead; and a
-// row no Locker made, whose expiry is infinity. The sweep deletes every dead lease and wait, and nothing else: the
-// 60 s leases stay, and so do the live ones, with their terms, though each Locker reads the other's at every sweep,
-// and the row at infinity. The server says so (the tables).
+// rows no Locker made, whose expiries are infinity, -infinity, and years 20000 and 294270 (past what extract's
+// microseconds fit in an int8), the last three with an owner that says 500 ms. The sweep deletes every dead lease
+// and wait, and nothing else: the 60 s leases stay, and so do the live ones, with their terms, though each Locker
+// reads the other's at every sweep, and the four rows at times no Locker writes. The server says so (the tables).
 func TestLeaseSweepReadsEveryRow(t *testing.T) {
 	t.Parallel()
 	url := pgtest.FreshDB(t, pgtest.URL(t))
@@ -184,7 +185,8 @@ func TestLeaseSweepReadsEveryRow(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires, holder) "+
-		"VALUES (1, -1, 'by hand', 1, 'infinity', 'sweep-long')"); err != nil {
+		"VALUES (1, -1, 'by hand', 1, 'infinity', 'sweep-long'), (1, -2, 'by hand/500', 2, '-infinity', 'sweep-long'), "+
+		"(1, -3, 'by hand/500', 3, '20000-01-01 00:00:00+00', 'sweep-long'), (1, -4, 'by hand/500', 4, '294270-01-01 00:00:00+00', 'sweep-long')"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires, holder) "+
@@ -222,7 +224,7 @@ func TestLeaseSweepReadsEveryRow(t *testing.T) {
 		}
 	}
 	var kept int
-	if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Table+" WHERE holder = 'sweep-long'").Scan(&kept); err != nil || kept != long+1 {
-		t.Errorf("%d of the %d leases whose owner says 60 s and the row at infinity are left (%v)", kept, long+1, err)
+	if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Table+" WHERE holder = 'sweep-long'").Scan(&kept); err != nil || kept != long+4 {
+		t.Errorf("%d of the %d leases whose owner says 60 s and the 4 rows at times no Locker writes are left (%v)", kept, long+4, err)
 	}
 }

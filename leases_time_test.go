@@ -430,7 +430,10 @@ func TestLeaseStalledPoolerGrantsNothingLate(t *testing.T) {
 	ctx := ctxT(t, 60*time.Second)
 	b := pgtest.StartBouncer(t, url, "transaction")
 	const length = 2 * time.Second
-	l, err := Open(ctx, b.URL, WithLeases(), WithLeaseLength(length))
+	// No cancel request: the try's, given up in the stopped PgBouncer, would reach it with the try's statement and
+	// its client's close, the moment PgBouncer 1.18 can crash at, and could end the late grant this test is about.
+	l, err := Open(ctx, b.URL, WithLeases(), WithLeaseLength(length),
+		WithPoolConfig(func(c *pgxpool.Config) { pgtest.DropCancels(&c.ConnConfig.Config) }))
 	if err != nil {
 		t.Fatal(err)
 	}

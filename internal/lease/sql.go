@@ -576,20 +576,25 @@ func RetireSQL(ids []session.ID, owner string) string {
 // until expires on the server's clock (for a wait: 0, its since, its since, 0). Run it only where ReadableSQL said
 // yes, for waits too. The server's clock decides nothing here: it is what advlock ls shows.
 //
-// A time no Locker writes (infinity, or a year no driver reads, written by hand: the sweep leaves such a row alone,
-// and it holds its key until deleted) is listed as the nearest of 0001-01-02 and 9999-12-30 (UTC: years 1 to 9999
-// in every time zone, as Go's JSON encoding of a time requires), and the time left at most the longest
-// time.Duration, so that one such row lists as held for ever instead of failing the whole list.
+// A time no Locker writes (infinity, -infinity, or a year no driver reads, written by hand) is listed as the nearest
+// of 0001-01-02 and 9999-12-30 (UTC: years 1 to 9999 in every time zone, as Go's JSON encoding of a time
+// requires), so that one such row does not fail the whole list. A lease whose expiry is such a time holds its key
+// until deleted (see farExp; the sweep leaves it alone): it is listed, whatever the sign of its expiry, as held
+// until 9999-12-30 with the longest time.Duration left, so that advlock ls shows it and advlock break can delete it.
 func ListSQL(waits bool) string {
-	q := "SELECT true, space, key, term, holder, " + listTime("granted") + ", " + listTime("expires") + ", " +
-		"least(extract(epoch FROM " + listTime("expires") + " - clock_timestamp()) * 1000, " + maxLeftMS + ")::int8 FROM " +
-		Table + " WHERE expires > clock_timestamp()"
+	q := "SELECT true, space, key, term, holder, " + listTime("granted") + ", CASE WHEN " + far("expires") + " THEN " +
+		lastListed + " ELSE expires END, CASE WHEN " + far("expires") + " THEN " + maxLeftMS +
+		" ELSE least(extract(epoch FROM expires - clock_timestamp()) * 1000, " + maxLeftMS + ")::int8 END FROM " +
+		Table + " WHERE expires > clock_timestamp() OR " + far("expires")
 	if waits {
 		q += " UNION ALL SELECT false, space, key, 0, holder, " + listTime("since") + ", " + listTime("since") + ", 0 FROM " +
 			Waits + " AS w WHERE " + LiveWait
 	}
 	return q + " ORDER BY 1 DESC, 2, 3, 6"
 }
+
+// far is farExp for column c.
+func far(c string) string { return c + " <> " + listTime(c) }
 
 // listTime is column c within the years every driver reads (see ListSQL).
 func listTime(c string) string {

@@ -55,19 +55,21 @@ const (
 // holder's length from its owner, 0 when it does not say), a ';', the waits ("space key waiter seen_us" each), each
 // list in the tables' order and separated by ',', a ';' and the server's clock (microseconds). Each list starts after
 // its cursor (nil: at the start) and holds at most sightPage rows: those of other Clients than the one whose id is
-// own, and its own that look dead on the server's clock. A waiter that is not a hex id (not one of ours) is left out.
+// own, and its own that look dead on the server's clock. A waiter that is not a hex id (not one of ours) is left out,
+// and so is a row whose time is one no Locker writes (farExp: infinity, a year past 9999, written by hand), which
+// holds its key until someone deletes it.
 func sweepReadSQL(own string, leaseFrom *session.ID, waitFrom *waitRow) string {
 	page := strconv.Itoa(sightPage)
 	var b strings.Builder
 	b.WriteString("SELECT concat((SELECT string_agg(concat_ws(' ', l.space, l.key, l.term, (extract(epoch FROM l.expires) * 1000000)::int8, " +
 		"CASE WHEN l.owner ~ '/[0-9]{1,12}$' THEN substring(l.owner FROM '/([0-9]+)$')::int8 ELSE 0 END), ',' ORDER BY l.space, l.key) FROM (SELECT * FROM " +
-		Table + " AS l WHERE l.space IN (1, 2) AND isfinite(l.expires) AND (left(l.owner, 16) <> '" + own + "' OR l.expires < clock_timestamp())")
+		Table + " AS l WHERE l.space IN (1, 2) AND NOT (" + far("l.expires") + ") AND (left(l.owner, 16) <> '" + own + "' OR l.expires < clock_timestamp())")
 	if leaseFrom != nil {
 		b.WriteString(" AND (l.space, l.key) > (" + space(*leaseFrom) + ", " + strconv.FormatInt(leaseFrom.V, 10) + ")")
 	}
 	b.WriteString(" ORDER BY l.space, l.key LIMIT " + page + ") AS l), ';', (SELECT string_agg(concat_ws(' ', w.space, w.key, w.waiter, " +
 		"(extract(epoch FROM w.seen) * 1000000)::int8), ',' ORDER BY w.space, w.key, w.waiter COLLATE \"C\") FROM (SELECT * FROM " + Waits +
-		" AS w WHERE w.space IN (1, 2) AND isfinite(w.seen) AND w.waiter ~ '^[0-9a-f]{1,64}$' AND (left(w.waiter, 16) <> '" + own + "' OR NOT (" + LiveWait + "))")
+		" AS w WHERE w.space IN (1, 2) AND NOT (" + far("w.seen") + ") AND w.waiter ~ '^[0-9a-f]{1,64}$' AND (left(w.waiter, 16) <> '" + own + "' OR NOT (" + LiveWait + "))")
 	if waitFrom != nil {
 		b.WriteString(" AND (w.space, w.key, w.waiter COLLATE \"C\") > (" + space(waitFrom.id) + ", " +
 			strconv.FormatInt(waitFrom.id.V, 10) + ", '" + waitFrom.waiter + "')")
