@@ -92,9 +92,9 @@ func TestWaitsHoldNoSnapshot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Every waiter queued in the server: seen waiting within the last 2 s (a wait leaves the queue for a moment at
+	// Every waiter queued in the server: seen waiting within the last 5 s (a wait leaves the queue for a moment at
 	// each slice, so on a busy machine all five may never show at once; under CI's load one was away from every
-	// 1-s window for 20 s once).
+	// 1-s window for 20 s once, and from every 2-s window for 20 s another time).
 	queued := map[uint32]time.Time{}
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
 		rows, err := pgtest.Locks(ctx, app)
@@ -109,7 +109,7 @@ func TestWaitsHoldNoSnapshot(t *testing.T) {
 		}
 		n := 0
 		for _, at := range queued {
-			if now.Sub(at) < 2*time.Second {
+			if now.Sub(at) < 5*time.Second {
 				n++
 			}
 		}
@@ -117,7 +117,7 @@ func TestWaitsHoldNoSnapshot(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%d waiters in the server within 2 s, want at least 5", n)
+			t.Fatalf("%d waiters in the server within 5 s, want at least 5", n)
 		}
 	}
 
