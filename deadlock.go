@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -32,15 +33,20 @@ import (
 //   - A watched wait on its way to a session of its own (queued for one, waiting for a pool connection) is in no
 //     server queue: its Locker adds it to the graph as a wait for its key's holders.
 //   - Every client sees the same graph, and chooses the same waits to give up, as few as break every cycle
-//     (victims): in one cycle the least of it, the wait on the lowest pid (a wait only its own Locker sees first:
-//     the youngest of them); where cycles share a wait, the one most of them pass through. A Locker ends only its
-//     own waits, and only when the choice stood on two readings in a row (a reading that chose another wait of
-//     the cycle starts the count again); the wait then fails with an error matching ErrDeadlock.
-//   - A wait that left its session a moment ago (it gave it up to another wait of its Locker) is ranked for
-//     deadlockRecent by the pid the other clients' last readings saw it on, so that its Locker chooses as they
-//     did; and a wait the last reading found in a cycle gives its session up to no other wait, so that the cycle
-//     stays visible to every client until it is broken. The others proceed once the caller that gave up lets go of what
-//     it holds (Do does that by returning).
+//     (victims): in one cycle the least of it, the wait whose caller holds the least lock (node.less: what a
+//     caller holds stays on its sessions, so the rank of a wait is the same in every reading of every client,
+//     whatever session the wait is on; a wait only its own Locker sees comes first, the youngest of them); where
+//     cycles share a wait, the one most of them pass through. A Locker ends only its own waits, and only when the
+//     choice stood on two readings in a row of one cycle (of the same callers: a reading that chose another wait
+//     of the cycle, or chose it in another cycle, starts the count again), each judged within deadlockLate of
+//     being sent; the wait then fails with an error matching
+//     ErrDeadlock.
+//   - A wait that left its session a moment ago (it gave it up to another wait of its Locker) is judged for
+//     deadlockRecent among the waits every client sees, as the other clients' last readings saw it, so that its
+//     Locker chooses as they did (a reading that still shows it on the session it left shows this wait, not
+//     another); and a wait the last reading found in a cycle gives its session up to no other wait, so that the
+//     cycle stays visible to every client until it is broken. The others proceed once the caller that gave up lets
+//     go of what it holds (Do does that by returning).
 
 // deadlockRound is how often a Locker with a watched wait reads the server's lock graph, and deadlockConfirm how
 // soon after a reading that found a cycle through one of its waits it reads again to confirm it.
@@ -49,9 +55,14 @@ const (
 	deadlockConfirm = 500 * time.Millisecond
 	deadlockFirst   = 500 * time.Millisecond // the first reading after a watched wait starts
 	maxPublished    = 24                     // held locks a wait's comment names (pg_stat_activity.query keeps 1 kB)
-	// deadlockRecent is how long a wait that left the server (on its way to another session) is still ranked by the
-	// pid it waited on, as the other clients' last readings of it ranked it.
+	// deadlockRecent is how long a wait that left the server (on its way to another session) is still judged among
+	// the waits every client sees, as the other clients' last readings of it judged it.
 	deadlockRecent = time.Second
+	// deadlockLate: a reading judged later than this after it was sent counts for nothing (as one that failed):
+	// what it shows may have changed since by more than the other clients' readings allow for (a victim that
+	// another client ended still shows for a slice; a wait of this Locker gone from the server for deadlockRecent
+	// is judged as one only it sees).
+	deadlockLate = 500 * time.Millisecond
 )
 
 type holdingKey struct{}
@@ -109,8 +120,9 @@ type waiter struct {
 	// passed by its gate), so until it waits in the server it is a wait only its Locker sees.
 	ownPath bool
 	cancel  context.CancelCauseFunc
-	seen    int // read and written by the detector's goroutine only: readings that chose it, at most one miss between
-	missed  int // readings in a row that did not
+	seen    int    // read and written by the detector's goroutine only: readings that chose it, at most one miss between
+	missed  int    // readings in a row that did not
+	sig     string // the cycle the readings counted in seen chose it in (cycleSig)
 	// cyclic: when a reading last found it in a cycle (nanoseconds on the monotonic clock since dlEpoch; 0: the
 	// last reading that judged it did not). For a while after (inCycle) it keeps its session (it gives it up to no
 	// other wait of its Locker), so that the cycle stays as every client's readings see it until one of its waits
@@ -290,11 +302,18 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 		}
 	}
 	l.mu.Unlock()
+	sent := time.Now()
 	rows, err := l.readGraph(ctx, graphQuery(local), own)
 	if err == nil {
 		if h := testHookGraphRead.Load(); h != nil && (*h)(l) {
 			err = errors.New("advlock: the reading's answer dropped by a test")
 		}
+	}
+	if err == nil && time.Since(sent) > deadlockLate {
+		// What it shows may have changed since, beyond what the other clients' readings allow for (a wait of
+		// this Locker gone from the server for deadlockRecent is judged as one only it sees; a victim another
+		// client chose may still show for a slice): judged as a reading that failed.
+		err = errors.New("advlock: the reading was answered late")
 	}
 	if err != nil {
 		// No connection free, or the server is away: the next reading tries again, soon only the first time (a
@@ -319,6 +338,7 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 	}
 	comp := map[*node]int{}
 	chose := map[int]bool{}
+	var sigs []string // each cycle's callers, by what they hold (see cycleSig)
 	for i, c := range g.components(all) {
 		for _, n := range c {
 			comp[n] = i + 1
@@ -326,6 +346,7 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 				chose[i+1] = true
 			}
 		}
+		sigs = append(sigs, cycleSig(c))
 	}
 	for _, n := range g.nodes {
 		w := n.w
@@ -358,6 +379,12 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 		}
 		soon = true
 		w.missed = 0
+		if sig := sigs[comp[n]-1]; sig != w.sig && !mutant.On(mutant.DeadlockOtherCycle) {
+			// Chosen in another cycle than the one the earlier readings chose it in (a victim of that one let go,
+			// and another caller took what it held and closed this one): the count starts again, so that it
+			// stands on two readings of one cycle.
+			w.seen, w.sig = 0, sig
+		}
 		if w.seen++; w.seen >= 2 && !mutant.On(mutant.DeadlockUndetected) {
 			w.cancel(&DeadlockError{Cycle: cycle})
 		}
@@ -374,6 +401,20 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 	}
 	l.mu.Unlock()
 	return soon
+}
+
+// cycleSig names the cycle of waits c by its callers: what each of its watched waits' callers holds, sorted. It is
+// the same in every reading of one cycle, whatever sessions its waits are on, and differs once one caller gave up and
+// another took what it held.
+func cycleSig(c []*node) string {
+	var refs []string
+	for _, n := range c {
+		for _, r := range n.held {
+			refs = append(refs, r.String())
+		}
+	}
+	slices.Sort(refs)
+	return strings.Join(refs, " ")
 }
 
 // miss counts a reading that did not find w the least of a cycle. One reading may miss a member of a cycle: a
@@ -410,6 +451,10 @@ var testHookGraphRows atomic.Pointer[func(l *Locker, rows string) string]
 // its session just now, on its way to another (as when it gave the session up to another wait), when it returns
 // true: its rows dropped, the wait judged as its Locker judges one between sessions.
 var testHookAway atomic.Pointer[func(l *Locker, w *waiter) bool]
+
+// testHookAwayShown, in tests only, is testHookAway with the wait's rows kept: the reading shows it on the session
+// it has just left (the reading was on its way as it left).
+var testHookAwayShown atomic.Pointer[func(l *Locker, w *waiter) bool]
 
 // testHookNextReading, in tests only, is told when the detector's next reading is due.
 var testHookNextReading atomic.Pointer[func(l *Locker, next time.Duration)]

@@ -121,13 +121,17 @@ type graph struct {
 }
 
 type node struct {
-	// The least in a cycle gives up: a wait for a pool connection (negative: -seq, the youngest first; only its
-	// own Locker sees it), else the wait on the lowest pid.
-	rank int64
+	// local: a wait only its own Locker sees (on its way to a session of its own); seq orders those, the youngest
+	// least. Every other wait is ranked by what its caller holds (held, least first), then the key it waits for,
+	// then the pid it waits on (pid; 0 for a wait of this Locker that left the server a moment ago): see less.
+	local bool
+	seq   int64
+	pid   uint32
+	key   session.Ref // the key and mode it waits for (PID 0)
 	// tagged: a wait that a Locker watches (its comment publishes what its caller holds, or it is this Locker's):
 	// only such a wait can be ended, and only such a wait is chosen to give up.
 	tagged bool
-	held   []session.Ref
+	held   []session.Ref // in refLess order
 	out    []*node
 	w      *waiter // this Locker's, or nil
 	desc   string
@@ -152,16 +156,24 @@ func (l *Locker) localGraph(s string) *graph {
 	rows := parseGraph(s)
 	g := &graph{}
 	byPID := map[uint32]*waiter{}
-	away := map[uint32]bool{} // (tests) the sessions of waits read as if they had just left them
+	last := map[uint32]*waiter{} // waits out of the server now, by the session they last waited on
+	away := map[uint32]bool{}    // (tests) the sessions of waits read as if they had just left them
 	for w := range l.waiters {
 		if p := w.tag.PID(); p != 0 {
 			if h := testHookAway.Load(); h != nil && w.ownPath && (*h)(l, w) {
 				away[p] = true
 				continue
 			}
+			if h := testHookAwayShown.Load(); h != nil && w.ownPath && (*h)(l, w) {
+				last[p] = w
+				continue
+			}
 			byPID[p] = w
+		} else if p, _, ok := w.tag.Left(); ok {
+			last[p] = w
 		}
 	}
+	placed := map[*waiter]bool{} // waits out of the server now that the reading shows where they waited
 	holders := map[session.ID][]lockRow{}
 	for _, r := range rows {
 		if r.granted {
@@ -179,12 +191,20 @@ func (l *Locker) localGraph(s string) *graph {
 			}
 		}
 		id, shared := r.key()
-		n := &node{rank: int64(r.pid), desc: fmt.Sprintf("pid %d waiting for %s", r.pid, keyOf(id))}
+		n := &node{pid: r.pid, key: session.Ref{ID: id, Shared: shared},
+			desc: fmt.Sprintf("pid %d waiting for %s", r.pid, keyOf(id))}
 		if w := byPID[r.pid]; w != nil && w.t.ID == id && w.t.Shared == shared {
-			n.w, n.held, n.tagged = w, w.held, true
+			n.w, n.held, n.tagged = w, sortRefs(w.held), true
 			n.desc = fmt.Sprintf("this wait for %s (pid %d)", w.key, r.pid)
 		} else if r.tagged && r.waitFor.ID == id && r.waitFor.Shared == shared {
-			n.held, n.tagged = r.held, true
+			n.held, n.tagged = sortRefs(r.held), true
+			if w := last[r.pid]; w != nil && byPID[r.pid] == nil && w.t.ID == id && w.t.Shared == shared &&
+				slices.Equal(n.held, sortRefs(w.held)) && !mutant.On(mutant.DeadlockStaleChoice) {
+				// This Locker's wait, read before it left this session (the reading was on its way): judged as
+				// every client that read it there judges it, and not a second time as a wait between sessions.
+				n.w, placed[w] = w, true
+				n.desc = fmt.Sprintf("this wait for %s (pid %d)", w.key, r.pid)
+			}
 		}
 		g.nodes = append(g.nodes, n)
 		waits = append(waits, r)
@@ -194,19 +214,21 @@ func (l *Locker) localGraph(s string) *graph {
 	// the same once they have one.
 	for w := range l.waiters {
 		pid, ago, ok := w.tag.Left()
-		if p := w.tag.PID(); away[p] {
+		if placed[w] {
+			continue
+		} else if p := w.tag.PID(); away[p] || p != 0 && last[p] == w {
 			pid, ago, ok = p, 0, true
 		} else if !w.ownPath || p != 0 {
 			continue
 		}
-		n := &node{rank: -int64(w.seq), held: w.held, w: w,
+		n := &node{local: true, seq: w.seq, key: session.Ref{ID: w.t.ID, Shared: w.t.Shared}, held: sortRefs(w.held), w: w,
 			desc: fmt.Sprintf("this wait for %s (waiting for a session to wait on)", w.key)}
 		if ok && ago < deadlockRecent && !mutant.On(mutant.DeadlockStaleChoice) {
 			// It waited in the server a moment ago (it gave its session up to another wait, or its slice ended):
-			// other clients' readings then saw it on that session, and chose by its pid. Ranked as they ranked it,
-			// this Locker chooses what they chose; only once it has been away for longer does it count as a wait
-			// only this Locker sees.
-			n.rank, n.tagged = int64(pid), true
+			// other clients' readings then saw it on that session, and judged it among the waits every client
+			// sees. Judged with them, ranked as they rank it, this Locker chooses what they chose; only once it has
+			// been away for longer does it count as a wait only this Locker sees.
+			n.local, n.tagged, n.pid = false, true, pid
 		}
 		g.nodes = append(g.nodes, n)
 		waits = append(waits, lockRow{id: w.t.ID, shared: w.t.Shared})
@@ -262,7 +284,7 @@ func (l *Locker) localGraph(s string) *graph {
 // reads the same graph. In two rounds, each greedy while a cycle remains: of the waits in cycles (strongly
 // connected components of more than one wait, or one that waits for its own caller), the one with the most edges
 // into and out of its component (in x out: the wait most cycles pass through; a wait that every cycle shares is
-// ended alone), the least by rank among equals, is taken out and the components are found again. The first round
+// ended alone), the least (node.less) among equals, is taken out and the components are found again. The first round
 // looks at the waits every client sees (those in the server's queues) and only those; the second breaks what cycles
 // are left, through this Locker's waits that only it sees (on their way to a session of their own), among those
 // waits alone: another client, which cannot see them, must never be counted on to end a wait for them. With one
@@ -271,7 +293,7 @@ func (g *graph) victims() map[*node]bool {
 	out := map[*node]bool{}
 	visible, watched := map[*node]bool{}, map[*node]bool{}
 	for _, n := range g.nodes {
-		if n.rank >= 0 {
+		if !n.local {
 			visible[n] = true
 			if n.tagged {
 				watched[n] = true
@@ -284,7 +306,7 @@ func (g *graph) victims() map[*node]bool {
 	for _, n := range g.nodes {
 		if !out[n] {
 			alive[n] = true
-			if n.rank < 0 {
+			if n.local {
 				local[n] = true
 			}
 		}
@@ -334,7 +356,7 @@ func (g *graph) greedy(alive, pick map[*node]bool, out map[*node]bool) {
 						ins++
 					}
 				}
-				if score := outs * ins; score > bestScore || score == bestScore && n.rank < best.rank {
+				if score := outs * ins; score > bestScore || score == bestScore && n.less(best) {
 					best, bestScore = n, score
 				}
 			}
@@ -442,4 +464,62 @@ func (g *graph) cycleFrom(n *node) []string {
 		out = append(out, m.desc)
 	}
 	return slices.Clip(out)
+}
+
+// less reports whether a ranks before b, the least of a cycle giving up. A wait only its own Locker sees ranks
+// before every other, the youngest of them first. Every other wait is ranked by what its caller holds (the least
+// lock first, then the next, a prefix before a longer list), then by the key and mode it waits for, and only then
+// by the pid it waits on. What a caller holds stays on the sessions that hold it while the cycle lasts, and every
+// client reads the same list (the wait's comment), so every client ranks a wait alike, whatever session the wait is
+// on, or was on when a reading saw it: a wait that moves to another session (it gave its own up to another wait
+// of its Locker), or a reading answered after it moved, changes no choice. The pid decides only between waits
+// whose callers hold the same locks (callers that share one context).
+func (a *node) less(b *node) bool {
+	if a.local || b.local {
+		if a.local != b.local {
+			return a.local
+		}
+		return a.seq > b.seq
+	}
+	for i := range min(len(a.held), len(b.held)) {
+		if a.held[i] != b.held[i] {
+			return refLess(a.held[i], b.held[i])
+		}
+	}
+	if len(a.held) != len(b.held) {
+		return len(a.held) < len(b.held)
+	}
+	if a.key != b.key {
+		return refLess(a.key, b.key)
+	}
+	return a.pid < b.pid
+}
+
+// sortRefs returns refs in refLess order (a copy).
+func sortRefs(refs []session.Ref) []session.Ref {
+	out := slices.Clone(refs)
+	slices.SortFunc(out, func(a, b session.Ref) int {
+		switch {
+		case a == b:
+			return 0
+		case refLess(a, b):
+			return -1
+		}
+		return 1
+	})
+	return out
+}
+
+// refLess orders locks as a wait's rank compares what its caller holds: by the holding session's pid, then the key
+// (an int8 key before a pair), then the mode (exclusive first).
+func refLess(a, b session.Ref) bool {
+	switch {
+	case a.PID != b.PID:
+		return a.PID < b.PID
+	case a.ID.Pair != b.ID.Pair:
+		return !a.ID.Pair
+	case a.ID.V != b.ID.V:
+		return a.ID.V < b.ID.V
+	}
+	return !a.Shared && b.Shared
 }

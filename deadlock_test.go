@@ -516,16 +516,16 @@ func testDeadlockConfirmSoon(t *testing.T, miss bool) {
 
 // A wait of a cycle that gives its session up to another wait and queues for one again (a Locker whose sessions
 // of its own are all in use shares them out a slice at a time) is, for a moment, a wait only its own Locker sees.
-// The other Locker's readings saw it in the server a moment before, and chose by its pid: its own Locker must choose
-// the same wait (the one on the lowest pid), not end its own as the only one it can, so that exactly one wait of the
-// cycle ends with ErrDeadlock. Here every reading of the Locker whose wait is on the higher pid finds that wait just
-// gone from its session; the other Locker's readings see it there.
+// The other Locker's readings saw it in the server a moment before, and chose among the waits every client sees:
+// its own Locker must choose the same wait (the one whose caller holds the least lock), not end its own as the
+// only one it can, so that exactly one wait of the cycle ends with ErrDeadlock. Here every reading of the Locker
+// whose wait ranks greater finds that wait just gone from its session; the other Locker's readings see it there.
 func TestDeadlockWaitBetweenSessions(t *testing.T) {
 	b := setup(t)
 	l2 := New(pgtest.Pool(t, b.url, nil))
 	defer l2.Close()
 	ctx := ctxT(t, 60*time.Second)
-	var high atomic.Pointer[Locker] // the Locker whose wait is on the higher pid: its readings find that wait away
+	var high atomic.Pointer[Locker] // the Locker whose wait ranks greater: its readings find that wait away
 	away := func(l *Locker, w *waiter) bool { return l == awaitLocker(&high) }
 	testHookAway.Store(&away)
 	defer testHookAway.Store(nil)
@@ -551,8 +551,8 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 			t.Fatal(err)
 		}
 		c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
-		pa, pb := b.waitingPIDs(t, kb, ka)
-		if pb > pa {
+		b.waitingPIDs(t, kb, ka)
+		if heldLess(ha, hb) {
 			high.Store(l2)
 		} else {
 			high.Store(b.l)
@@ -561,7 +561,7 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 		if dead != 1 {
 			t.Errorf("round %d: %d waits ended with ErrDeadlock, want exactly one", round, dead)
 		} else if v == high.Load() {
-			t.Errorf("round %d: the wait on the higher pid gave up, which the other Locker's readings did not choose", round)
+			t.Errorf("round %d: the wait that ranks greater gave up, which the other Locker's readings did not choose", round)
 		}
 		b.waitFree(t, ka)
 		b.waitFree(t, kb)
@@ -580,9 +580,10 @@ func awaitLocker(p *atomic.Pointer[Locker]) *Locker {
 }
 
 // A Locker whose readings see a cycle one way and then the other, by turns (here every other reading of the Locker
-// whose wait is on the higher pid shows the other wait on a higher pid still), does not end its wait on two
-// readings that chose it with one that chose the other wait between them: that one is the wait every other client
-// chooses. The other Locker's readings fail for the first 3 s; then it ends its own wait, the only ErrDeadlock.
+// whose wait ranks greater shows the other wait's caller holding its lock on a session with a higher pid still),
+// does not end its wait on two readings that chose it with one that chose the other wait between them: that one is
+// the wait every other client chooses. The other Locker's readings fail for the first 3 s; then it ends its own
+// wait, the only ErrDeadlock.
 func TestDeadlockChoiceFlips(t *testing.T) {
 	b := setup(t)
 	l2 := New(pgtest.Pool(t, b.url, nil))
@@ -598,7 +599,7 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 		t.Fatal(err)
 	}
 	var high, low atomic.Pointer[Locker]
-	var lowPID atomic.Uint32
+	var lowPID atomic.Uint32 // the session that holds the lock of the low wait's caller
 	var mu sync.Mutex
 	readings := 0 // the high Locker's
 	var readsFrom time.Time
@@ -624,14 +625,18 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 		if !odd {
 			return rows
 		}
-		// the other wait's session as if on a pid above this one's
+		// the session that holds what the other wait's caller holds as if on a pid above this one's
 		other := strconv.FormatUint(uint64(lowPID.Load()), 10)
 		var out []string
 		for line := range strings.SplitSeq(rows, "\n") {
-			if pid, rest, _ := strings.Cut(line, "\t"); pid == other {
-				line = "4294967295\t" + rest
+			f := strings.Split(line, "\t")
+			if len(f) > 5 && f[0] == other && f[5] == "g" {
+				f[0] = "4294967295"
 			}
-			out = append(out, line)
+			if len(f) > 6 {
+				f[6] = strings.ReplaceAll(f[6], "h="+other+".", "h=4294967295.")
+			}
+			out = append(out, strings.Join(f, "\t"))
 		}
 		return strings.Join(out, "\n")
 	}
@@ -640,13 +645,13 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	testHookGraphRows.Store(&rows)
 	defer testHookGraphRows.Store(nil)
 	c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
-	pa, pb := b.waitingPIDs(t, kb, ka)
-	if pb > pa {
-		lowPID.Store(pa)
+	b.waitingPIDs(t, kb, ka)
+	if heldLess(ha, hb) {
+		lowPID.Store(ha.h.PID())
 		low.Store(b.l)
 		high.Store(l2)
 	} else {
-		lowPID.Store(pb)
+		lowPID.Store(hb.h.PID())
 		low.Store(l2)
 		high.Store(b.l)
 	}
@@ -660,7 +665,7 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	if dead != 1 {
 		t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
 	} else if v == high.Load() {
-		t.Error("the wait on the higher pid gave up: its Locker counted two readings that chose it with one that chose the other between them")
+		t.Error("the wait that ranks greater gave up: its Locker counted two readings that chose it with one that chose the other between them")
 	}
 	if !enough {
 		t.Error("the Locker whose readings flipped read fewer than 3 times: the test did not make its moment")

@@ -40,6 +40,10 @@ const (
 	// DeadlockChoiceKept: a Locker keeps counting the readings that chose its wait after one chose another wait of
 	// the cycle: readings that see the cycle differently by turns confirm a wait no other client chose.
 	DeadlockChoiceKept = "deadlock_choice_kept"
+	// DeadlockOtherCycle: a Locker counts the readings that chose its wait in one cycle and in the next, which formed
+	// as a victim of the first let go (another caller took what it held): the wait ends on one reading of the new
+	// cycle, while the first cycle's victim ends too.
+	DeadlockOtherCycle = "deadlock_other_cycle"
 	// TokenNoTimeline: a fencing token is the sequence's value alone, without the server's timeline above it, so a
 	// promoted standby whose sequence lagged hands out tokens lower than the lost primary's.
 	TokenNoTimeline = "token_no_timeline"
@@ -93,7 +97,7 @@ const (
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
-	DeadlockStaleChoice, DeadlockChoiceKept, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed,
+	DeadlockStaleChoice, DeadlockChoiceKept, DeadlockOtherCycle, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed,
 	LeaseTermReused, LeaseTrustFromReply, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline,
 	LeaseUndoOnce, LeaseRenewNoDeadline, LeaseSweepServerExpiry, LeaseNoRestartQuiet, LeaseRestartTermKept}
 

@@ -1,0 +1,385 @@
+package advlock
+
+import (
+	"context"
+	"errors"
+	"math"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/advlock/advlock/internal/session"
+	"github.com/advlock/advlock/internal/testkit/pgtest"
+)
+
+// Readings of one cycle that see it differently. Each Locker reads the server on its own schedule, so two Lockers
+// judge one cycle on snapshots taken at different moments; between them a wait may have moved to another session
+// (a Locker from Open shares its sessions of their own out a slice at a time, and a wait of a cycle may give its
+// session up before its own Locker has read the cycle once), or one snapshot may be old when it is judged (its
+// answer came late). Every Locker must still choose the same wait.
+
+// Here one Locker's readings show the other Locker's wait on a session with a higher pid than the one it waits on
+// (as if read before that wait moved to its present session), and each Locker judges its second reading only
+// once the other has one too, so that neither wait has ended when either Locker judges. Ranked by the pid it waits
+// on, each Locker chose its own wait, and both ended; ranked by what its caller holds, which stays on its session
+// whatever session the wait is on, both choose the same wait: the one whose caller holds the least lock.
+func TestDeadlockWaitSeenOnAnotherSession(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 60*time.Second)
+	ka, kb := key(t), key(t)
+	ha, err := b.l.Lock(ctx, ka)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb, err := l2.Lock(ctx, kb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seer atomic.Pointer[Locker] // whose readings show the other wait on pid 4294967295
+	var moved atomic.Uint32         // that wait's pid
+	var mu sync.Mutex
+	cond := sync.NewCond(&mu)
+	readings := map[*Locker]int{}
+	read := func(l *Locker) bool {
+		if l != b.l && l != l2 {
+			return false
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		readings[l]++
+		cond.Broadcast()
+		if readings[l] == 2 { // the second reading is judged once the other Locker has one too (or 5 s on)
+			deadline := time.Now().Add(5 * time.Second)
+			tm := time.AfterFunc(5*time.Second, cond.Broadcast)
+			defer tm.Stop()
+			for min(readings[b.l], readings[l2]) < 2 && time.Now().Before(deadline) {
+				cond.Wait()
+			}
+		}
+		return false
+	}
+	rows := func(l *Locker, rows string) string {
+		if l != awaitLocker(&seer) {
+			return rows
+		}
+		p := strconv.FormatUint(uint64(moved.Load()), 10)
+		var out []string
+		for line := range strings.SplitSeq(rows, "\n") {
+			if f := strings.Split(line, "\t"); len(f) > 5 && f[0] == p && f[5] == "w" {
+				f[0] = "4294967295"
+				line = strings.Join(f, "\t")
+			}
+			out = append(out, line)
+		}
+		return strings.Join(out, "\n")
+	}
+	testHookGraphRead.Store(&read)
+	defer testHookGraphRead.Store(nil)
+	testHookGraphRows.Store(&rows)
+	defer testHookGraphRows.Store(nil)
+	c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
+	pa, pb := b.waitingPIDs(t, kb, ka) // b.l's wait, l2's
+	if pa < pb {
+		moved.Store(pa)
+		seer.Store(l2)
+	} else {
+		moved.Store(pb)
+		seer.Store(b.l)
+	}
+	least := b.l // the Locker whose caller holds the least lock
+	if heldLess(hb, ha) {
+		least = l2
+	}
+	dead, v := c.ends(ctx, t)
+	testHookGraphRead.Store(nil)
+	testHookGraphRows.Store(nil)
+	mu.Lock()
+	t.Logf("readings: %d and %d", readings[b.l], readings[l2])
+	if readings[b.l] < 2 || readings[l2] < 2 {
+		t.Error("a Locker read fewer than twice: the test did not make its moment")
+	}
+	mu.Unlock()
+	if dead != 1 {
+		t.Errorf("%d waits ended with ErrDeadlock, want exactly one", dead)
+	} else if v != least {
+		t.Error("the wait whose caller holds the greater lock gave up")
+	}
+	b.waitFree(t, ka)
+	b.waitFree(t, kb)
+}
+
+// heldLess reports whether a wait whose caller holds a alone ranks before one whose caller holds b alone.
+func heldLess(a, b *Lock) bool {
+	return refLess(session.Ref{PID: a.h.PID(), ID: a.key.id, Shared: a.shared}, session.Ref{PID: b.h.PID(), ID: b.key.id, Shared: b.shared})
+}
+
+// A reading judged long after it was sent shows what may have changed since: the victim another client chose may be
+// gone, or still show for a slice after its Locker ended it, and a wait of this Locker may have left the server
+// since (for long enough, it is judged as a wait only its Locker sees). Such a reading counts for nothing: here the
+// readings of the Locker whose wait ranks least are judged 600 ms after the server answered for their first 3 s,
+// and its wait, the only one to give up, ends only once its readings are judged in time.
+func TestDeadlockLateReadingCountsForNothing(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 60*time.Second)
+	ka, kb := key(t), key(t)
+	ha, err := b.l.Lock(ctx, ka)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb, err := l2.Lock(ctx, kb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	least := b.l
+	if heldLess(hb, ha) {
+		least = l2
+	}
+	var mu sync.Mutex
+	var from time.Time // the least Locker's first reading
+	late := 0
+	read := func(l *Locker) bool {
+		if l != least {
+			return false
+		}
+		mu.Lock()
+		if from.IsZero() {
+			from = time.Now()
+		}
+		slow := time.Since(from) < 3*time.Second
+		if slow {
+			late++
+		}
+		mu.Unlock()
+		if slow {
+			time.Sleep(600 * time.Millisecond)
+		}
+		return false
+	}
+	testHookGraphRead.Store(&read)
+	defer testHookGraphRead.Store(nil)
+	c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
+	dead, v := c.ends(ctx, t)
+	ended := time.Now()
+	testHookGraphRead.Store(nil)
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("readings judged late: %d; the cycle ended %v after the first", late, ended.Sub(from).Round(time.Millisecond))
+	if late < 2 {
+		t.Error("fewer than two readings were judged late: the test did not make its moment")
+	}
+	if dead != 1 || v != least {
+		t.Errorf("%d waits ended with ErrDeadlock (the least's: %v), want exactly one, the least's", dead, v == least)
+	}
+	if d := ended.Sub(from); d < 3*time.Second {
+		t.Errorf("the cycle ended %v after the first reading judged late: a reading judged late counted", d)
+	}
+	b.waitFree(t, ka)
+	b.waitFree(t, kb)
+}
+
+// A reading sent before a wait of its Locker left its session (to give it to another wait), and judged after, shows
+// that wait on the session it left: that row is the wait, judged as every client that read it there judges it, not
+// a second wait of the same caller beside the one between sessions (the two would draw the choice away from it, to
+// another wait that no other client chooses). Here every reading of the Locker whose wait ranks least shows that
+// wait in the server while the Locker takes it for one that has just left: it ends that wait, the only ErrDeadlock.
+func TestDeadlockReadingShowsAWaitThatLeft(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	ctx := ctxT(t, 60*time.Second)
+	for round := range 2 {
+		ka, kb := key(t), key(t)
+		ha, err := b.l.Lock(ctx, ka)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hb, err := l2.Lock(ctx, kb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		least := b.l
+		if heldLess(hb, ha) {
+			least = l2
+		}
+		var shown atomic.Int64
+		away := func(l *Locker, w *waiter) bool {
+			if l == least {
+				shown.Add(1)
+				return true
+			}
+			return false
+		}
+		testHookAwayShown.Store(&away)
+		cctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+		c := cross(cctx, t, b.l, ha, kb, l2, hb, ka)
+		dead, v := c.ends(cctx, t)
+		cancel()
+		testHookAwayShown.Store(nil)
+		if shown.Load() == 0 {
+			t.Fatalf("round %d: no reading took the wait for one between sessions: the test did not make its moment", round)
+		}
+		if dead != 1 || v != least {
+			t.Errorf("round %d: %d waits ended with ErrDeadlock (the least's: %v), want exactly one, the least's", round, dead, v == least)
+		}
+		b.waitFree(t, ka)
+		b.waitFree(t, kb)
+	}
+}
+
+// raise rewrites a reading's rows as if every lock held on a session of pids were held on a session with one of the
+// highest pids (the highest for the first, and so on) (the granted rows and what waits' comments say their callers hold), so that the waits of the callers
+// that hold them rank greater.
+func raise(rows string, pids ...uint32) string {
+	var out []string
+	for line := range strings.SplitSeq(rows, "\n") {
+		f := strings.Split(line, "\t")
+		for i, p := range pids {
+			ps, hs := strconv.FormatUint(uint64(p), 10), strconv.FormatUint(uint64(math.MaxUint32-i), 10)
+			if len(f) > 5 && f[0] == ps && f[5] == "g" {
+				f[0] = hs
+			}
+			if len(f) > 6 {
+				f[6] = strings.ReplaceAll(f[6], "h="+ps+".", "h="+hs+".")
+				f[6] = strings.ReplaceAll(f[6], ","+ps+".", ","+hs+".")
+			}
+		}
+		out = append(out, strings.Join(f, "\t"))
+	}
+	return strings.Join(out, "\n")
+}
+
+// A wait is ended on two readings that chose it in one cycle, not on one that chose it in a cycle whose victim
+// has since let go and another that chose it in the cycle that formed then (another caller took what that victim
+// held and closed a new cycle through the same wait). Here A (a caller of L1 holding ka) waits for kb behind C, a
+// caller of L3 that holds nothing yet; B (L2's, holding kb) waits for ka: the cycle A-B. L1's first reading of it
+// ranks A least, L2's rank B least (their readings see it differently); B ends. C takes kb and waits for ka, holding
+// it: the cycle A-C, in which every Locker ranks A least. L1 reads again only once that cycle formed: A must end on
+// its second reading of A-C, not on its first (which, counted with the reading of A-B, made two: each of the two
+// cycles then had one ErrDeadlock, one of them on one reading only, and a checker that cannot tell the cycles apart
+// sees two in one).
+func TestDeadlockCountsOneCycle(t *testing.T) {
+	b := setup(t)
+	l2 := New(pgtest.Pool(t, b.url, nil))
+	defer l2.Close()
+	l3 := New(pgtest.Pool(t, b.url, nil))
+	defer l3.Close()
+	ctx := ctxT(t, 60*time.Second)
+	ka, kb := key(t), key(t)
+	ha, err := b.l.Lock(ctx, ka)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb, err := l2.Lock(ctx, kb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pa, pb := ha.h.PID(), hb.h.PID()
+	var pc atomic.Uint32 // the session C holds kb on
+	var formed atomic.Bool
+	var mu sync.Mutex
+	readsA, readsAC := 0, 0 // L1's readings, and those that showed the cycle A-C
+	kaRow := "1\t" + strconv.FormatUint(uint64(uint64(ka.id.V)>>32), 10) + "\t" + strconv.FormatUint(uint64(uint32(ka.id.V)), 10)
+	rows := func(l *Locker, rows string) string {
+		switch l {
+		case b.l:
+			mu.Lock()
+			readsA++
+			if p := pc.Load(); p != 0 {
+				for line := range strings.SplitSeq(rows, "\n") {
+					if f := strings.Split(line, "\t"); len(f) > 6 && f[5] == "w" && strings.Contains(line, kaRow) &&
+						strings.Contains(f[6], "h="+strconv.FormatUint(uint64(p), 10)+".") {
+						readsAC++
+					}
+				}
+			}
+			mu.Unlock()
+			return raise(rows, pb, pc.Load())
+		case l2:
+			return raise(rows, pa)
+		case l3:
+			return raise(rows, pc.Load())
+		}
+		return rows
+	}
+	next := func(l *Locker, d time.Duration) { // L1 reads again after its first reading only once A-C formed
+		mu.Lock()
+		n := readsA
+		mu.Unlock()
+		for deadline := time.Now().Add(10 * time.Second); l == b.l && n >= 1 && !formed.Load() && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	testHookGraphRows.Store(&rows)
+	defer testHookGraphRows.Store(nil)
+	testHookNextReading.Store(&next)
+	defer testHookNextReading.Store(nil)
+
+	cErr := make(chan error, 1)
+	go func() { // C: waits for kb, holding nothing; then, holding it, for ka
+		lk, err := l3.Lock(ctx, kb)
+		if err != nil {
+			cErr <- err
+			return
+		}
+		pc.Store(lk.h.PID())
+		cErr <- takeNext(ctx, t, l3, lk, ka)
+	}()
+	for !b.waiting(t, kb) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	aErr := make(chan error, 1)
+	go func() { aErr <- takeNext(ctx, t, b.l, ha, kb) }()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("A did not wait in the server")
+		}
+		if inServer(b.l) {
+			break
+		}
+	}
+	bErr := takeNext(ctx, t, l2, hb, ka)
+	if !errors.Is(bErr, ErrDeadlock) {
+		t.Fatalf("B ended with %v, want ErrDeadlock (L2's readings rank it least)", bErr)
+	}
+	for deadline := time.Now().Add(10 * time.Second); pc.Load() == 0 || !b.waiting(t, ka); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("C did not take kb and wait for ka")
+		}
+	}
+	formed.Store(true)
+	if err := <-aErr; !errors.Is(err, ErrDeadlock) {
+		t.Errorf("A ended with %v, want ErrDeadlock", err)
+	}
+	if err := <-cErr; err != nil {
+		t.Errorf("C ended with %v, want the key", err)
+	}
+	testHookNextReading.Store(nil)
+	testHookGraphRows.Store(nil)
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("L1's readings: %d, of them of the cycle A-C: %d", readsA, readsAC)
+	if readsAC < 2 {
+		t.Errorf("A ended on %d reading(s) of the cycle A-C: a reading of A-B was counted with it", readsAC)
+	}
+	b.waitFree(t, ka)
+	b.waitFree(t, kb)
+}
+
+// inServer reports whether a watched wait of l waits in the server.
+func inServer(l *Locker) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for w := range l.waiters {
+		if w.tag.PID() != 0 {
+			return true
+		}
+	}
+	return false
+}
