@@ -249,7 +249,10 @@ func (b *Bouncer) Stop() {
 }
 
 // BouncerVersion returns the installed PgBouncer's major and minor version.
-func BouncerVersion() ([2]int, error) {
+func BouncerVersion() ([2]int, error) { return bouncerVersion() }
+
+// bouncerVersion asks the installed pgbouncer once per process.
+var bouncerVersion = sync.OnceValues(func() ([2]int, error) {
 	bin, err := pgbouncerBin()
 	if err != nil {
 		return [2]int{}, err
@@ -263,4 +266,4 @@ func BouncerVersion() ([2]int, error) {
 		return [2]int{}, fmt.Errorf("pgbouncer --version said %q: %w", out, err)
 	}
 	return v, nil
-}
+})
