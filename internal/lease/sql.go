@@ -281,7 +281,7 @@ const takeoverCheck = "l.term = seen_term AND " + rowExp + " = seen_exp AND NOT 
 // grants of earlier versions failed on it). Expiries a Locker writes are as they are.
 const rowExp = "(extract(epoch FROM " + listedExp + ") * 1000000)::int8"
 
-// listedExp is listTime("l.expires"), as a constant.
+// listedExp is column l.expires within the years every driver reads (see ListSQL); listTime is any column's.
 const listedExp = "least(greatest(l.expires, " + firstListed + "), " + lastListed + ")"
 
 // farExp: the row's expiry is one no Locker writes (outside listTime's years). A grant answers such a row as held
@@ -594,12 +594,10 @@ func ListSQL(waits bool) string {
 }
 
 // far is farExp for column c.
-func far(c string) string { return c + " <> " + listTime(c) }
+func far(c string) string { return strings.ReplaceAll(farExp, "l.expires", c) }
 
-// listTime is column c within the years every driver reads (see ListSQL).
-func listTime(c string) string {
-	return "least(greatest(" + c + ", " + firstListed + "), " + lastListed + ")"
-}
+// listTime is listedExp for column c.
+func listTime(c string) string { return strings.ReplaceAll(listedExp, "l.expires", c) }
 
 // The first and last times listed (see ListSQL).
 const (
