@@ -58,7 +58,7 @@ const (
 	// deadlockRecent is how long a wait that left the server (on its way to another session) is still judged among
 	// the waits every client sees, as the other clients' last readings of it judged it.
 	deadlockRecent = time.Second
-	// deadlockLate: a reading judged later than this after it was sent counts for nothing (as one that failed):
+	// deadlockLate: a reading judged later than this after its query was sent counts for nothing (as one that failed):
 	// what it shows may have changed since by more than the other clients' readings allow for (a victim that
 	// another client ended still shows for a slice; a wait of this Locker gone from the server for deadlockRecent
 	// is judged as one only it sees).
@@ -302,8 +302,7 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 		}
 	}
 	l.mu.Unlock()
-	sent := time.Now()
-	rows, err := l.readGraph(ctx, graphQuery(local), own)
+	rows, sent, err := l.readGraph(ctx, graphQuery(local), own)
 	if err == nil {
 		if h := testHookGraphRead.Load(); h != nil && (*h)(l) {
 			err = errors.New("advlock: the reading's answer dropped by a test")
@@ -330,6 +329,17 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 	l.mu.Unlock()
 	judged := map[*waiter]bool{}
 	victims := g.victims()
+	// A wait of this Locker that left the server a moment ago is judged as the other clients saw it then; their
+	// readings now may no longer show it. A wait that this Locker ends because of it must be the one they choose
+	// without it too: such a wait may add edges (and weight) that their graphs lack, and draw the choice to a wait
+	// of this Locker while they end another wait of the same cycle. It may hold a choice back, never make one.
+	strict := victims
+	for _, n := range g.nodes {
+		if n.recent && !mutant.On(mutant.DeadlockRecentChooses) {
+			strict = g.victimsWithout(func(n *node) bool { return n.recent })
+			break
+		}
+	}
 	// Which cycle each wait is in: a wait of this Locker in a cycle whose victim is another wait starts counting
 	// again (below).
 	all := map[*node]bool{}
@@ -360,7 +370,7 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 			w.cyclic.Store(0)
 		}
 		var cycle []string
-		if victims[n] {
+		if victims[n] && (strict[n] || n.recent) {
 			cycle = g.cycleFrom(n)
 		}
 		if cycle == nil && len(n.out) > 0 && mutant.On(mutant.DeadlockFalse) {
@@ -461,44 +471,46 @@ var testHookNextReading atomic.Pointer[func(l *Locker, next time.Duration)]
 
 // readGraph runs the graph query on a connection of the pool, or, when every one of them is taken (by waits that
 // may be the very cycle to find), on a connection of its own outside the pool, dialed once and kept (own) until
-// detection stops.
-func (l *Locker) readGraph(ctx context.Context, sql string, own *session.TextConn) (string, error) {
+// detection stops. sent is when the query was sent (after the connection was had).
+func (l *Locker) readGraph(ctx context.Context, sql string, own *session.TextConn) (rows string, sent time.Time, err error) {
 	if *own == nil && !l.pool.Stats().Exhausted() {
 		conn, err := l.pool.Acquire(ctx)
 		if err != nil {
-			return "", err
+			return "", sent, err
 		}
 		q, ok := conn.(textQuerier)
 		if !ok {
 			conn.Release()
-			return "", errors.New("advlock: this backend cannot read the lock graph")
+			return "", sent, errors.New("advlock: this backend cannot read the lock graph")
 		}
 		l.graphReadings.Add(1)
+		sent = time.Now()
 		s, err := q.QueryText(ctx, sql)
 		if err != nil {
 			conn.Destroy()
-			return "", err
+			return "", sent, err
 		}
 		conn.Release()
-		return s, nil
+		return s, sent, nil
 	}
 	if *own == nil {
 		d, ok := l.pool.(session.Dialer)
 		if !ok {
-			return "", ErrPoolExhausted
+			return "", sent, ErrPoolExhausted
 		}
 		c, err := d.Dial(ctx)
 		if err != nil {
-			return "", err
+			return "", sent, err
 		}
 		*own = c
 	}
 	l.graphReadings.Add(1)
+	sent = time.Now()
 	s, err := (*own).QueryText(ctx, sql)
 	if err != nil {
 		(*own).Close()
 		*own = nil
-		return "", err
+		return "", sent, err
 	}
-	return s, nil
+	return s, sent, nil
 }

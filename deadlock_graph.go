@@ -126,8 +126,11 @@ type node struct {
 	// then the pid it waits on (pid; 0 for a wait of this Locker that left the server a moment ago): see less.
 	local bool
 	seq   int64
-	pid   uint32
-	key   session.Ref // the key and mode it waits for (PID 0)
+	// recent: a wait of this Locker that left the server a moment ago, judged among the waits every client sees
+	// (the other clients' readings may show it, or may not any more).
+	recent bool
+	pid    uint32
+	key    session.Ref // the key and mode it waits for (PID 0)
 	// tagged: a wait that a Locker watches (its comment publishes what its caller holds, or it is this Locker's):
 	// only such a wait can be ended, and only such a wait is chosen to give up.
 	tagged bool
@@ -156,8 +159,9 @@ func (l *Locker) localGraph(s string) *graph {
 	rows := parseGraph(s)
 	g := &graph{}
 	byPID := map[uint32]*waiter{}
-	last := map[uint32]*waiter{} // waits out of the server now, by the session they last waited on
-	away := map[uint32]bool{}    // (tests) the sessions of waits read as if they had just left them
+	last := map[uint32][]*waiter{} // waits out of the server now, by the session they last waited on
+	away := map[uint32]bool{}      // (tests) the sessions of waits read as if they had just left them
+	shown := map[*waiter]bool{}    // (tests) waits read as if they had just left their session, which shows them
 	for w := range l.waiters {
 		if p := w.tag.PID(); p != 0 {
 			if h := testHookAway.Load(); h != nil && w.ownPath && (*h)(l, w) {
@@ -165,12 +169,12 @@ func (l *Locker) localGraph(s string) *graph {
 				continue
 			}
 			if h := testHookAwayShown.Load(); h != nil && w.ownPath && (*h)(l, w) {
-				last[p] = w
+				last[p], shown[w] = append(last[p], w), true
 				continue
 			}
 			byPID[p] = w
 		} else if p, _, ok := w.tag.Left(); ok {
-			last[p] = w
+			last[p] = append(last[p], w)
 		}
 	}
 	placed := map[*waiter]bool{} // waits out of the server now that the reading shows where they waited
@@ -193,18 +197,31 @@ func (l *Locker) localGraph(s string) *graph {
 		id, shared := r.key()
 		n := &node{pid: r.pid, key: session.Ref{ID: id, Shared: shared},
 			desc: fmt.Sprintf("pid %d waiting for %s", r.pid, keyOf(id))}
-		if w := byPID[r.pid]; w != nil && w.t.ID == id && w.t.Shared == shared {
+		// A row is a wait of this Locker's by what it waits for and what its comment says its caller holds: the
+		// wait on its session now, or one that left it a moment ago (the reading, on its way as it left, shows it
+		// there, maybe with another wait of this Locker on the session now): judged as every client that read it
+		// there judges it, and not a second time as a wait between sessions.
+		tagged := r.tagged && r.waitFor.ID == id && r.waitFor.Shared == shared
+		mine := func(w *waiter) bool {
+			return w.t.ID == id && w.t.Shared == shared && (!tagged || slices.Equal(sortRefs(r.held), sortRefs(w.held)))
+		}
+		var w *waiter
+		if c := byPID[r.pid]; c != nil && mine(c) {
+			w = c
+		} else if tagged && !mutant.On(mutant.DeadlockStaleChoice) {
+			for _, c := range last[r.pid] {
+				if !placed[c] && mine(c) {
+					w, placed[c] = c, true
+					break
+				}
+			}
+		}
+		switch {
+		case w != nil:
 			n.w, n.held, n.tagged = w, sortRefs(w.held), true
 			n.desc = fmt.Sprintf("this wait for %s (pid %d)", w.key, r.pid)
-		} else if r.tagged && r.waitFor.ID == id && r.waitFor.Shared == shared {
+		case tagged:
 			n.held, n.tagged = sortRefs(r.held), true
-			if w := last[r.pid]; w != nil && byPID[r.pid] == nil && w.t.ID == id && w.t.Shared == shared &&
-				slices.Equal(n.held, sortRefs(w.held)) && !mutant.On(mutant.DeadlockStaleChoice) {
-				// This Locker's wait, read before it left this session (the reading was on its way): judged as
-				// every client that read it there judges it, and not a second time as a wait between sessions.
-				n.w, placed[w] = w, true
-				n.desc = fmt.Sprintf("this wait for %s (pid %d)", w.key, r.pid)
-			}
 		}
 		g.nodes = append(g.nodes, n)
 		waits = append(waits, r)
@@ -216,7 +233,7 @@ func (l *Locker) localGraph(s string) *graph {
 		pid, ago, ok := w.tag.Left()
 		if placed[w] {
 			continue
-		} else if p := w.tag.PID(); away[p] || p != 0 && last[p] == w {
+		} else if p := w.tag.PID(); away[p] || shown[w] {
 			pid, ago, ok = p, 0, true
 		} else if !w.ownPath || p != 0 {
 			continue
@@ -228,7 +245,7 @@ func (l *Locker) localGraph(s string) *graph {
 			// other clients' readings then saw it on that session, and judged it among the waits every client
 			// sees. Judged with them, ranked as they rank it, this Locker chooses what they chose; only once it has
 			// been away for longer does it count as a wait only this Locker sees.
-			n.local, n.tagged, n.pid = false, true, pid
+			n.local, n.recent, n.tagged, n.pid = false, true, true, pid
 		}
 		g.nodes = append(g.nodes, n)
 		waits = append(waits, lockRow{id: w.t.ID, shared: w.t.Shared})
@@ -289,10 +306,16 @@ func (l *Locker) localGraph(s string) *graph {
 // are left, through this Locker's waits that only it sees (on their way to a session of their own), among those
 // waits alone: another client, which cannot see them, must never be counted on to end a wait for them. With one
 // cycle, that is its least wait, as before.
-func (g *graph) victims() map[*node]bool {
+func (g *graph) victims() map[*node]bool { return g.victimsWithout(nil) }
+
+// victimsWithout is victims on the graph without the waits drop says (nil: none).
+func (g *graph) victimsWithout(drop func(n *node) bool) map[*node]bool {
 	out := map[*node]bool{}
 	visible, watched := map[*node]bool{}, map[*node]bool{}
 	for _, n := range g.nodes {
+		if drop != nil && drop(n) {
+			continue
+		}
 		if !n.local {
 			visible[n] = true
 			if n.tagged {
@@ -304,7 +327,7 @@ func (g *graph) victims() map[*node]bool {
 	alive := map[*node]bool{}
 	local := map[*node]bool{}
 	for _, n := range g.nodes {
-		if !out[n] {
+		if !out[n] && (drop == nil || !drop(n)) {
 			alive[n] = true
 			if n.local {
 				local[n] = true

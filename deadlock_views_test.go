@@ -22,8 +22,8 @@ import (
 // answer came late). Every Locker must still choose the same wait.
 
 // Here one Locker's readings show the other Locker's wait on a session with a higher pid than the one it waits on
-// (as if read before that wait moved to its present session), and each Locker judges its second reading only
-// once the other has one too, so that neither wait has ended when either Locker judges. Ranked by the pid it waits
+// (as if read before that wait moved to its present session), and each Locker sends its second reading only once
+// the other has judged its first, so that neither wait has ended when either Locker reads. Ranked by the pid it waits
 // on, each Locker chose its own wait, and both ended; ranked by what its caller holds, which stays on its session
 // whatever session the wait is on, both choose the same wait: the one whose caller holds the least lock.
 func TestDeadlockWaitSeenOnAnotherSession(t *testing.T) {
@@ -44,26 +44,33 @@ func TestDeadlockWaitSeenOnAnotherSession(t *testing.T) {
 	var moved atomic.Uint32         // that wait's pid
 	var mu sync.Mutex
 	cond := sync.NewCond(&mu)
-	readings := map[*Locker]int{}
-	read := func(l *Locker) bool {
+	readings := map[*Locker]int{} // judged
+	var met atomic.Bool           // a second reading was held back until both Lockers had judged their first
+	next := func(l *Locker, d time.Duration) {
 		if l != b.l && l != l2 {
-			return false
+			return
 		}
 		mu.Lock()
 		defer mu.Unlock()
-		readings[l]++
-		cond.Broadcast()
-		if readings[l] == 2 { // the second reading is judged once the other Locker has one too (or 5 s on)
+		if readings[l] == 1 { // the second reading is sent once the other Locker has judged its first (or 5 s on)
 			deadline := time.Now().Add(5 * time.Second)
 			tm := time.AfterFunc(5*time.Second, cond.Broadcast)
 			defer tm.Stop()
-			for min(readings[b.l], readings[l2]) < 2 && time.Now().Before(deadline) {
+			for min(readings[b.l], readings[l2]) < 1 && time.Now().Before(deadline) {
 				cond.Wait()
 			}
+			if min(readings[b.l], readings[l2]) >= 1 {
+				met.Store(true)
+			}
 		}
-		return false
 	}
 	rows := func(l *Locker, rows string) string {
+		if l == b.l || l == l2 {
+			mu.Lock()
+			readings[l]++
+			cond.Broadcast()
+			mu.Unlock()
+		}
 		if l != awaitLocker(&seer) {
 			return rows
 		}
@@ -78,8 +85,8 @@ func TestDeadlockWaitSeenOnAnotherSession(t *testing.T) {
 		}
 		return strings.Join(out, "\n")
 	}
-	testHookGraphRead.Store(&read)
-	defer testHookGraphRead.Store(nil)
+	testHookNextReading.Store(&next)
+	defer testHookNextReading.Store(nil)
 	testHookGraphRows.Store(&rows)
 	defer testHookGraphRows.Store(nil)
 	c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
@@ -96,12 +103,12 @@ func TestDeadlockWaitSeenOnAnotherSession(t *testing.T) {
 		least = l2
 	}
 	dead, v := c.ends(ctx, t)
-	testHookGraphRead.Store(nil)
+	testHookNextReading.Store(nil)
 	testHookGraphRows.Store(nil)
 	mu.Lock()
-	t.Logf("readings: %d and %d", readings[b.l], readings[l2])
-	if readings[b.l] < 2 || readings[l2] < 2 {
-		t.Error("a Locker read fewer than twice: the test did not make its moment")
+	t.Logf("readings judged: %d and %d", readings[b.l], readings[l2])
+	if !met.Load() {
+		t.Error("no second reading waited for both Lockers' first: the test did not make its moment")
 	}
 	mu.Unlock()
 	if dead != 1 {
@@ -234,20 +241,30 @@ func TestDeadlockReadingShowsAWaitThatLeft(t *testing.T) {
 }
 
 // raise rewrites a reading's rows as if every lock held on a session of pids were held on a session with one of the
-// highest pids (the highest for the first, and so on) (the granted rows and what waits' comments say their callers hold), so that the waits of the callers
-// that hold them rank greater.
+// highest pids (the highest for the first, and so on): the granted rows, and what waits' comments say their callers
+// hold. The waits of the callers that hold them rank greater.
 func raise(rows string, pids ...uint32) string {
+	to := map[uint32]uint32{}
+	for i, p := range pids {
+		to[p] = math.MaxUint32 - uint32(i)
+	}
+	return repid(rows, to)
+}
+
+// repid rewrites a reading's rows as if every lock held on a session with a pid of to's were held on a session with
+// the pid it maps to (see raise).
+func repid(rows string, to map[uint32]uint32) string {
 	var out []string
 	for line := range strings.SplitSeq(rows, "\n") {
 		f := strings.Split(line, "\t")
-		for i, p := range pids {
-			ps, hs := strconv.FormatUint(uint64(p), 10), strconv.FormatUint(uint64(math.MaxUint32-i), 10)
+		for p, q := range to {
+			ps, qs := strconv.FormatUint(uint64(p), 10), strconv.FormatUint(uint64(q), 10)
 			if len(f) > 5 && f[0] == ps && f[5] == "g" {
-				f[0] = hs
+				f[0] = qs
 			}
 			if len(f) > 6 {
-				f[6] = strings.ReplaceAll(f[6], "h="+ps+".", "h="+hs+".")
-				f[6] = strings.ReplaceAll(f[6], ","+ps+".", ","+hs+".")
+				f[6] = strings.ReplaceAll(f[6], "h="+ps+".", "h="+qs+".")
+				f[6] = strings.ReplaceAll(f[6], ","+ps+".", ","+qs+".")
 			}
 		}
 		out = append(out, strings.Join(f, "\t"))
@@ -308,10 +325,19 @@ func TestDeadlockCountsOneCycle(t *testing.T) {
 		}
 		return rows
 	}
+	var seenFirst atomic.Int64 // after L1's first reading: the readings that chose A (1: it read A-B, and chose A)
+	seenFirst.Store(-1)
 	next := func(l *Locker, d time.Duration) { // L1 reads again after its first reading only once A-C formed
 		mu.Lock()
 		n := readsA
 		mu.Unlock()
+		if l == b.l && n == 1 {
+			l.mu.Lock()
+			for w := range l.waiters {
+				seenFirst.Store(int64(w.seen)) // the detector's goroutine: this one
+			}
+			l.mu.Unlock()
+		}
 		for deadline := time.Now().Add(10 * time.Second); l == b.l && n >= 1 && !formed.Load() && time.Now().Before(deadline); {
 			time.Sleep(time.Millisecond)
 		}
@@ -365,6 +391,9 @@ func TestDeadlockCountsOneCycle(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	t.Logf("L1's readings: %d, of them of the cycle A-C: %d", readsA, readsAC)
+	if seenFirst.Load() != 1 {
+		t.Errorf("L1's first reading chose A %d times (-1: none judged): the test did not make its moment", seenFirst.Load())
+	}
 	if readsAC < 2 {
 		t.Errorf("A ended on %d reading(s) of the cycle A-C: a reading of A-B was counted with it", readsAC)
 	}
@@ -382,4 +411,102 @@ func inServer(l *Locker) bool {
 		}
 	}
 	return false
+}
+
+// A wait of a Locker that left the server a moment ago is judged as the other clients saw it then, but their
+// readings now may no longer show it: it may hold a choice back, never make one. Here L's callers: X holds k2 and
+// waits for k1 (held shared by W's caller and Y's), W holds k1 shared and waits for k2; M's caller Y holds k1
+// shared and waits for k2. L's readings take W for a wait that has just left its session; M's readings no longer
+// show W. In M's graph the cycle is X-Y and Y ranks least; in L's, W adds a second cycle through X, which draws L's
+// choice to X (the wait both cycles pass through). L must not end X while M ends Y: X ends only if chosen without W
+// too. Once Y has ended, the readings show W again, and one wait of X-W ends.
+func TestDeadlockRecentWaitChoosesNothing(t *testing.T) {
+	b := setup(t)
+	l := New(pgtest.Pool(t, b.url, nil), WithSharedSessions(0)) // each lock on a session of its own
+	defer l.Close()
+	m := New(pgtest.Pool(t, b.url, nil))
+	defer m.Close()
+	ctx := ctxT(t, 60*time.Second)
+	k1, k2 := key(t), key(t)
+	hw, err := l.RLock(ctx, k1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hy, err := m.RLock(ctx, k1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hx, err := l.Lock(ctx, k2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	px, pw, py := hx.h.PID(), hw.h.PID(), hy.h.PID()
+	self := l
+	var on atomic.Bool
+	on.Store(true)
+	away := func(l *Locker, w *waiter) bool {
+		return on.Load() && l == self && len(w.held) == 1 && w.held[0].PID == pw
+	}
+	rows := func(l *Locker, rows string) string {
+		if l != m { // Y ranks least (a Locker's own waits are left as they are)
+			return repid(rows, map[uint32]uint32{py: 1})
+		}
+		if !on.Load() {
+			return rows
+		}
+		var out []string // W gone from the server
+		for line := range strings.SplitSeq(rows, "\n") {
+			if f := strings.Split(line, "\t"); len(f) > 6 && f[5] == "w" && strings.Contains(f[6], "h="+strconv.FormatUint(uint64(pw), 10)+".") {
+				continue
+			}
+			out = append(out, line)
+		}
+		return raise(strings.Join(out, "\n"), px) // X ranks greatest
+	}
+	testHookAway.Store(&away)
+	defer testHookAway.Store(nil)
+	testHookGraphRows.Store(&rows)
+	defer testHookGraphRows.Store(nil)
+	type end struct {
+		who string
+		err error
+	}
+	ends := make(chan end, 3)
+	run := func(who string, l *Locker, held *Lock, k Key) {
+		ends <- end{who, takeNext(ctx, t, l, held, k)}
+	}
+	go run("X", l, hx, k1)
+	for !inServer(l) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	go run("W", l, hw, k2)
+	go run("Y", m, hy, k2)
+	dead := map[string]bool{}
+	var order []string // the waits that ended with ErrDeadlock, in turn
+	for range 3 {
+		select {
+		case e := <-ends:
+			switch {
+			case errors.Is(e.err, ErrDeadlock):
+				dead[e.who] = true
+				order = append(order, e.who)
+				if e.who == "Y" {
+					on.Store(false) // from now on the readings see the server as it is
+				}
+			case e.err != nil:
+				t.Errorf("%s ended with %v, want ErrDeadlock or the key", e.who, e.err)
+			}
+		case <-ctx.Done():
+			t.Fatal("the waits did not end")
+		}
+	}
+	t.Logf("ended with ErrDeadlock, in turn: %v", order)
+	switch {
+	case len(order) == 0 || order[0] != "Y":
+		t.Errorf("%v ended first: L chose X through W, which M's readings no longer showed, while M chose Y", order)
+	case len(order) != 2 || order[1] == "Y":
+		t.Errorf("after Y, %v ended with ErrDeadlock, want one wait of X-W", order[1:])
+	}
+	b.waitFree(t, k1)
+	b.waitFree(t, k2)
 }

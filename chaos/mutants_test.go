@@ -186,6 +186,9 @@ func TestMutants(t *testing.T) {
 		// 15-minute campaign of pairs by hand, twice, as double_deadlock: three-wait cycles, 0.29 s between the
 		// first cycle's victim and this wait.)
 		{mutant.DeadlockOtherCycle, "TestDeadlockCountsOneCycle"},
+		// A wait of a Locker that left the server a moment ago, which the other clients' readings no longer show,
+		// draws its Locker's choice to another of its waits while they end another wait of the same cycle.
+		{mutant.DeadlockRecentChooses, "TestDeadlockRecentWaitChoosesNothing"},
 	}
 	covered := map[string]bool{}
 	for _, c := range cases {

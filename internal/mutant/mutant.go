@@ -44,6 +44,10 @@ const (
 	// as a victim of the first let go (another caller took what it held): the wait ends on one reading of the new
 	// cycle, while the first cycle's victim ends too.
 	DeadlockOtherCycle = "deadlock_other_cycle"
+	// DeadlockRecentChooses: a wait of a Locker that left the server a moment ago (its session given to another
+	// wait), judged among the waits every client sees, may draw the choice to another wait of that Locker, which
+	// ends while the other clients, whose readings no longer show it, end another wait of the same cycle.
+	DeadlockRecentChooses = "deadlock_recent_chooses"
 	// TokenNoTimeline: a fencing token is the sequence's value alone, without the server's timeline above it, so a
 	// promoted standby whose sequence lagged hands out tokens lower than the lost primary's.
 	TokenNoTimeline = "token_no_timeline"
@@ -97,7 +101,7 @@ const (
 // All lists every mutant.
 var All = []string{GuardOff, LeadShared, SemaphoreExtraSlot, UnlockSkippedShared, UnlockSkippedDedicated,
 	SilentLossDedicated, SilentLossShared, CancelGrantDropped, DeadlockUndetected, DeadlockEveryMember, DeadlockFalse,
-	DeadlockStaleChoice, DeadlockChoiceKept, DeadlockOtherCycle, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed,
+	DeadlockStaleChoice, DeadlockChoiceKept, DeadlockOtherCycle, DeadlockRecentChooses, TokenNoTimeline, IntentIgnored, WaitRequeueBack, LeaseRenewUnkeyed,
 	LeaseTermReused, LeaseTrustFromReply, LeaseLateGrantKept, LeaseServerExpiry, LeaseGrantNoDeadline,
 	LeaseUndoOnce, LeaseRenewNoDeadline, LeaseSweepServerExpiry, LeaseNoRestartQuiet, LeaseRestartTermKept}
 
