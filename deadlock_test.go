@@ -541,15 +541,7 @@ func TestDeadlockWaitBetweenSessions(t *testing.T) {
 	defer testHookGraphRead.Store(nil)
 	for round := range 2 {
 		high.Store(nil)
-		ka, kb := key(t), key(t)
-		ha, err := b.l.Lock(ctx, ka)
-		if err != nil {
-			t.Fatal(err)
-		}
-		hb, err := l2.Lock(ctx, kb)
-		if err != nil {
-			t.Fatal(err)
-		}
+		ka, kb, ha, hb := holdTwo(ctx, t, b.l, l2)
 		c := cross(ctx, t, b.l, ha, kb, l2, hb, ka)
 		b.waitingPIDs(t, kb, ka)
 		if heldLess(ha, hb) {
@@ -589,15 +581,7 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	l2 := New(pgtest.Pool(t, b.url, nil))
 	defer l2.Close()
 	ctx := ctxT(t, 60*time.Second)
-	ka, kb := key(t), key(t)
-	ha, err := b.l.Lock(ctx, ka)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hb, err := l2.Lock(ctx, kb)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ka, kb, ha, hb := holdTwo(ctx, t, b.l, l2)
 	var high, low atomic.Pointer[Locker]
 	var lowPID atomic.Uint32 // the session that holds the lock of the low wait's caller
 	var mu sync.Mutex

@@ -31,15 +31,7 @@ func TestDeadlockWaitSeenOnAnotherSession(t *testing.T) {
 	l2 := New(pgtest.Pool(t, b.url, nil))
 	defer l2.Close()
 	ctx := ctxT(t, 60*time.Second)
-	ka, kb := key(t), key(t)
-	ha, err := b.l.Lock(ctx, ka)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hb, err := l2.Lock(ctx, kb)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ka, kb, ha, hb := holdTwo(ctx, t, b.l, l2)
 	var seer atomic.Pointer[Locker] // whose readings show the other wait on pid 4294967295
 	var moved atomic.Uint32         // that wait's pid
 	var mu sync.Mutex
@@ -135,15 +127,7 @@ func TestDeadlockLateReadingCountsForNothing(t *testing.T) {
 	l2 := New(pgtest.Pool(t, b.url, nil))
 	defer l2.Close()
 	ctx := ctxT(t, 60*time.Second)
-	ka, kb := key(t), key(t)
-	ha, err := b.l.Lock(ctx, ka)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hb, err := l2.Lock(ctx, kb)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ka, kb, ha, hb := holdTwo(ctx, t, b.l, l2)
 	least := b.l
 	if heldLess(hb, ha) {
 		least = l2
@@ -202,15 +186,7 @@ func TestDeadlockReadingShowsAWaitThatLeft(t *testing.T) {
 	defer l2.Close()
 	ctx := ctxT(t, 60*time.Second)
 	for round := range 2 {
-		ka, kb := key(t), key(t)
-		ha, err := b.l.Lock(ctx, ka)
-		if err != nil {
-			t.Fatal(err)
-		}
-		hb, err := l2.Lock(ctx, kb)
-		if err != nil {
-			t.Fatal(err)
-		}
+		ka, kb, ha, hb := holdTwo(ctx, t, b.l, l2)
 		least := b.l
 		if heldLess(hb, ha) {
 			least = l2
@@ -288,15 +264,7 @@ func TestDeadlockCountsOneCycle(t *testing.T) {
 	l3 := New(pgtest.Pool(t, b.url, nil))
 	defer l3.Close()
 	ctx := ctxT(t, 60*time.Second)
-	ka, kb := key(t), key(t)
-	ha, err := b.l.Lock(ctx, ka)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hb, err := l2.Lock(ctx, kb)
-	if err != nil {
-		t.Fatal(err)
-	}
+	ka, kb, ha, hb := holdTwo(ctx, t, b.l, l2)
 	pa, pb := ha.h.PID(), hb.h.PID()
 	var pc atomic.Uint32 // the session C holds kb on
 	var formed atomic.Bool
@@ -509,4 +477,19 @@ func TestDeadlockRecentWaitChoosesNothing(t *testing.T) {
 	}
 	b.waitFree(t, k1)
 	b.waitFree(t, k2)
+}
+
+// holdTwo takes two new keys, ka with l1 and kb with l2: the start of a cycle of two waits (see cross).
+func holdTwo(ctx context.Context, t *testing.T, l1, l2 *Locker) (ka, kb Key, ha, hb *Lock) {
+	t.Helper()
+	ka, kb = key(t), key(t)
+	ha, err := l1.Lock(ctx, ka)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb, err = l2.Lock(ctx, kb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ka, kb, ha, hb
 }
