@@ -370,7 +370,15 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 			w.cyclic.Store(0)
 		}
 		var cycle []string
-		if victims[n] && (strict[n] || n.recent) {
+		if victims[n] && !strict[n] && !n.recent {
+			// Chosen only through a wait that left the server a moment ago: held back, as a miss (not a choice of
+			// another wait), and read again soon; once that wait is back, or judged as one only this Locker sees,
+			// the choice stands or falls without it.
+			w.miss()
+			soon = true
+			continue
+		}
+		if victims[n] {
 			cycle = g.cycleFrom(n)
 		}
 		if cycle == nil && len(n.out) > 0 && mutant.On(mutant.DeadlockFalse) {

@@ -207,7 +207,7 @@ func (l *Locker) localGraph(s string) *graph {
 		}
 		var w *waiter
 		if c := byPID[r.pid]; c != nil && mine(c) {
-			w = c
+			w, placed[c] = c, true // not a second time below, should it leave its session meanwhile
 		} else if tagged && !mutant.On(mutant.DeadlockStaleChoice) {
 			for _, c := range last[r.pid] {
 				if !placed[c] && mine(c) {

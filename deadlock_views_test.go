@@ -387,7 +387,8 @@ func inServer(l *Locker) bool {
 // shared and waits for k2. L's readings take W for a wait that has just left its session; M's readings no longer
 // show W. In M's graph the cycle is X-Y and Y ranks least; in L's, W adds a second cycle through X, which draws L's
 // choice to X (the wait both cycles pass through). L must not end X while M ends Y: X ends only if chosen without W
-// too. Once Y has ended, the readings show W again, and one wait of X-W ends.
+// too. M reads a second time only once L has judged two readings (in which, without the rule, L chose X twice).
+// Once Y has ended, the readings show W again, and one wait of X-W ends.
 func TestDeadlockRecentWaitChoosesNothing(t *testing.T) {
 	b := setup(t)
 	l := New(pgtest.Pool(t, b.url, nil), WithSharedSessions(0)) // each lock on a session of its own
@@ -415,7 +416,34 @@ func TestDeadlockRecentWaitChoosesNothing(t *testing.T) {
 	away := func(l *Locker, w *waiter) bool {
 		return on.Load() && l == self && len(w.held) == 1 && w.held[0].PID == pw
 	}
+	var mu sync.Mutex
+	cond := sync.NewCond(&mu)
+	readsL, readsM := 0, 0                     // judged while L's readings took W for a wait that had just left
+	var met atomic.Bool                        // M's second reading waited for L's second
+	next := func(l *Locker, d time.Duration) { // M reads again once L has judged two readings (or 5 s on)
+		mu.Lock()
+		defer mu.Unlock()
+		if l != m || readsM != 1 {
+			return
+		}
+		tm := time.AfterFunc(5*time.Second, cond.Broadcast)
+		defer tm.Stop()
+		for deadline := time.Now().Add(5 * time.Second); readsL < 2 && time.Now().Before(deadline); {
+			cond.Wait()
+		}
+		met.Store(readsL >= 2)
+	}
 	rows := func(l *Locker, rows string) string {
+		if on.Load() && (l == self || l == m) {
+			mu.Lock()
+			if l == self {
+				readsL++
+			} else {
+				readsM++
+			}
+			cond.Broadcast()
+			mu.Unlock()
+		}
 		if l != m { // Y ranks least (a Locker's own waits are left as they are)
 			return repid(rows, map[uint32]uint32{py: 1})
 		}
@@ -435,6 +463,8 @@ func TestDeadlockRecentWaitChoosesNothing(t *testing.T) {
 	defer testHookAway.Store(nil)
 	testHookGraphRows.Store(&rows)
 	defer testHookGraphRows.Store(nil)
+	testHookNextReading.Store(&next)
+	defer testHookNextReading.Store(nil)
 	type end struct {
 		who string
 		err error
@@ -444,8 +474,10 @@ func TestDeadlockRecentWaitChoosesNothing(t *testing.T) {
 		ends <- end{who, takeNext(ctx, t, l, held, k)}
 	}
 	go run("X", l, hx, k1)
-	for !inServer(l) {
-		time.Sleep(5 * time.Millisecond)
+	for deadline := time.Now().Add(10 * time.Second); !inServer(l); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("X did not wait in the server")
+		}
 	}
 	go run("W", l, hw, k2)
 	go run("Y", m, hy, k2)
@@ -469,6 +501,9 @@ func TestDeadlockRecentWaitChoosesNothing(t *testing.T) {
 		}
 	}
 	t.Logf("ended with ErrDeadlock, in turn: %v", order)
+	if !met.Load() {
+		t.Error("M read again before L had judged two readings of the cycles: the test did not make its moment")
+	}
 	switch {
 	case len(order) == 0 || order[0] != "Y":
 		t.Errorf("%v ended first: L chose X through W, which M's readings no longer showed, while M chose Y", order)
