@@ -68,7 +68,8 @@
 //     session of its own, so that deadlock detection sees it; the server keeps it apart from the holder's session.
 //   - Deadlocks the server cannot see: a cycle of watched waits (see [Holding]) across processes or within one
 //     ends one wait of the cycle (the same one whichever process looks) with [ErrDeadlock], within about 2.5 s of
-//     its forming; a wait that closes no cycle never gets it.
+//     its forming (later while readings of the lock graph take more than 0.5 s); a wait that closes no cycle never
+//     gets it.
 //   - No false success: when a lock call returns a *Lock, the server granted the key.
 //   - No leak on failure: when a lock call returns an error, including a cancelled wait that the server granted at
 //     the last moment, the key is not held by this Locker: the session is closed unless it is known clean.
