@@ -39,8 +39,7 @@ import (
 //     cycles share a wait, the one most of them pass through. A Locker ends only its own waits, and only when the
 //     choice stood on two readings in a row of one cycle (of the same callers: a reading that chose another wait
 //     of the cycle, or chose it in another cycle, starts the count again), each judged within deadlockLate of
-//     being sent; the wait then fails with an error matching
-//     ErrDeadlock.
+//     being sent; the wait then fails with an error matching ErrDeadlock.
 //   - A wait that left its session a moment ago (it gave it up to another wait of its Locker) is judged for
 //     deadlockRecent among the waits every client sees, as the other clients' last readings saw it, so that its
 //     Locker chooses as they did (a reading that still shows it on the session it left shows this wait, not
@@ -309,10 +308,7 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 		}
 	}
 	if err == nil && time.Since(sent) > deadlockLate {
-		// What it shows may have changed since, beyond what the other clients' readings allow for (a wait of
-		// this Locker gone from the server for deadlockRecent is judged as one only it sees; a victim another
-		// client chose may still show for a slice): judged as a reading that failed.
-		err = errors.New("advlock: the reading was answered late")
+		err = errors.New("advlock: the reading was answered late") // see deadlockLate
 	}
 	if err != nil {
 		// No connection free, or the server is away: the next reading tries again, soon only the first time (a
@@ -397,11 +393,11 @@ func (l *Locker) deadlockRound(own *session.TextConn) (soon bool) {
 		}
 		soon = true
 		w.missed = 0
-		if sig := sigs[comp[n]-1]; sig != w.sig && !mutant.On(mutant.DeadlockOtherCycle) {
+		if c := comp[n]; c != 0 && sigs[c-1] != w.sig && !mutant.On(mutant.DeadlockOtherCycle) {
 			// Chosen in another cycle than the one the earlier readings chose it in (a victim of that one let go,
 			// and another caller took what it held and closed this one): the count starts again, so that it
 			// stands on two readings of one cycle.
-			w.seen, w.sig = 0, sig
+			w.seen, w.sig = 0, sigs[c-1]
 		}
 		if w.seen++; w.seen >= 2 && !mutant.On(mutant.DeadlockUndetected) {
 			w.cancel(&DeadlockError{Cycle: cycle})
