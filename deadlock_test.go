@@ -585,7 +585,8 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	var high, low atomic.Pointer[Locker]
 	var lowPID atomic.Uint32 // the session that holds the lock of the low wait's caller
 	var mu sync.Mutex
-	readings := 0 // the high Locker's
+	readings := 0    // the high Locker's
+	flipped := false // its last reading was flipped, and none since showed the other wait as it is
 	var readsFrom time.Time
 	read := func(l *Locker) bool { // the low Locker's readings fail for its first 3 s
 		if l != awaitLocker(&low) {
@@ -602,27 +603,24 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 		if l != awaitLocker(&high) {
 			return rows
 		}
+		// Flipped, then as it is until a reading as it is shows the other wait (one that missed it, between two of
+		// its slices, would let the next flipped reading count with the one before: a miss is allowed between two
+		// choices), then flipped again.
+		other := "h=" + strconv.FormatUint(uint64(lowPID.Load()), 10) + "."
 		mu.Lock()
+		defer mu.Unlock()
 		readings++
-		odd := readings%2 == 1
-		mu.Unlock()
-		if !odd {
+		if flipped {
+			for line := range strings.SplitSeq(rows, "\n") {
+				if f := strings.Split(line, "\t"); len(f) > 6 && f[5] == "w" && strings.Contains(f[6], other) {
+					flipped = false
+				}
+			}
 			return rows
 		}
+		flipped = true
 		// the session that holds what the other wait's caller holds as if on a pid above this one's
-		other := strconv.FormatUint(uint64(lowPID.Load()), 10)
-		var out []string
-		for line := range strings.SplitSeq(rows, "\n") {
-			f := strings.Split(line, "\t")
-			if len(f) > 5 && f[0] == other && f[5] == "g" {
-				f[0] = "4294967295"
-			}
-			if len(f) > 6 {
-				f[6] = strings.ReplaceAll(f[6], "h="+other+".", "h=4294967295.")
-			}
-			out = append(out, strings.Join(f, "\t"))
-		}
-		return strings.Join(out, "\n")
+		return raise(rows, lowPID.Load())
 	}
 	testHookGraphRead.Store(&read)
 	defer testHookGraphRead.Store(nil)
