@@ -14,6 +14,6 @@ DO $$ BEGIN FOR i IN 1..5000 LOOP
 END LOOP; END $$;
 \echo the grant and release functions (a try)
 DO $$ DECLARE t text; BEGIN FOR i IN 1..5000 LOOP
-  t := split_part(public.advlock_lease_grant_v5(1, -7777, 'cost/15000', '', 15000, '', 0, 0, 0), ' ', 2); COMMIT;
+  t := split_part(public.advlock_lease_grant_v6(1, -7777, 'cost/15000', '', 15000, '', 0, 0, 0), ' ', 2); COMMIT;
   PERFORM public.advlock_lease_release_v1(1, -7777, 'cost/15000', t::int8); COMMIT;
 END LOOP; END $$;
