@@ -50,7 +50,7 @@ func NewClient(pool session.Pool, cfg Config) *Client {
 	c := &Client{pool: pool, cfg: cfg, id: string(appendRandom(id[:0], 8)), seen: map[session.ID]sighting{},
 		closing: make(chan struct{}), bgConns: make(chan struct{}, bgConns)}
 	c.bgCtx, c.bgStop = context.WithCancel(context.Background())
-	c.r.init()
+	c.r.init(c)
 	return c
 }
 

@@ -67,6 +67,7 @@ type Lease struct {
 	stopOnce sync.Once
 	started  atomic.Bool
 	rs       renewState // its renewals' state, the Client's renewal loop's alone (renewer.go)
+	addAt    int        // its place in the renewers' adds, -1 when not there (guarded by the renewers' mu)
 
 	mu      sync.Mutex
 	ended   bool          // its renewals have ended (started leases only): see renewalsEnded
@@ -81,7 +82,7 @@ type Lease struct {
 // newLease is the lease of a grant of id to owner, of term, sent at sent; its renewals are not started yet (start).
 func (c *Client) newLease(id session.ID, owner string, term int64, sent time.Time, onEnd session.OnEnd) *Lease {
 	l := &Lease{c: c, id: id, owner: owner, term: term, onEnd: onEnd, trust: c.trustFrom(sent), wall: c.trustFrom(sent).UnixNano(), rtt: time.Since(sent),
-		rs: renewState{idx: -1}}
+		rs: renewState{idx: -1}, addAt: -1}
 	if mutant.On(mutant.LeaseTermReused) {
 		first, _ := firstTerms.LoadOrStore(id, term)
 		l.token = first.(int64)
@@ -223,9 +224,15 @@ func (l *Lease) halt() {
 	<-ch
 }
 
-// renewalsEnded says the lease's renewals have ended (the renewal loop's last word on it); halts waiting return.
+// renewalsEnded says the lease's renewals have ended (the renewal loop's last word on it, or a halt's or a start's
+// for a lease the loop never took); halts waiting return. Said again, it does nothing: a lease halted as it was
+// started may be ended both by its start and by the loop the halt told.
 func (l *Lease) renewalsEnded() {
 	l.mu.Lock()
+	if l.ended {
+		l.mu.Unlock()
+		return
+	}
 	l.ended = true
 	ch := l.stopped
 	l.mu.Unlock()

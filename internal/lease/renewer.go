@@ -34,21 +34,36 @@ const maxBatch = 500
 
 // renewers hands leases to the renewal loop and tells it of halts; the loop runs while it has leases (or
 // statements on the wire, or ends of leases under way), and starts again with the next lease.
+//
+// A lease is of no concern to the loop before its first renewal is due (a renewal period after its grant, before its
+// trust ends): until the loop takes it, it waits in adds, and a halt that finds it there ends its renewals at once,
+// with no word to the loop. So a lease held for less than a renewal period (a short job's) costs the loop nothing
+// when it is alone: no start of it (its start is set for the first renewal due in adds, later), and no wake of it
+// when it is running and will look at adds before that renewal is due anyway (wakeAt).
 type renewers struct {
+	c       *Client
 	mu      sync.Mutex
 	running bool
-	adds    []*Lease
+	adds    []*Lease // each knows its place here (addAt)
 	halts   []*Lease
 	kick    chan struct{} // capacity 1: adds or halts are waiting
 	results chan result   // the answers of the statements on the wire, and the ends of lost leases
 	idle    chan struct{} // made by a Close that waits for the loop, closed when it returns
 	lp      *loop         // the loop's state, kept for its next run (its heap, buffers and timer reused)
+	later   *time.Timer   // starts the loop at laterAt (the loop not running, adds waiting); made at its first use
+	laterAt time.Time     // zero when later is not set
+	wakeAt  time.Time     // the loop, running, looks at adds by then (zero: it may not, adds wake it)
 }
 
 // stopped returns a channel closed once the loop is not running.
 func (r *renewers) stopped() <-chan struct{} {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if !r.running && len(r.adds) > 0 {
+		// Leases wait for the loop's later start: it starts now, and returns once they have ended, as it would
+		// had it been running.
+		r.startLocked()
+	}
 	if !r.running {
 		return closedChan
 	}
@@ -60,7 +75,8 @@ func (r *renewers) stopped() <-chan struct{} {
 
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
-func (r *renewers) init() {
+func (r *renewers) init(c *Client) {
+	r.c = c
 	r.kick = make(chan struct{}, 1)
 	r.results = make(chan result, 64)
 }
@@ -109,27 +125,84 @@ type wireRef struct {
 	i int
 }
 
+// add hands l to the loop, by its first renewal or the end of its trust, whichever comes first (l.rs.next is set). A
+// lease halted before it was added (l.stopping: a halt that found it nowhere, or queued it to the loop) has its
+// renewals ended here (renewalsEnded says so once, whoever says it first).
 func (r *renewers) add(l *Lease) {
+	due := earliest(l.trustNow(), l.rs.next)
 	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.adds = append(r.adds, l)
-	if !r.running {
-		r.running = true
-		go l.c.renewLoop()
+	if l.stopping.Load() {
+		r.mu.Unlock()
+		l.renewalsEnded()
 		return
 	}
-	r.poke()
+	l.addAt = len(r.adds)
+	r.adds = append(r.adds, l)
+	switch {
+	case r.running && (r.wakeAt.IsZero() || r.wakeAt.After(due)):
+		r.poke()
+	case !r.running && (r.laterAt.IsZero() || r.laterAt.After(due)):
+		// A start set for a lease since halted is not moved later: the loop starts early, and waits.
+		r.laterAt = due
+		if r.later == nil {
+			r.later = time.AfterFunc(time.Until(due), r.fire)
+		} else {
+			r.later.Reset(time.Until(due))
+		}
+	}
+	r.mu.Unlock()
 }
 
-// halt tells the loop that l's renewals are to stop (l.stopping is set). A loop that is not running has no lease
-// that has not ended: l's renewals have ended, and said so.
+// fire is later's: the loop starts, unless it runs already or no lease waits for it.
+func (r *renewers) fire() {
+	r.mu.Lock()
+	start := !r.running && len(r.adds) > 0
+	if start {
+		r.running, r.laterAt = true, time.Time{}
+	}
+	r.mu.Unlock()
+	if start {
+		r.c.renewLoop()
+	}
+}
+
+// startLocked starts the loop now (r.mu held, the loop not running).
+func (r *renewers) startLocked() {
+	r.running = true
+	if !r.laterAt.IsZero() {
+		r.later.Stop()
+		r.laterAt = time.Time{}
+	}
+	go r.c.renewLoop()
+}
+
+// halt tells the loop that l's renewals are to stop (l.stopping is set). A lease the loop has not taken yet is taken
+// out of adds, and its renewals end here; one that it has, the loop ends. A loop that is not running has no lease
+// that has not ended but those in adds: l's renewals have ended, and said so, or l is not added yet (add ends it).
 func (r *renewers) halt(l *Lease) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	if i := l.addAt; i >= 0 && i < len(r.adds) && r.adds[i] == l {
+		last := len(r.adds) - 1
+		if i != last {
+			r.adds[i] = r.adds[last]
+			r.adds[i].addAt = i
+		}
+		r.adds[last] = nil
+		r.adds = r.adds[:last]
+		l.addAt = -1
+		if len(r.adds) == 0 && !r.laterAt.IsZero() {
+			r.later.Stop()
+			r.laterAt = time.Time{}
+		}
+		r.mu.Unlock()
+		l.renewalsEnded()
+		return
+	}
 	if r.running {
 		r.halts = append(r.halts, l)
 		r.poke()
 	}
+	r.mu.Unlock()
 }
 
 func (r *renewers) poke() {
@@ -169,6 +242,10 @@ func (c *Client) renewLoop() {
 		clear(lp.halts)
 		lp.adds, lp.halts, r.adds, r.halts = r.adds, r.halts, lp.adds[:0], lp.halts[:0]
 		adds, halts := lp.adds, lp.halts
+		for _, l := range adds {
+			l.addAt = -1 // the loop's now: a halt tells it
+		}
+		r.wakeAt = time.Time{}
 		if len(adds) == 0 && len(halts) == 0 && lp.h.Len() == 0 && lp.ending == 0 && lp.wire == 0 {
 			r.running = false
 			if r.idle != nil {
@@ -197,7 +274,11 @@ func (c *Client) renewLoop() {
 			continue // nothing left to wait for: the top ends the loop, unless adds came meanwhile
 		}
 		if lp.h.Len() > 0 {
-			timer.Reset(time.Until(lp.h[0].rs.wake))
+			wake := lp.h[0].rs.wake
+			timer.Reset(time.Until(wake))
+			r.mu.Lock()
+			r.wakeAt = wake // adds due later than this need not wake the loop
+			r.mu.Unlock()
 		}
 		select {
 		case <-r.kick:
