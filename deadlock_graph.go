@@ -177,7 +177,7 @@ func (l *Locker) localGraph(s string) *graph {
 			last[p] = append(last[p], w)
 		}
 	}
-	placed := map[*waiter]bool{} // waits out of the server now that the reading shows where they waited
+	placed := map[*waiter]bool{} // waits matched to a row of the reading (on their session now, or on the one they left): no second node
 	holders := map[session.ID][]lockRow{}
 	for _, r := range rows {
 		if r.granted {
