@@ -7,12 +7,20 @@ import (
 	"github.com/advlock/advlock/internal/session"
 )
 
-// adds returns what the renewers hold for the loop: whether it runs, the leases waiting for it, when its later start
+// state returns what the renewers hold for the loop: whether it runs, the leases waiting for it, when its later start
 // is set (zero: none) and when it looks at them next (zero: it may not).
 func (r *renewers) state() (running bool, adds []*Lease, laterAt, wakeAt time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.running, append([]*Lease(nil), r.adds...), r.laterAt, r.wakeAt
+}
+
+// quiet is a Config whose leases come to no renewal, nor to the end of their trust, within a test: these tests have
+// no server (a nil pool), and the loop must send nothing.
+func quiet() Config {
+	c := Defaults()
+	c.Length, c.Renew, c.Margin, c.Sweep = time.Hour, 20*time.Minute, time.Minute, 0
+	return c
 }
 
 func (l *Lease) renewalsDone() bool {
@@ -26,7 +34,7 @@ func (l *Lease) renewalsDone() bool {
 // leases waiting; the last one's halt unsets the start. (Before, every lease started the loop, and every halt waited
 // for the loop to end its renewals.)
 func TestShortLeasesLeaveTheLoopAlone(t *testing.T) {
-	c := NewClient(nil, Defaults()) // renewed every 5 s: nothing is due within the test
+	c := NewClient(nil, quiet())
 	defer c.Close()
 	ls := make([]*Lease, 4)
 	for i := range ls {
@@ -59,10 +67,10 @@ func TestShortLeasesLeaveTheLoopAlone(t *testing.T) {
 }
 
 // A lease halted before it was handed to the renewals (a halt that found it nowhere) has its renewals ended as it
-// is handed over: it neither waits for the loop nor sets its start. One whose halt was queued to the running loop
-// before it was handed over is ended by both, once.
+// is handed over: it neither waits for the loop nor sets its start. One whose halt was queued to the running loop as
+// it was handed over is ended by both, once (300 tries of that race, and its two ends in the order that hurt).
 func TestHaltBeforeStart(t *testing.T) {
-	c := NewClient(nil, Defaults())
+	c := NewClient(nil, quiet())
 	defer c.Close()
 	l := c.newLease(session.ID{V: 1}, "o", 1, time.Now(), nil)
 	l.stopping.Store(true) // as a halt does first
@@ -78,38 +86,43 @@ func TestHaltBeforeStart(t *testing.T) {
 	held := c.newLease(session.ID{V: 2}, "o", 1, time.Now(), nil)
 	held.start()
 	c.r.stopped() // the loop runs (as for a Close) with held
-	raced := c.newLease(session.ID{V: 3}, "o", 1, time.Now(), nil)
-	raced.started.Store(true) // as start does first
-	halted := make(chan struct{})
-	go func() { raced.halt(); close(halted) }() // queued to the running loop: raced is not in adds yet
-	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(time.Millisecond) {
-		raced.mu.Lock()
-		waiting := raced.stopped != nil
-		raced.mu.Unlock()
-		if waiting {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the halt did not wait for the loop")
+	for i := range 300 {
+		raced := c.newLease(session.ID{V: int64(10 + i)}, "o", 1, time.Now(), nil)
+		raced.started.Store(true) // as start does first, then its first renewal's moment
+		raced.rs.next = time.Now().Add(c.cfg.Renew - raced.rtt)
+		halted := make(chan struct{})
+		go func() { raced.halt(); close(halted) }() // queued to the running loop, and waiting for it, or not yet
+		c.r.add(raced)                              // the rest of start; before, both ended its renewals (a close of a closed channel)
+		<-halted
+		if !raced.renewalsDone() {
+			t.Fatalf("a lease halted as it started: its renewals not ended")
 		}
 	}
-	c.r.add(raced) // the rest of start; before, its renewals were ended twice (a close of a closed channel)
-	<-halted
 	held.halt()
 	<-c.r.stopped()
+
+	// The two ends of such a race, in the order that hurt: a halt waiting (its channel made), ended by the start,
+	// then by the loop the halt had told.
+	l = c.newLease(session.ID{V: 4}, "o", 1, time.Now(), nil)
+	l.stopped = make(chan struct{})
+	l.renewalsEnded()
+	l.renewalsEnded() // a close of a closed channel, before
+	if !l.renewalsDone() {
+		t.Error("renewals said ended twice: not ended")
+	}
 }
 
 // A lease whose first renewal is due before the running loop next looks at the leases waiting wakes it: the loop
 // takes it and looks again by its renewal. One due later does not wake it.
 func TestEarlierRenewalWakesTheLoop(t *testing.T) {
-	c := NewClient(nil, Defaults())
+	c := NewClient(nil, quiet())
 	defer c.Close()
-	a := c.newLease(session.ID{V: 1}, "o", 1, time.Now(), nil) // first renewal due in 5 s
+	a := c.newLease(session.ID{V: 1}, "o", 1, time.Now(), nil)
 	a.start()
 	c.r.stopped() // the loop starts now, as for a Close: a running loop that looks at a's renewal next
 	wakeAt := func(want time.Time, what string) {
 		t.Helper()
-		for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(time.Millisecond) { // before a's renewal is due
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
 			_, adds, _, at := c.r.state()
 			if at.Equal(want) && len(adds) == 0 {
 				return
