@@ -47,7 +47,13 @@ func TestShortLeasesLeaveTheLoopAlone(t *testing.T) {
 			running, len(adds), laterAt, ls[0].rs.next)
 	}
 	for _, i := range []int{1, 0, 3, 2} { // the middle, the first, the last, the one left
-		ls[i].halt()
+		halted := make(chan struct{})
+		go func() { ls[i].halt(); close(halted) }()
+		select {
+		case <-halted:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("lease %d: its halt waits for a loop that does not run", i)
+		}
 		if !ls[i].renewalsDone() {
 			t.Fatalf("lease %d halted: its renewals not ended", i)
 		}
@@ -139,7 +145,7 @@ func TestEarlierRenewalWakesTheLoop(t *testing.T) {
 	if _, adds, _, at := c.r.state(); len(adds) != 1 || !at.Equal(a.rs.next) {
 		t.Errorf("a lease due after a's woke the loop: %d waiting, it looks next at %v", len(adds), at)
 	}
-	b := c.newLease(session.ID{V: 3}, "o", 1, time.Now().Add(-time.Second), nil) // its grant's round trip 1 s: due 1 s before a's
+	b := c.newLease(session.ID{V: 3}, "o", 1, time.Now().Add(-time.Minute), nil) // its grant's round trip a minute: due before a's
 	b.start()
 	if !b.rs.next.Before(a.rs.next) {
 		t.Fatal("b is not due before a")
