@@ -3,9 +3,11 @@ package conformance
 import (
 	"context"
 	"errors"
+	mrand "math/rand/v2"
 	"net"
 	"net/url"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -248,4 +250,136 @@ func (s *suite) databaseDown(t *testing.T) {
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("Lock through a blackhole took %v with a 500ms ctx", d)
 	}
+}
+
+// blindWatch is a connection whose watcher never reads the socket: Wait only sleeps until its deadline or an
+// Interrupt. With it a loss can only be found by the unlock itself, which is the moment before the real watcher
+// starts (it starts within 2 ms of the grant), held open for as long as the test needs.
+type blindWatch struct {
+	session.Conn
+	mu   sync.Mutex
+	intr chan struct{}
+}
+
+func newBlindWatch(c session.Conn) session.Conn {
+	return &blindWatch{Conn: c, intr: make(chan struct{})}
+}
+
+func (b *blindWatch) Wait(deadline time.Time) error {
+	b.mu.Lock()
+	intr := b.intr
+	b.mu.Unlock()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-intr:
+	}
+	return session.ErrWaitTimeout
+}
+
+func (b *blindWatch) Interrupt() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	select {
+	case <-b.intr:
+	default:
+		close(b.intr)
+	}
+}
+
+func (b *blindWatch) ClearDeadline() {
+	b.mu.Lock()
+	select {
+	case <-b.intr:
+		b.intr = make(chan struct{})
+	default:
+	}
+	b.mu.Unlock()
+	b.Conn.ClearDeadline()
+}
+
+// lossIsLoss: a holder whose backend is terminated learns ErrLockLost from Unlock and from Do, every time, whether
+// the session died before its watcher started or while it ran; Do's ctx is cancelled with cause ErrLockLost.
+func (s *suite) lossIsLoss(t *testing.T) {
+	obs := s.observer(t)
+	ctx := ctxT(t, 60*time.Second)
+	terminate := func(t *testing.T, k advlock.Key) {
+		pid := pidOf(t, obs, k)
+		pgtest.Terminate(t, obs, pid)
+		s.waitClosed(t, obs, pid)
+	}
+	t.Run("before the watcher", func(t *testing.T) {
+		if s.shared {
+			t.Skip("a shared session is read from the moment it opens: there is no watcher to start")
+		}
+		wrap := WithWrap(newBlindWatch)
+		h := s.open(t, wrap, advlock.WithKeepalive(time.Hour))
+		for i := range 10 {
+			lk, err := h.L.TryLock(ctx, Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			terminate(t, lk.Key())
+			if err := lk.Unlock(ctx); !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Unlock after the holder's backend was terminated: %v, want ErrLockLost", i, err)
+			}
+			if !errors.Is(lk.Err(), advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Err = %v, want ErrLockLost", i, lk.Err())
+			}
+			k := Key(t)
+			err = h.L.Do(ctx, k, func(context.Context) error {
+				terminate(t, k)
+				return nil
+			})
+			if !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Do whose backend was terminated: %v, want ErrLockLost", i, err)
+			}
+		}
+		noIdleLocks(t, h, obs)
+	})
+	t.Run("racing the watcher", func(t *testing.T) {
+		h := s.open(t, advlock.WithKeepalive(s.keepalive()))
+		const n = 40
+		for i := range n {
+			lk, err := h.L.TryLock(ctx, Key(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(time.Duration(mrand.IntN(3000)) * time.Microsecond) // before, while and after the watcher starts
+			pid := pidOf(t, obs, lk.Key())
+			pgtest.Terminate(t, obs, pid)
+			if i%2 == 0 { // half the time the backend is surely gone before Unlock, half it may still be going
+				s.waitClosed(t, obs, pid)
+			}
+			if err := lk.Unlock(ctx); !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Unlock after the holder's backend was terminated: %v, want ErrLockLost", i, err)
+			}
+		}
+		m := n
+		if !s.be.EventDriven {
+			m = n / 4 // each loss there waits for a keepalive round trip
+		}
+		for i := range m {
+			k := Key(t)
+			delay := time.Duration(mrand.IntN(3000)) * time.Microsecond
+			err := h.L.Do(ctx, k, func(fctx context.Context) error {
+				time.Sleep(delay)
+				pgtest.Terminate(t, obs, pidOf(t, obs, k))
+				select {
+				case <-fctx.Done():
+				case <-time.After(10 * time.Second):
+					t.Errorf("iteration %d: fn's ctx not cancelled after the lock was lost", i)
+				}
+				if !errors.Is(context.Cause(fctx), advlock.ErrLockLost) {
+					t.Errorf("iteration %d: fn's ctx cause = %v, want ErrLockLost", i, context.Cause(fctx))
+				}
+				return nil
+			})
+			if !errors.Is(err, advlock.ErrLockLost) {
+				t.Fatalf("iteration %d: Do whose backend was terminated: %v, want ErrLockLost", i, err)
+			}
+		}
+		noIdleLocks(t, h, obs)
+	})
 }

@@ -157,3 +157,47 @@ func (s *suite) cancelRace(t *testing.T) {
 		t.Errorf("the race was never exercised both ways (granted %d, cancelled %d)", won, cancelled)
 	}
 }
+
+// unlockDuringKeepalive: an Unlock that arrives while the watcher's keepalive round trip is in flight (a slow link,
+// a short keepalive) returns nil, every time, and the session goes back to the pool.
+func (s *suite) unlockDuringKeepalive(t *testing.T) {
+	// A round trip takes at least 20 ms (10 ms each way) of every 120 ms or so; the ping may take 100 ms before it
+	// counts as a real timeout, far more than it needs on a quiet machine. On a loaded one (the race detector, two
+	// cores, every package's tests at once) a round trip does miss it now and then: the session is then judged
+	// dead, and the lock lost, which is right. Such an iteration is done again (at most 15 of them); the unlock
+	// this test is about is one that lands during a keepalive that is answered in time.
+	const keepalive = 100 * time.Millisecond
+	h, p := s.proxied(t, advlock.WithKeepalive(keepalive))
+	obs := s.observer(t)
+	ctx := ctxT(t, 90*time.Second)
+	p.Latency(10 * time.Millisecond)
+	defer p.Latency(0)
+	timedOut := 0
+	for i := 0; i < 30; i++ {
+		lk, err := h.L.TryLock(ctx, Key(t))
+		for try := 0; err != nil && strings.Contains(err.Error(), "no answer within") && try < 3; try++ {
+			// A shared session's round trip is bounded by the keepalive too: on a loaded machine a try may
+			// miss 50 ms. The unlock is what this test is about.
+			t.Logf("iteration %d: %v; trying again", i, err)
+			lk, err = h.L.TryLock(ctx, Key(t))
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(mrand.IntN(240)) * time.Millisecond)
+		if err := lk.Unlock(ctx); err != nil {
+			if errors.Is(err, advlock.ErrLockLost) && strings.Contains(err.Error(), "no answer within") && timedOut < 15 {
+				t.Logf("iteration %d: a round trip really missed the bound (%v); again", i, err)
+				timedOut++
+				i--
+				continue
+			}
+			t.Fatalf("iteration %d: Unlock of a healthy lock over a slow link: %v, want nil", i, err)
+		}
+		if len(holders(t, obs, lk.Key())) != 0 {
+			t.Fatalf("iteration %d: %s still held after Unlock", i, lk.Key())
+		}
+	}
+	p.Latency(0)
+	noIdleLocks(t, h, obs)
+}
