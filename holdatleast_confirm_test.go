@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/lease"
+	"github.com/advlock/advlock/internal/session"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -189,6 +190,12 @@ func TestHoldAtLeastUnlockConfirms(t *testing.T) {
 // started, while a keepalive is on the wire, as the hold's own release fires, and as Close runs. Each time Unlock
 // says what happened (nil, or ErrClosed when Close came first), and once the lock has ended its session holds
 // nothing: the marker never outlives the key, on a pooled session least of all.
+// missedBound says that err is the loss of a session that missed its keepalive's bound, by the client's count or
+// by the server's idle_session_timeout on a session silent that long (57P05, FrozenAfter: 30 ms).
+func missedBound(err error) bool {
+	return strings.Contains(err.Error(), "within") || strings.Contains(err.Error(), "keepalive") || strings.Contains(err.Error(), "57P05")
+}
+
 func TestHoldAtLeastConfirmRaces(t *testing.T) {
 	b := setup(t)
 	ctx := ctxT(t, 3*time.Minute)
@@ -217,6 +224,13 @@ func TestHoldAtLeastConfirmRaces(t *testing.T) {
 					k := key(t)
 					v, _ := k.Int64()
 					lk, err := l.TryLock(ctx, k, HoldAtLeast(time.Hour))
+					if err != nil && missedBound(err) && session.Ended(err) {
+						// The shared session the try went out on missed the bound first: it ended with the try on the
+						// wire, which holds nothing then and says so (a CI run failed here).
+						t.Logf("round %d: TryLock's session missed its 10 ms bound: %v", i, err)
+						l.Close()
+						continue
+					}
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -232,8 +246,7 @@ func TestHoldAtLeastConfirmRaces(t *testing.T) {
 							!slicesHave(got, func(r Row) bool { return r.Int64Key(k.id.Linger().V) && r.Mode == "ShareLock" }) {
 							t.Errorf("round %d: the lingering lock's session holds %v, want the key and its marker", i, got)
 						}
-					case errors.Is(err, ErrLockLost) && (strings.Contains(err.Error(), "within") || strings.Contains(err.Error(), "keepalive") ||
-						strings.Contains(err.Error(), "57P05")): // or the server ended the silent session first (FrozenAfter: 30 ms)
+					case errors.Is(err, ErrLockLost) && missedBound(err):
 						t.Logf("round %d: a keepalive missed its 10 ms bound: %v", i, err)
 						if !errors.Is(lk.Err(), ErrLockLost) {
 							t.Errorf("round %d: Unlock said %v, Err says %v", i, err, lk.Err())

@@ -19,7 +19,7 @@ import (
 	_ "github.com/lib/pq"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+func TestMain(m *testing.M) { os.Exit(pgtest.MainOwnServer(m)) } // beside the root package's tests, a server of its own
 
 // openDB opens a *sql.DB with driver ("pgx" or "postgres") and closes it when the test ends. pgx's connections
 // send no cancel request to a PgBouncer that one can crash (see pgtest.DropCancels; lib/pq's suite runs with
@@ -44,8 +44,8 @@ func openDB(t *testing.T, driver, url string) *sql.DB {
 	return db
 }
 
-// harnessConns bounds each conformance Locker's pool: the test packages run at once against one server whose
-// max_connections is 100 by default.
+// harnessConns bounds each conformance Locker's pool: the package's tests run at once against a server whose
+// max_connections is 100, as a server's is by default (its own: pgtest.MainOwnServer).
 const harnessConns = 8
 
 // Backend is the conformance backend for Lockers over database/sql with driver: both share sessions (lib/pq's taken

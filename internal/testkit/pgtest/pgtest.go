@@ -1,9 +1,9 @@
 // Package pgtest finds or starts the PostgreSQL that tests run against, and reads server truth from pg_locks.
 //
-// [URL] uses, in order: $ADVLOCK_TEST_DATABASE_URL; the local server on 127.0.0.1:5432 (database test, user
-// postgres) when it answers; else a private throwaway cluster started from the installed server binaries and
-// removed by [Cleanup]. Tests that restart or reconfigure a server call [StartCluster] for a cluster of their own,
-// never the shared one.
+// [URL] uses, in order: $ADVLOCK_TEST_DATABASE_URL; in a package whose TestMain calls [MainOwnServer], a private
+// cluster of the package's own; the local server on 127.0.0.1:5432 (database test, user postgres) when it answers;
+// else a private throwaway cluster started from the installed server binaries and removed by [Cleanup]. Tests that
+// restart or reconfigure a server call [StartCluster] for a cluster of their own, never the shared one.
 package pgtest
 
 import (
@@ -279,6 +279,24 @@ func Main(m *testing.M) int {
 		}
 	}
 	return code
+}
+
+// MainOwnServer is Main for a package whose tests take many connections at once: beside the other packages' tests
+// (go test runs two packages at a time on 2 cores) they would take a shared server past its max_connections
+// (100 by default), and a connection refused there (53300) fails whichever test asked for it. Unless $ADVLOCK_TEST_DATABASE_URL
+// names a server, URL is then a private cluster of the package's own, started before its tests and removed after,
+// with a server's default settings (where StartCluster's clusters run with fsync and synchronous_commit off).
+func MainOwnServer(m *testing.M) int {
+	if os.Getenv(EnvURL) == "" {
+		urlOnce.Do(func() {
+			private, sharedErr = pgcluster.Start("fsync = on", "synchronous_commit = on", "full_page_writes = on",
+				"max_connections = 100", "shared_buffers = 128MB")
+			if sharedErr == nil {
+				sharedURL = private.URL
+			}
+		})
+	}
+	return Main(m)
 }
 
 // WaitClosed waits for ch to close, fails the test naming what after within, and returns how long it took.
