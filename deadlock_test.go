@@ -583,10 +583,11 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	ctx := ctxT(t, 60*time.Second)
 	ka, kb, ha, hb := holdTwo(ctx, t, b.l, l2)
 	var high, low atomic.Pointer[Locker]
-	var lowPID atomic.Uint32 // the session that holds the lock of the low wait's caller
+	var lowPID atomic.Uint32  // the session that holds the lock of the low wait's caller
+	var highPID atomic.Uint32 // and of the high wait's
 	var mu sync.Mutex
 	readings := 0    // the high Locker's
-	flipped := false // its last reading was flipped, and none since showed the other wait as it is
+	flipped := false // its last reading was flipped, and none since showed both waits as they are
 	var readsFrom time.Time
 	read := func(l *Locker) bool { // the low Locker's readings fail for its first 3 s
 		if l != awaitLocker(&low) {
@@ -603,19 +604,24 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 		if l != awaitLocker(&high) {
 			return rows
 		}
-		// Flipped, then as it is until a reading as it is shows the other wait (one that missed it, between two of
-		// its slices, would let the next flipped reading count with the one before: a miss is allowed between two
-		// choices), then flipped again.
+		// Flipped, then as it is until a reading as it is shows both waits (the cycle, whose other wait it chooses),
+		// then flipped again. One that missed either wait, between two of its slices, is a miss to the detector (the
+		// high Locker's own wait too: a wait of its in no row), and a miss is allowed between two choices: the next
+		// flipped reading would count with the one before.
 		other := "h=" + strconv.FormatUint(uint64(lowPID.Load()), 10) + "."
+		own := "h=" + strconv.FormatUint(uint64(highPID.Load()), 10) + "."
 		mu.Lock()
 		defer mu.Unlock()
 		readings++
 		if flipped {
+			var seenOther, seenOwn bool
 			for line := range strings.SplitSeq(rows, "\n") {
-				if f := strings.Split(line, "\t"); len(f) > 6 && f[5] == "w" && strings.Contains(f[6], other) {
-					flipped = false
+				if f := strings.Split(line, "\t"); len(f) > 6 && f[5] == "w" {
+					seenOther = seenOther || strings.Contains(f[6], other)
+					seenOwn = seenOwn || strings.Contains(f[6], own)
 				}
 			}
+			flipped = !seenOther || !seenOwn
 			return rows
 		}
 		flipped = true
@@ -630,10 +636,12 @@ func TestDeadlockChoiceFlips(t *testing.T) {
 	b.waitingPIDs(t, kb, ka)
 	if heldLess(ha, hb) {
 		lowPID.Store(ha.h.PID())
+		highPID.Store(hb.h.PID())
 		low.Store(b.l)
 		high.Store(l2)
 	} else {
 		lowPID.Store(hb.h.PID())
+		highPID.Store(ha.h.PID())
 		low.Store(l2)
 		high.Store(b.l)
 	}
