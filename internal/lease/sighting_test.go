@@ -7,26 +7,26 @@ import (
 )
 
 // A Client keeps a sighting for every row of the other Clients its sweep reads (many pods of thousands of leases
-// each: tens of thousands each): its times are monoTimes, 8 bytes each, not time.Times of 24.
+// each: tens of thousands each): its last sighting is a duration after its first, not a time.Time of its own.
 func TestSightingSize(t *testing.T) {
-	if n := unsafe.Sizeof(sighting{}); n > 40 {
-		t.Errorf("a sighting takes %d bytes, want at most 40", n)
+	if n := unsafe.Sizeof(sighting{}); n > 56 {
+		t.Errorf("a sighting takes %d bytes, want at most 56", n)
 	}
 }
 
-// A monoTime is a moment on the monotonic clock: back as a time.Time, it is the moment it was made from, and the
-// time between two of them is what the monotonic clock measured.
-func TestMonoTime(t *testing.T) {
-	a := time.Now()
-	time.Sleep(2 * time.Millisecond)
-	b := time.Now()
-	if got := mono(b) - mono(a); time.Duration(got) != b.Sub(a) {
-		t.Errorf("mono(b) - mono(a) = %v, want %v", time.Duration(got), b.Sub(a))
+// A record seen once is not due, however long ago (a later read must see it unchanged too); seen again, it is due
+// its holder's length after the first sighting, and its last sighting is the second.
+func TestSightingDue(t *testing.T) {
+	first := time.Now()
+	s := sighting{rec: record{term: 1, exp: 2}, first: first, need: time.Second}
+	if _, ok := due(s); ok {
+		t.Error("a record seen once is due")
 	}
-	if !mono(a).at().Equal(a) || mono(b).at().Sub(a) != b.Sub(a) {
-		t.Errorf("at() of %v: %v; of %v: %v", a, mono(a).at(), b, mono(b).at())
+	s.again = first.Add(300 * time.Millisecond).Sub(s.first)
+	if at, ok := due(s); !ok || !at.Equal(first.Add(time.Second)) || at.Sub(first) != time.Second {
+		t.Errorf("seen again: due %v, %v; want a second after the first sighting", at, ok)
 	}
-	if far := a.Add(100 * 365 * 24 * time.Hour); mono(far).at().Sub(a) != far.Sub(a) {
-		t.Errorf("a century on: %v, want %v", mono(far).at().Sub(a), far.Sub(a))
+	if !s.last().Equal(first.Add(300*time.Millisecond)) || s.last().Sub(first) != 300*time.Millisecond {
+		t.Errorf("last %v, want 300 ms after %v", s.last(), first)
 	}
 }

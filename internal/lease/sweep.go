@@ -227,9 +227,9 @@ func watch[K comparable](m map[K]sighting, from **K, less func(a, b K) bool, got
 			continue
 		}
 		if seen, had := m[x.k]; !had || seen.rec != x.rec {
-			m[x.k] = sighting{rec: x.rec, first: mono(recv), need: x.need, last: mono(recv)}
+			m[x.k] = sighting{rec: x.rec, first: recv, need: x.need}
 		} else {
-			seen.last = mono(recv)             // seen again unchanged: it is due at first+need
+			seen.again = recv.Sub(seen.first)  // seen again unchanged: it is due at first+need
 			seen.need = min(seen.need, x.need) // the same record says the same length: only a mutant's is shorter
 			m[x.k] = seen
 		}
@@ -249,10 +249,10 @@ func watch[K comparable](m map[K]sighting, from **K, less func(a, b K) bool, got
 // that first saw it, and a later read has seen it unchanged (a row whose holder renews it between two reads, a
 // live one whose lease is shorter than the time between them, costs no delete). ok is false before that read.
 func due(x sighting) (at time.Time, ok bool) {
-	if x.last <= x.first && x.need > time.Nanosecond { // a need of 1 ns: the mutant's, which does not wait
+	if x.again <= 0 && x.need > time.Nanosecond { // a need of 1 ns: the mutant's, which does not wait
 		return time.Time{}, false
 	}
-	return x.first.at().Add(x.need), true
+	return x.first.Add(x.need), true
 }
 
 // nextMaturity is the earliest moment a row the sweeper watches is due.
