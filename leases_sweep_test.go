@@ -228,3 +228,164 @@ func TestLeaseSweepReadsEveryRow(t *testing.T) {
 		t.Errorf("%d of the %d leases whose owner says 60 s and the 4 rows at times no Locker writes are left (%v)", kept, long+4, err)
 	}
 }
+
+// Of the Lockers of leases that share a database, two sweep (read and keep the other Lockers' rows) at a time, not
+// every one: five Lockers of 1.5 s leases (a sweep every 0.5 s or less) start at once in a database that has never
+// seen a sweep, and over the next 8 periods no more Lockers read rows than the two turns and the turns taken meanwhile
+// (a sweeper held up for 2 periods loses its turn: on a loaded machine, that may happen); the beats of both turns
+// move on the server. Both sweepers are closed at once (they give nothing back): two of the three others take their
+// turns, and delete the rows of a holder that is gone (50 leases and 20 waits written by hand, of an owner that says
+// 1 s, expiring an hour away on the server's clock), while every live lease keeps its row and its term. The server
+// says so (the tables), and each Locker's count of its reads says who swept.
+func TestLeaseSweepTurns(t *testing.T) {
+	t.Parallel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 3*time.Minute)
+	const length = 1500 * time.Millisecond
+	ls := make([]*Locker, 5)
+	for i := range ls {
+		ls[i] = New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length))
+		defer ls[i].Close()
+	}
+	locks := make([]*Lock, len(ls))
+	errs := make(chan error, len(ls))
+	for i, l := range ls {
+		go func() {
+			var err error
+			locks[i], err = l.TryLock(ctx, Int64Key(int64(1000+i)))
+			errs <- err
+		}()
+	}
+	for range ls {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	terms := map[int64]int64{}
+	for _, lk := range locks {
+		v, _ := lk.Key().Int64()
+		terms[v] = lk.Token()
+	}
+	alive := map[int]bool{0: true, 1: true, 2: true, 3: true, 4: true}
+	serverBeats := func() string {
+		t.Helper()
+		var s string
+		if err := obs.QueryRow(ctx, "SELECT string_agg(timeline || '=' || since, ' ' ORDER BY timeline) FROM "+
+			lease.Timelines+" WHERE timeline < 0").Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	// window waits until the alive Lockers hold both turns, then counts who reads rows over 8 sweep periods.
+	window := func(what string) (sweepers []int) {
+		t.Helper()
+		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			held := map[int]int{}
+			sweepers = sweepers[:0]
+			for i := range alive {
+				if turn := ls[i].leases.SweepStats().Turn; turn != 0 {
+					held[turn]++
+					sweepers = append(sweepers, i)
+				}
+			}
+			if len(held) == lease.Turns && len(sweepers) == lease.Turns {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the turns held by the Lockers alive: %v (Lockers %v), want each by one", what, held, sweepers)
+			}
+		}
+		before := map[int]lease.SweepStats{}
+		for i := range alive {
+			before[i] = ls[i].leases.SweepStats()
+		}
+		beats := serverBeats()
+		time.Sleep(8 * length / 3)
+		var readers []int
+		taken := int64(0)
+		for i := range alive {
+			after := ls[i].leases.SweepStats()
+			if after.Reads > before[i].Reads {
+				readers = append(readers, i)
+			}
+			taken += after.Taken - before[i].Taken
+		}
+		t.Logf("%s: Lockers %v hold the turns; over 8 periods, Lockers %v read rows, %d turns were taken; beats %s", what, sweepers, readers, taken, serverBeats())
+		if len(readers) == 0 || int64(len(readers)) > lease.Turns+taken {
+			t.Fatalf("%s: %d Lockers read rows over 8 periods, with %d turns taken; want 1 to %d", what, len(readers), taken, lease.Turns+taken)
+		}
+		if after := serverBeats(); after == beats || strings.Count(after, "=") != lease.Turns {
+			t.Fatalf("%s: the server's beats %q, then %q over 8 periods: want both turns' rows, moved on", what, beats, after)
+		}
+		return sweepers
+	}
+	sweepers := window("five Lockers started at once")
+	for _, i := range sweepers {
+		ls[i].Close()
+		delete(alive, i)
+		delete(terms, int64(1000+i))
+	}
+	window("both sweepers closed")
+
+	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires, holder) "+
+		"SELECT 1, k, 'dead0000dead0000' || lpad(to_hex(k), 16, '0') || '/1000', k, clock_timestamp() + interval '1 hour', "+
+		"'sweep-dead' FROM generate_series(1, 50) AS k"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Waits+" (space, key, waiter, since, seen, holder) "+
+		"SELECT 1, k, 'dead0000dead0000' || lpad(to_hex(k), 16, '0'), clock_timestamp(), clock_timestamp() + interval '1 hour', "+
+		"'sweep-dead' FROM generate_series(1, 20) AS k"); err != nil {
+		t.Fatal(err)
+	}
+	left := func() (leases, waits int) {
+		t.Helper()
+		if err := obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+lease.Table+" WHERE holder = 'sweep-dead'), "+
+			"(SELECT count(*) FROM "+lease.Waits+" WHERE holder = 'sweep-dead')").Scan(&leases, &waits); err != nil {
+			t.Fatal(err)
+		}
+		return leases, waits
+	}
+	leasesGone, waitsGone := untilGone(t, left, 60*time.Second, "after the rows were written")
+	t.Logf("with both first sweepers closed, the gone holder's 50 leases went in %v, its 20 waits in %v",
+		leasesGone.Round(10*time.Millisecond), waitsGone.Round(10*time.Millisecond))
+	for v, term := range terms {
+		var got int64
+		if err := obs.QueryRow(ctx, "SELECT term FROM "+lease.Table+" WHERE space = 1 AND key = $1", v).Scan(&got); err != nil || got != term {
+			t.Errorf("a live lease's row of %d: term %d (%v), want %d", v, got, err, term)
+		}
+	}
+	for i := range alive {
+		if err := locks[i].Err(); err != nil {
+			t.Errorf("Locker %d's live lease ended: %v", i, err)
+		}
+	}
+}
+
+// A sweeper that is closed gives its turn back: a Locker alone in a database takes a turn at its first lease call,
+// and once Close has returned the server holds no row of that turn (the next Locker takes it at its first read
+// rather than after two periods); the other turn, which it never held, has no row either.
+func TestLeaseSweepTurnGivenBack(t *testing.T) {
+	t.Parallel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, time.Minute)
+	l := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(1500*time.Millisecond))
+	defer l.Close()
+	if _, err := l.TryLock(ctx, Int64Key(1)); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(30 * time.Second); l.leases.SweepStats().Turn == 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a Locker alone took no turn in 30 s")
+		}
+	}
+	var rows int
+	if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Timelines+" WHERE timeline < 0").Scan(&rows); err != nil || rows != 1 {
+		t.Fatalf("turns' rows while the Locker sweeps: %d (%v), want 1", rows, err)
+	}
+	l.Close()
+	if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Timelines+" WHERE timeline < 0").Scan(&rows); err != nil || rows != 0 {
+		t.Fatalf("turns' rows once the sweeper is closed: %d (%v), want 0", rows, err)
+	}
+}

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/advlock/advlock/internal/mutant"
@@ -42,6 +43,10 @@ type Client struct {
 	sweeping  bool               // the sweep has started (sweep.go)
 	sweepStop context.CancelFunc // stops it (Close)
 	sweepDone chan struct{}      // closed when it has returned
+	sweepSt   struct {           // what the sweep has done (SweepStats)
+		turn         atomic.Int32
+		reads, taken atomic.Int64
+	}
 }
 
 // NewClient makes the Client of a Locker's leases.

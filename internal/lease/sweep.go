@@ -16,8 +16,8 @@ import (
 // holder that died (SIGKILL, a lost machine) stays until a grant of its key takes it over, which for a key nobody
 // takes again (a per-tick or per-job key) is never; the row of a waiter that died stays for ever.
 //
-// Every Client whose tables exist sweeps, every Sweep or less (jittered between half of it and all of it): it reads
-// the rows of other Clients, all of them (its own only once they look dead on the server's clock: its own live
+// The Clients that hold a turn (two at a time, see turn.go) sweep, every Sweep or less (jittered between half of it
+// and all of it): each reads the rows of other Clients, all of them (its own only once they look dead on the server's clock: its own live
 // ones it renews, and those it lost or gave back it deletes itself, see retire), sightPage of each table a read, on
 // from where the last read stopped. It deletes each row once it has seen it unchanged for its holder's lease length
 // on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
@@ -29,7 +29,9 @@ import (
 // expiry later), so a lease granted or renewed since is not deleted. A dead holder's row is read within a Sweep of
 // its last write, again within another, and deleted its lease length after the first read: a lease length and a
 // Sweep after its holder's last renewal when its length is a Sweep or more (two Sweeps when it is shorter), while
-// the tables hold at most sightPage rows of other Clients. With k pages, a row is read every k reads: a length and k
+// the tables hold at most sightPage rows of other Clients and a sweeper that has held its turn since before the
+// holder's last renewal lives (when both die at once, the turns are taken within four Sweeps of the takers, and a
+// row goes a lease length and a Sweep after that). With k pages, a row is read every k reads: a length and k
 // Sweeps, or 2k Sweeps when that is longer. No clock but the sweeper's own counts: a server clock that steps
 // changes nothing. A crash may bring an older record back (it took back the renewals after it), one the sweep may
 // have seen before them and so delete a lease length after that sighting, while its holder may still trust a
@@ -42,8 +44,8 @@ import (
 // answers refresh nothing) is written again at its next poll (the waiter queues anew). A row no Client writes (a space other than
 // 1 or 2, an expiry or a sighting at infinity, a waiter not in hex) is left alone.
 //
-// The cost: a read of the other Clients' rows every Sweep or less, and a sighting kept for each (no bound: what the
-// tables hold).
+// The cost, for each of the two sweepers: a read of the other Clients' rows every Sweep or less, and a sighting kept
+// for each (no bound: what the tables hold); the other Clients read the turns' beats and keep nothing.
 
 // sightPage bounds the rows of each table one read reads; sweepMax, those one statement deletes.
 const (
@@ -106,6 +108,13 @@ type sweeper struct {
 	waits     map[waitRow]sighting // rec.exp is the row's seen
 	leaseFrom *session.ID
 	waitFrom  *waitRow
+	turns     turns // the turn it holds, if any, and the beats it has seen (turn.go)
+}
+
+// forget forgets what the sweeper has seen of the rows (its turn was taken): the next sweeper starts afresh.
+func (s *sweeper) forget() {
+	s.leases, s.waits = map[session.ID]sighting{}, map[waitRow]sighting{}
+	s.leaseFrom, s.waitFrom = nil, nil
 }
 
 // startSweep starts the Client's sweep, once; Close stops it.
@@ -126,7 +135,8 @@ func (c *Client) startSweep() {
 // less; between them, it wakes when a row it watches has been unchanged for long enough, and deletes it.
 func (c *Client) sweep(ctx context.Context) {
 	defer close(c.sweepDone)
-	s := &sweeper{leases: map[session.ID]sighting{}, waits: map[waitRow]sighting{}}
+	s := &sweeper{}
+	s.forget()
 	nextRead := time.Now().Add(c.cfg.Sweep/4 + rand.N(c.cfg.Sweep/2+1))
 	failing := false // the last statement failed: nothing before the next read
 	for {
@@ -138,12 +148,16 @@ func (c *Client) sweep(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			t.Stop()
+			c.giveTurnBack(&s.turns)
 			return
 		case <-t.C:
 		}
 		failing = false
 		if !time.Now().Before(nextRead) {
-			err := c.sweepRead(ctx, s)
+			sweeps, err := c.sweepTurn(ctx, s)
+			if err == nil && sweeps {
+				err = c.sweepRead(ctx, s)
+			}
 			nextRead = time.Now().Add(c.cfg.Sweep/2 + rand.N(c.cfg.Sweep/2+1))
 			if err != nil {
 				// The server or the network is failing: the sweep can wait, and takes no connection meanwhile.
@@ -164,6 +178,7 @@ func (c *Client) sweepRead(ctx context.Context, s *sweeper) error {
 	if err != nil {
 		return err
 	}
+	c.sweepSt.reads.Add(1)
 	leasesTxt, rest, _ := strings.Cut(txt, ";")
 	waitsTxt, srvTxt, _ := strings.Cut(rest, ";")
 	srv, _ := strconv.ParseInt(srvTxt, 10, 64)
