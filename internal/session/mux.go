@@ -188,8 +188,15 @@ func (m *Mux) die(cause error) {
 		}
 		r.answered = true
 	}
+	settled := append(wire, queue...)
+	for _, r := range settled[:len(settled):len(settled)] {
+		if r.after != nil && !r.after.answered { // a refused try whose undo never came back: its key ended with the session
+			r.after.answered = true
+			settled = append(settled, r.after)
+		}
+	}
 	m.mu.Unlock()
-	for _, r := range append(wire, queue...) {
+	for _, r := range settled {
 		if r.sig != nil {
 			select {
 			case r.sig <- struct{}{}:

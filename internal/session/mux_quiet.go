@@ -79,7 +79,7 @@ var testHookReaderStarting atomic.Pointer[func(asked func() bool)]
 
 // testHookSettle, in tests only, is called by a reader as it handles a read deadline ("timeout") and as it
 // settles an answered round trip ("complete"), before it takes the Mux's lock: the moments where a kill from
-// another goroutine must still be settled by someone.
+// another goroutine must still be settled by someone; and as a round trip is sent ("send"), before it is written.
 var testHookSettle atomic.Pointer[func(m *Mux, at string)]
 
 // testHookMessage, in tests only, sees every message a reader receives and may put another in its place: a fault

@@ -151,6 +151,7 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 	m.wire, m.batchErr = nil, nil
 	failed := -1 // the request whose row failed; those after it never ran
 	var retry []*req
+	deferred := false // the failed request is answered with its undo
 	for i, r := range wire {
 		switch {
 		case results[i] >= 0:
@@ -161,9 +162,12 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 			r.err, failed = batchErr, i // no lock-table space for this try
 			if isGatedTry(r.op) && !m.fenced {
 				// Its key was granted before its test of the key's intent, or its line's flag, found no space
-				// (sharedTry, exclusiveTry): undone
-				// first in the next round trip, exactly (the unlock answers false when it was not).
-				retry = append(retry, undoOf(r))
+				// (sharedTry, exclusiveTry): undone first in the next round trip, exactly (the unlock answers false
+				// when it was not), and its caller told once the undo is answered, so that a try that failed holds
+				// nothing when it returns.
+				u := undoOf(r)
+				u.after, deferred = r, true
+				retry = append(retry, u)
 			}
 		default:
 			m.wire = wire // die settles them: the session is in doubt
@@ -177,6 +181,9 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 	answered := wire
 	if failed >= 0 {
 		answered = wire[:failed+1]
+		if deferred {
+			answered = wire[:failed]
+		}
 	}
 	if m.fenced && batchErr != nil {
 		// The round trip ended with an error: the statement's transaction aborted, with every answer it sent (a
@@ -195,14 +202,20 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 		for j, r := range answered {
 			granted := j != failed && isTry(r.op) && r.res >= 1
 			if j == failed || granted {
-				undo = append(undo, undoOf(r))
+				u := undoOf(r)
+				if j == failed {
+					u.after = r // told once its undo is answered
+				}
+				undo = append(undo, u)
 			}
 			if granted {
 				r.res = 0
 				again = append(again, r)
 				continue
 			}
-			kept = append(kept, r)
+			if j != failed {
+				kept = append(kept, r)
+			}
 		}
 		answered = kept
 		retry = append(append(undo, again...), retry...)
@@ -210,8 +223,13 @@ func (m *Mux) complete(me *req) (done bool, err error) {
 	if len(retry) > 0 {
 		m.queue = append(retry, m.queue...)
 	}
-	for _, r := range answered {
+	for i, n := 0, len(answered); i < n; i++ {
+		r := answered[i]
 		r.answered = true
+		if r.after != nil { // an undo answered: the refused try it undid is answered now
+			r.after.answered = true
+			answered = append(answered[:len(answered):len(answered)], r.after)
+		}
 	}
 	next := m.takeLocked()
 	mine := me != nil && me.answered

@@ -7,6 +7,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -276,6 +277,80 @@ func TestMuxFencedTryUndone(t *testing.T) {
 		if got := string(res[0].Rows[0][0]); got != "t" {
 			t.Fatalf("round %d: another session could not take the refused key", round)
 		}
+	}
+}
+
+// A try refused for lack of lock-table space after its key was granted returns only once its undo has landed: the
+// moment it returns, pg_locks shows nothing of its key, though the undo's round trip is held up for 300 ms before
+// it is written. Three kinds: a shared and an exclusive try of a plain shared session (granted, then their gate,
+// the key's intent or its line's flag, found no space) and an exclusive try of a fenced one (granted, then its
+// token's transaction id found none). Before, the caller was told as the undo went out, and pg_locks showed its key
+// held for those 300 ms. A try whose session is killed while its undo is held up is answered by the Mux's death (its
+// key ends with the session) rather than left waiting for an undo that never comes.
+func TestMuxRefusedTryHoldsNothing(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a private cluster")
+	}
+	c := pgtest.StartCluster(t, "max_locks_per_transaction = 10")
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	obs, err := pgconn.Connect(ctx, c.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer obs.Close(context.Background())
+	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	b := time.Now().UnixNano()
+	for i, kind := range []struct {
+		name                 string
+		fenced, shared, kill bool
+	}{{"shared try", false, true, false}, {"exclusive try", false, false, false}, {"fenced try", true, false, false},
+		{"exclusive try whose session is killed while its undo is held up", false, false, true}} {
+		m, gone := openMuxAt(t, c.URL, kind.fenced)
+		key := b + int64(i)
+		var refused, held atomic.Bool
+		setHookSettle(t, func(hm *Mux, at string) {
+			switch {
+			case hm != m:
+			case at == "complete" && errors.Is(hm.batchErr, ErrLockTableFull):
+				refused.Store(true)
+			case at == "send" && refused.Load() && !held.Load():
+				held.Store(true)
+				if kind.kill {
+					m.kill(errKilled) // the undo is never written: the key ends with the session
+				}
+				time.Sleep(300 * time.Millisecond) // the undo's round trip, held up
+			}
+		})
+		filler := fillLockTable(t, ctx, c.URL, obs, 1) // room for the advisory lock alone
+		_, err := m.Try(ctx, Target{ID: ID{V: key}, Shared: kind.shared}, nil)
+		res, qerr := obs.Exec(ctx, fmt.Sprintf("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "+
+			"((classid::int8 << 32) | objid::int8) = %d", key)).ReadAll()
+		testHookSettle.Store(nil)
+		if !errors.Is(err, ErrLockTableFull) {
+			t.Fatalf("%s with room for its lock alone: %v, want ErrLockTableFull", kind.name, err)
+		}
+		if qerr != nil {
+			t.Fatal(qerr)
+		}
+		if !held.Load() {
+			t.Fatalf("%s: no round trip went out after the refused one (its undo)", kind.name)
+		}
+		if kind.kill {
+			select { // the try was answered by the Mux's death, which ended its session
+			case <-gone:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s: the Mux is not gone", kind.name)
+			}
+		} else if n := string(res[0].Rows[0][0]); n != "0" {
+			t.Errorf("%s: the refused key is in pg_locks (%s rows) as its try returns", kind.name, n)
+		}
+		if _, err := filler.Exec(ctx, "SELECT pg_advisory_unlock_all()").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		_ = filler.Close(ctx)
 	}
 }
 

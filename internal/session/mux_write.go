@@ -119,6 +119,7 @@ type req struct {
 	sig      chan struct{} // for a waiting caller: answered (buffered)
 	h        *Held
 	hook     func(r *req)
+	after    *req // an undo's: the refused try it undoes, answered with it (complete, die)
 }
 
 // setup prepares the statements.
@@ -165,6 +166,9 @@ type wireBuf struct {
 // atomic hand-over: the next round trip, which can only follow the answer to this one, reuses it), so that a lone
 // caller's round trip allocates nothing to encode; a send that finds it not back yet makes another.
 func (m *Mux) send(batch []*req) error {
+	if h := testHookSettle.Load(); h != nil {
+		(*h)(m, "send")
+	}
 	w := m.wb.Swap(nil)
 	if w == nil {
 		w = new(wireBuf)
