@@ -13,6 +13,7 @@ import (
 
 	"github.com/advlock/advlock/internal/lease"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // sweepHolderEnv makes the test binary a process that holds leases and waits for others (sweepHolder), to be
@@ -44,6 +45,25 @@ func sweepHolder(spec string) {
 	}
 	fmt.Println("ready")
 	select {}
+}
+
+// startSweepHolder starts a sweepHolder process and waits for its "ready"; it is killed when the test ends.
+func startSweepHolder(t *testing.T, url string, base int64, n int, wbase int64, m int) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %d %d %d %d", sweepHolderEnv, url, base, n, wbase, m))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "ready\n" {
+		t.Fatalf("the holder said %q (%v)", line, err)
+	}
+	return cmd
 }
 
 // untilGone polls rows (the dead holder's leases and waits in the tables) until both are 0, and returns how long
@@ -92,19 +112,7 @@ func TestLeaseSweep(t *testing.T) {
 		mine = append(mine, lk)
 		terms[wbase+int64(i)] = lk.Token()
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %d %d %d %d", sweepHolderEnv, url, base, n, wbase, m))
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-	if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "ready\n" {
-		t.Fatalf("the holder said %q (%v)", line, err)
-	}
+	cmd := startSweepHolder(t, url, base, n, wbase, m)
 	held := func() (leases, waits int) {
 		t.Helper()
 		if err := obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+lease.Table+" WHERE holder LIKE '%sweep-holder'), "+
@@ -229,14 +237,69 @@ func TestLeaseSweepReadsEveryRow(t *testing.T) {
 	}
 }
 
+// turnsWindow waits until the Lockers of ls that are alive hold want turns, each turn by one of them, then counts,
+// over 8 sweep periods of a lease of length, which of them read rows and how many turns they took; it checks that
+// the server's beats of both turns moved meanwhile.
+func turnsWindow(t *testing.T, ctx context.Context, obs *pgx.Conn, what string, ls []*Locker, alive map[int]bool, want int,
+	length time.Duration) (sweepers, readers []int, taken int64) {
+	t.Helper()
+	beats := func() string {
+		t.Helper()
+		var s string
+		if err := obs.QueryRow(ctx, "SELECT coalesce(string_agg(timeline || '=' || since, ' ' ORDER BY timeline), '') FROM "+
+			lease.Timelines+" WHERE timeline < 0").Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		held := map[int]int{}
+		sweepers = sweepers[:0]
+		for i := range alive {
+			if turn := ls[i].leases.SweepStats().Turn; turn != 0 {
+				held[turn]++
+				sweepers = append(sweepers, i)
+			}
+		}
+		if len(held) == want && len(sweepers) == want && strings.Count(beats(), "=") == lease.Turns {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: the turns held by the Lockers alive: %v (Lockers %v), want %d, each by one; the server's beats: %s",
+				what, held, sweepers, want, beats())
+		}
+	}
+	before := map[int]lease.SweepStats{}
+	for i := range alive {
+		before[i] = ls[i].leases.SweepStats()
+	}
+	was := beats()
+	time.Sleep(8 * length / 3)
+	for i := range alive {
+		after := ls[i].leases.SweepStats()
+		if after.Reads > before[i].Reads {
+			readers = append(readers, i)
+		}
+		taken += after.Taken - before[i].Taken
+	}
+	now := beats()
+	t.Logf("%s: Lockers %v hold the turns; over 8 periods, Lockers %v read rows, %d turns were taken; beats %s", what,
+		sweepers, readers, taken, now)
+	if now == was || strings.Count(now, "=") != lease.Turns {
+		t.Fatalf("%s: the server's beats %q, then %q over 8 periods: want both turns' rows, moved on", what, was, now)
+	}
+	return sweepers, readers, taken
+}
+
 // Of the Lockers of leases that share a database, two sweep (read and keep the other Lockers' rows) at a time, not
 // every one: five Lockers of 1.5 s leases (a sweep every 0.5 s or less) start at once in a database that has never
-// seen a sweep, and over the next 8 periods no more Lockers read rows than the two turns and the turns taken meanwhile
-// (a sweeper held up for 2 periods loses its turn: on a loaded machine, that may happen); the beats of both turns
-// move on the server. Both sweepers are closed at once (they give nothing back): two of the three others take their
-// turns, and delete the rows of a holder that is gone (50 leases and 20 waits written by hand, of an owner that says
-// 1 s, expiring an hour away on the server's clock), while every live lease keeps its row and its term. The server
-// says so (the tables), and each Locker's count of its reads says who swept.
+// seen a sweep, and over the next 8 periods no more Lockers read rows than the two turns and the turns taken
+// meanwhile, and at most 2 turns are taken (a sweeper held up for 2 periods loses its turn: on a loaded machine,
+// that may happen); the beats of both turns move on the server. Both sweepers are closed, one after the other (each
+// gives its turn back): two of the three others take the turns, and delete the rows of a holder that is gone (50
+// leases and 20 waits written by hand, of an owner that says 1 s, expiring an hour away on the server's clock),
+// while every live lease keeps its row and its term. The server says so (the tables), and each Locker's count of
+// its reads says who swept.
 func TestLeaseSweepTurns(t *testing.T) {
 	t.Parallel()
 	url := pgtest.FreshDB(t, pgtest.URL(t))
@@ -248,12 +311,101 @@ func TestLeaseSweepTurns(t *testing.T) {
 		ls[i] = New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length))
 		defer ls[i].Close()
 	}
+	locks, terms := lockEach(t, ctx, ls, 1000)
+	alive := map[int]bool{0: true, 1: true, 2: true, 3: true, 4: true}
+	sweepers, readers, taken := turnsWindow(t, ctx, obs, "five Lockers started at once", ls, alive, lease.Turns, length)
+	if len(readers) == 0 || int64(len(readers)) > lease.Turns+taken || taken > 2 {
+		t.Fatalf("%d Lockers read rows over 8 periods, with %d turns taken; want 1 to %d, and at most 2 taken", len(readers), taken, lease.Turns+taken)
+	}
+	for _, i := range sweepers {
+		ls[i].Close()
+		delete(alive, i)
+		delete(terms, int64(1000+i))
+	}
+	turnsWindow(t, ctx, obs, "both sweepers closed", ls, alive, lease.Turns, length)
+	deadRowsGone(t, ctx, obs, "with both first sweepers closed")
+	liveKept(t, ctx, obs, terms, locks, alive)
+}
+
+// Two sweepers that die (SIGKILL: they give nothing back) leave their turns to the Lockers alive, which take them
+// from the dead (the beats they saw unchanged for two periods) and delete the dead's rows: two processes, each of a
+// Locker of 1.5 s leases holding 20, take both turns in a fresh database; three Lockers of this process start
+// beside them, and over 8 periods take no turn and read no row (unless a sweeper was held up: at most the turns
+// taken); both processes are SIGKILLed; two of the three take the turns, at least twice from a sweeper (not a turn
+// given back), and delete the 40 dead leases, while their own leases keep their rows and terms. Before the turns
+// are taken, nothing sweeps.
+func TestLeaseSweepTurnsOfTheDead(t *testing.T) {
+	t.Parallel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 3*time.Minute)
+	const length = 1500 * time.Millisecond
+	var holders []*exec.Cmd
+	for i := range 2 {
+		holders = append(holders, startSweepHolder(t, url, int64(100*i), 20, 0, 0))
+	}
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		var n int
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Timelines+" WHERE timeline < 0").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == lease.Turns {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the two holders' processes hold %d turns after 60 s, want %d", n, lease.Turns)
+		}
+	}
+	ls := make([]*Locker, 3)
+	for i := range ls {
+		ls[i] = New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length))
+		defer ls[i].Close()
+	}
+	locks, terms := lockEach(t, ctx, ls, 1000)
+	alive := map[int]bool{0: true, 1: true, 2: true}
+	_, readers, taken := turnsWindow(t, ctx, obs, "the turns held by two other processes", ls, alive, 0, length)
+	if int64(len(readers)) > taken || taken > 2 {
+		t.Fatalf("%d Lockers of this process read rows while two other processes held the turns, with %d turns taken", len(readers), taken)
+	}
+	before := int64(0)
+	for i := range ls {
+		before += ls[i].leases.SweepStats().Taken
+	}
+	for _, cmd := range holders {
+		if err := cmd.Process.Kill(); err != nil {
+			t.Fatal(err)
+		}
+		_ = cmd.Wait()
+	}
+	held := func() (leases, waits int) {
+		t.Helper()
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Table+" WHERE holder LIKE '%sweep-holder'").Scan(&leases); err != nil {
+			t.Fatal(err)
+		}
+		return leases, 0
+	}
+	leasesGone, _ := untilGone(t, held, 60*time.Second, "after both sweepers' SIGKILL")
+	t.Logf("the two dead sweepers' 40 leases went %v after their SIGKILL", leasesGone.Round(10*time.Millisecond))
+	turnsWindow(t, ctx, obs, "both sweepers SIGKILLed", ls, alive, lease.Turns, length)
+	after := int64(0)
+	for i := range ls {
+		after += ls[i].leases.SweepStats().Taken
+	}
+	if after-before < lease.Turns {
+		t.Fatalf("the turns of the two SIGKILLed sweepers: %d taken from a sweeper, want %d", after-before, lease.Turns)
+	}
+	liveKept(t, ctx, obs, terms, locks, alive)
+}
+
+// lockEach has each Locker of ls take a lease of key base+i, all at once, and returns the locks and their terms.
+func lockEach(t *testing.T, ctx context.Context, ls []*Locker, base int64) ([]*Lock, map[int64]int64) {
+	t.Helper()
 	locks := make([]*Lock, len(ls))
 	errs := make(chan error, len(ls))
 	for i, l := range ls {
 		go func() {
 			var err error
-			locks[i], err = l.TryLock(ctx, Int64Key(int64(1000+i)))
+			locks[i], err = l.TryLock(ctx, Int64Key(base+int64(i)))
 			errs <- err
 		}()
 	}
@@ -267,67 +419,13 @@ func TestLeaseSweepTurns(t *testing.T) {
 		v, _ := lk.Key().Int64()
 		terms[v] = lk.Token()
 	}
-	alive := map[int]bool{0: true, 1: true, 2: true, 3: true, 4: true}
-	serverBeats := func() string {
-		t.Helper()
-		var s string
-		if err := obs.QueryRow(ctx, "SELECT string_agg(timeline || '=' || since, ' ' ORDER BY timeline) FROM "+
-			lease.Timelines+" WHERE timeline < 0").Scan(&s); err != nil {
-			t.Fatal(err)
-		}
-		return s
-	}
-	// window waits until the alive Lockers hold both turns, then counts who reads rows over 8 sweep periods.
-	window := func(what string) (sweepers []int) {
-		t.Helper()
-		for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-			held := map[int]int{}
-			sweepers = sweepers[:0]
-			for i := range alive {
-				if turn := ls[i].leases.SweepStats().Turn; turn != 0 {
-					held[turn]++
-					sweepers = append(sweepers, i)
-				}
-			}
-			if len(held) == lease.Turns && len(sweepers) == lease.Turns {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s: the turns held by the Lockers alive: %v (Lockers %v), want each by one", what, held, sweepers)
-			}
-		}
-		before := map[int]lease.SweepStats{}
-		for i := range alive {
-			before[i] = ls[i].leases.SweepStats()
-		}
-		beats := serverBeats()
-		time.Sleep(8 * length / 3)
-		var readers []int
-		taken := int64(0)
-		for i := range alive {
-			after := ls[i].leases.SweepStats()
-			if after.Reads > before[i].Reads {
-				readers = append(readers, i)
-			}
-			taken += after.Taken - before[i].Taken
-		}
-		t.Logf("%s: Lockers %v hold the turns; over 8 periods, Lockers %v read rows, %d turns were taken; beats %s", what, sweepers, readers, taken, serverBeats())
-		if len(readers) == 0 || int64(len(readers)) > lease.Turns+taken {
-			t.Fatalf("%s: %d Lockers read rows over 8 periods, with %d turns taken; want 1 to %d", what, len(readers), taken, lease.Turns+taken)
-		}
-		if after := serverBeats(); after == beats || strings.Count(after, "=") != lease.Turns {
-			t.Fatalf("%s: the server's beats %q, then %q over 8 periods: want both turns' rows, moved on", what, beats, after)
-		}
-		return sweepers
-	}
-	sweepers := window("five Lockers started at once")
-	for _, i := range sweepers {
-		ls[i].Close()
-		delete(alive, i)
-		delete(terms, int64(1000+i))
-	}
-	window("both sweepers closed")
+	return locks, terms
+}
 
+// deadRowsGone writes the rows of a holder that is gone (50 leases and 20 waits of an owner that says 1 s, expiring
+// an hour away on the server's clock) and waits until the sweep has deleted them.
+func deadRowsGone(t *testing.T, ctx context.Context, obs *pgx.Conn, what string) {
+	t.Helper()
 	if _, err := obs.Exec(ctx, "INSERT INTO "+lease.Table+" (space, key, owner, term, expires, holder) "+
 		"SELECT 1, k, 'dead0000dead0000' || lpad(to_hex(k), 16, '0') || '/1000', k, clock_timestamp() + interval '1 hour', "+
 		"'sweep-dead' FROM generate_series(1, 50) AS k"); err != nil {
@@ -347,8 +445,13 @@ func TestLeaseSweepTurns(t *testing.T) {
 		return leases, waits
 	}
 	leasesGone, waitsGone := untilGone(t, left, 60*time.Second, "after the rows were written")
-	t.Logf("with both first sweepers closed, the gone holder's 50 leases went in %v, its 20 waits in %v",
+	t.Logf("%s, the gone holder's 50 leases went in %v, its 20 waits in %v", what,
 		leasesGone.Round(10*time.Millisecond), waitsGone.Round(10*time.Millisecond))
+}
+
+// liveKept checks that the leases of the Lockers alive are held, their rows there with their terms.
+func liveKept(t *testing.T, ctx context.Context, obs *pgx.Conn, terms map[int64]int64, locks []*Lock, alive map[int]bool) {
+	t.Helper()
 	for v, term := range terms {
 		var got int64
 		if err := obs.QueryRow(ctx, "SELECT term FROM "+lease.Table+" WHERE space = 1 AND key = $1", v).Scan(&got); err != nil || got != term {

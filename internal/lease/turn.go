@@ -9,24 +9,25 @@ import (
 
 // Of the Clients that share the tables, Turns sweep at once; the others only look, once a Sweep or less, whether a
 // turn is free. A turn is a row of Timelines (timeline -1 for the first, -2 for the second): its beat (since), which
-// its sweeper moves on at each of its reads (to the server's clock, or a microsecond past the beat when that clock
-// stands still or went back, or to the server's clock after a beat at infinity written by hand: its value says only
-// that it changed). A Client that sees a turn's beat unchanged for
-// 2*Sweep on its own monotonic clock (read at the start and at the end of that time), or no row for it, takes the
-// turn: it writes the beat only if the beat is still the one it saw, so that of the Clients that try at once, one
-// has it. A sweeper whose beat is no longer the one it wrote (another took its turn) stops sweeping and forgets
-// what it saw. A Client holds at most one turn.
+// its sweeper moves on at each of its reads (beatMoved: its value says only that it changed). A Client that sees a
+// turn's beat unchanged for 2*Sweep on its own monotonic clock (read at the start and at the end of that time), or
+// no row for it, takes the turn: it writes the beat only if the beat is still the one it saw, so that of the
+// Clients that try at once, one has it. A sweeper whose beat is no longer the one it wrote (another took its turn)
+// stops sweeping and forgets what it saw. A Client holds at most one turn; a process of several Clients (Lockers)
+// may hold both.
 //
 // Nothing here decides whether a row is deleted: the sweep's rule (a row unchanged for its holder's lease length on
-// the sweeper's own clock) holds whoever sweeps, and for any number of sweepers at once. So a beat that came late,
-// a server clock that stood still or a turn taken from a sweeper that was only slow cost reads and memory for a
-// while, not safety; and a sweeper that died leaves its turn to another within about three Sweeps, which starts its
-// sightings afresh, while the other turn's sweeper, which has watched every row all along, deletes the dead rows
+// the sweeper's own clock) holds whoever sweeps, and for any number of sweepers at once. So a beat that came late
+// or was cut, a server clock that stood still or a turn taken from a sweeper that was only slow cost reads and
+// memory for a while, not safety; and a sweeper that died leaves its turn to another within four Sweeps of the taker
+// (up to one before it reads the last beat, two while it stays unchanged, one more to the next read), which starts
+// its sightings afresh, while the other turn's sweeper, which has watched every row all along, deletes the dead rows
 // within the bound as before. Two turns rather than one keep the bound of a dead holder's rows (a lease length and
-// a Sweep) when the holder that died was a sweeper: only both sweepers dying within a few Sweeps of each other
-// delays deletions, by the time the turns take to be taken and a lease length.
+// a Sweep) when the holder that died was one sweeper: only both sweepers gone within a few Sweeps of each other (two
+// processes, or one process that held both) delays deletions, by the time the turns take to be taken and a lease
+// length.
 //
-// A sweeper that is closed gives its turn back (deletes its row where the beat is still the one it wrote, beside the
+// A sweeper that is closed gives its turn back (deletes its row where the beat is its last one or later, beside the
 // last attempts of Close, within CloseGrace), so that another takes it at its next read rather than 2*Sweep later.
 //
 // The cost: a read of the turns' beats a Sweep or less by each Client that does not sweep (one short statement, no
@@ -38,9 +39,20 @@ const Turns = 2
 // turnAfter is how long a Client sees a turn's beat unchanged before it takes the turn.
 func (c *Client) turnAfter() time.Duration { return 2 * c.cfg.Sweep }
 
-// beat is a turn's beat as the server renders the seconds of its since ("-": no row), compared as text: an exact
-// rendering whatever the session's time zone or date style (behind a pooler, sessions differ).
-const beatText = "extract(epoch FROM x.since)::text"
+// beatText is a turn's beat as the server renders its since in UTC to the microsecond, "infinite" at either
+// infinity ("-" where there is no row), compared as text: exact whatever the session's time zone, date style or
+// float settings (behind a pooler, sessions differ), on every version of PostgreSQL.
+const beatText = "coalesce(to_char(x.since AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US'), 'infinite')"
+
+// beatMoved is the beat a sweeper writes: the server's clock, or a microsecond past the last beat when that clock
+// stands still or went back; the server's clock after a beat at infinity or a century ahead (written by hand: no
+// overflow at the end of PostgreSQL's years).
+const beatMoved = "CASE WHEN isfinite(x.since) AND x.since < clock_timestamp() + interval '100 years' " +
+	"THEN greatest(clock_timestamp(), x.since + interval '1 microsecond') ELSE clock_timestamp() END"
+
+// turnLockTimeout: a turn's statement waits at most a second for its row's lock (held by a transaction that does
+// not end, it fails rather than wait: the next turn is tried).
+const turnLockTimeout = "set_config('lock_timeout', '1000', true)"
 
 // turnsReadSQL reads the turns' beats: Turns of them, separated by a space.
 func turnsReadSQL() string {
@@ -62,9 +74,8 @@ func turnTakeSQL(i int, want string) string {
 		cond = beatText + " = " + quote(want)
 	}
 	t := strconv.Itoa(i)
-	return "SELECT " + lazy + ";\nWITH t AS (INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (-" + t +
-		", clock_timestamp()) ON CONFLICT (timeline) DO UPDATE SET since = CASE WHEN isfinite(x.since) " +
-		"THEN greatest(clock_timestamp(), x.since + interval '1 microsecond') ELSE clock_timestamp() END " +
+	return "SELECT " + lazy + ", " + turnLockTimeout + ";\nWITH t AS (INSERT INTO " + Timelines + " AS x (timeline, since) VALUES (-" + t +
+		", clock_timestamp()) ON CONFLICT (timeline) DO UPDATE SET since = " + beatMoved + " " +
 		"WHERE " + cond + " RETURNING " + beatText + " AS b) " +
 		"SELECT coalesce((SELECT 'y ' || t.b FROM t), 'n ' || coalesce((SELECT " + beatText + " FROM " + Timelines +
 		" AS x WHERE x.timeline = -" + t + "), '-'))"
@@ -111,13 +122,15 @@ func (c *Client) sweepTurn(ctx context.Context, s *sweeper) (bool, error) {
 	for i, b := range beats {
 		t.saw(i, b, now)
 	}
+	var failed error
 	for i := range Turns {
 		if t.seen[i] != "-" && now.Sub(t.since[i]) < c.turnAfter() {
 			continue
 		}
 		ok, got, err := c.takeTurn(ctx, i+1, t.seen[i])
 		if err != nil {
-			return false, err
+			failed = err // the next turn is tried all the same (a row locked for ever, say)
+			continue
 		}
 		if ok {
 			t.mine, t.beat = i+1, got
@@ -129,7 +142,7 @@ func (c *Client) sweepTurn(ctx context.Context, s *sweeper) (bool, error) {
 		}
 		t.saw(i, got, time.Now())
 	}
-	return false, nil
+	return false, failed
 }
 
 // giveTurnBack deletes the row of the turn t holds, if any, where its beat is still the one the Client wrote: one
@@ -147,11 +160,16 @@ func (c *Client) giveTurnBack(t *turns) {
 	}()
 }
 
-// turnGiveBackSQL deletes turn i's row where its beat is still beat: it answers how many rows it deleted (0 or 1).
-// Its commit waits for no flush.
+// turnGiveBackSQL deletes turn i's row where its beat is still beat, or later (a beat of the Client's cut by Close
+// may have been written; a later beat of another Client that took the turn meanwhile is deleted too, which costs that
+// Client its turn, nothing else): it answers how many rows it deleted (0 or 1). Its commit waits for no flush.
 func turnGiveBackSQL(i int, beat string) string {
-	return "SELECT " + lazy + ";\nWITH d AS (DELETE FROM " + Timelines + " AS x WHERE x.timeline = -" + strconv.Itoa(i) +
-		" AND " + beatText + " = " + quote(beat) + " RETURNING 1) SELECT count(*) FROM d"
+	cond := beatText + " = " + quote(beat)
+	if beat != "infinite" {
+		cond = "(" + cond + " OR x.since > " + quote(beat) + "::timestamp AT TIME ZONE 'UTC')"
+	}
+	return "SELECT " + lazy + ", " + turnLockTimeout + ";\nWITH d AS (DELETE FROM " + Timelines + " AS x WHERE x.timeline = -" +
+		strconv.Itoa(i) + " AND " + cond + " RETURNING 1) SELECT count(*) FROM d"
 }
 
 // saw records that turn i's beat read b at now: since is when it was first read so.

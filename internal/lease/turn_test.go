@@ -13,7 +13,7 @@ import (
 // take runs turnTakeSQL(i, want) on c: whether it took (or beat) the turn, and the beat it wrote or found.
 func take(t *testing.T, c *pgx.Conn, i int, want string) (bool, string) {
 	t.Helper()
-	yn, b, _ := strings.Cut(last(t, c, turnTakeSQL(i, want)), " ")
+	yn, b, _ := strings.Cut(lastRow(t, c, turnTakeSQL(i, want)), " ")
 	return yn == "y", b
 }
 
@@ -31,9 +31,11 @@ func beats(t *testing.T, c *pgx.Conn) []string {
 // find no row take turn 1 at once (a database that has never seen a sweep), and one has it; then, 40 times, its
 // sweeper beats it at the moment another, which saw that beat unchanged, takes it: one of the two has it. The
 // server's beat is the winner's; a loser is told the beat its statement's snapshot held (the winner's, the one it
-// wanted, or none while the winner inserted it), which its next read corrects. A beat moves on whatever the server's clock says (a turn's row
-// set an hour ahead, as after the clock stepped back; a beat at infinity written by hand), so that a live sweeper's
-// beat never looks unchanged.
+// wanted, or none while the winner inserted it), which its next read corrects. A beat moves on whatever the
+// server's clock says (a turn's row set an hour ahead, as after the clock stepped back; one at infinity and one at
+// PostgreSQL's last microsecond, written by hand), so that a live sweeper's beat never looks unchanged. A give-back
+// deletes the row where its beat is the sweeper's last or later (a beat cut by Close may have been written), never
+// an earlier one.
 func TestTurnTakenOnce(t *testing.T) {
 	url := freshTables(t)
 	obs := pgtest.Conn(t, url)
@@ -110,9 +112,16 @@ func TestTurnTakenOnce(t *testing.T) {
 	if _, err := obs.Exec(context.Background(), "UPDATE "+Timelines+" SET since = 'infinity' WHERE timeline = -1"); err != nil {
 		t.Fatal(err)
 	}
-	ok, moved = take(t, obs, 1, "Infinity")
-	if !ok || moved == "Infinity" {
+	ok, moved = take(t, obs, 1, "infinite")
+	if !ok || moved == "infinite" {
 		t.Fatalf("the beat of a row at infinity: %v %q; want taken and moved on", ok, moved)
+	}
+	if _, err := obs.Exec(context.Background(), "UPDATE "+Timelines+" SET since = '294276-12-31 23:59:59.999999+00' WHERE timeline = -1"); err != nil {
+		t.Fatal(err)
+	}
+	last := beats(t, obs)[0]
+	if ok, moved = take(t, obs, 1, last); !ok || moved == last {
+		t.Fatalf("the beat of a row at PostgreSQL's last microsecond (%q): %v %q; want taken and moved on", last, ok, moved)
 	}
 	if ok, b := take(t, obs, 2, "-"); !ok || b == "-" {
 		t.Fatalf("turn 2, which has no row: %v %q, want taken", ok, b)
@@ -121,17 +130,30 @@ func TestTurnTakenOnce(t *testing.T) {
 	if got[0] != moved || got[1] == "-" {
 		t.Fatalf("the beats %q, want %q and turn 2's", got, moved)
 	}
-	// A turn given back by a sweeper whose turn was taken meanwhile stays with its new sweeper.
-	if n := last(t, obs, turnGiveBackSQL(1, ahead)); n != "0" {
-		t.Fatalf("a give-back of a beat no longer there deleted %s rows", n)
+	// A give-back deletes its own beat, or a later one (its last beat may have been written though cut), never an
+	// earlier one.
+	if _, err := obs.Exec(context.Background(), "UPDATE "+Timelines+" SET since = since - interval '1 microsecond' WHERE timeline = -2"); err != nil {
+		t.Fatal(err)
 	}
-	if n := last(t, obs, turnGiveBackSQL(2, got[1])); n != "1" || beats(t, obs)[1] != "-" || beats(t, obs)[0] != moved {
+	if n := lastRow(t, obs, turnGiveBackSQL(2, got[1])); n != "0" {
+		t.Fatalf("a give-back of a beat later than the row's deleted %s rows", n)
+	}
+	if n := lastRow(t, obs, turnGiveBackSQL(2, beats(t, obs)[1])); n != "1" || beats(t, obs)[1] != "-" || beats(t, obs)[0] != moved {
 		t.Fatalf("a give-back by turn 2's sweeper deleted %s rows; beats now %q", n, beats(t, obs))
+	}
+	if ok, _ := take(t, obs, 2, "-"); !ok {
+		t.Fatal("turn 2 given back: not taken")
+	}
+	if n := lastRow(t, obs, turnGiveBackSQL(2, got[1])); n != "1" || beats(t, obs)[1] != "-" {
+		t.Fatalf("a give-back of an earlier beat than the row's (a cut beat was written) deleted %s rows", n)
+	}
+	if n := lastRow(t, obs, turnGiveBackSQL(1, "infinite")); n != "0" || beats(t, obs)[0] != moved {
+		t.Fatalf("a give-back of a beat at infinity deleted %s rows of a finite one", n)
 	}
 }
 
-// last runs sql on c and returns the text of its last statement's one row.
-func last(t *testing.T, c *pgx.Conn, sql string) string {
+// lastRow runs sql on c and returns the text of its last statement's one row.
+func lastRow(t *testing.T, c *pgx.Conn, sql string) string {
 	t.Helper()
 	rs, err := c.PgConn().Exec(context.Background(), sql).ReadAll()
 	if err != nil {
