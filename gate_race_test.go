@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/testkit/pgtest"
-	"github.com/jackc/pgx/v5"
 )
 
 // Callers of one key whose contexts end at every moment of their wait in the gate (before their turn, as it is
@@ -108,7 +107,9 @@ func TestGateCancelRace(t *testing.T) {
 }
 
 // Close while callers of a few keys queue in their gates, are handed the slot, give it back and start new calls:
-// Close returns, every call ends (ErrClosed once Close began), and the server shows none of the keys held.
+// Close returns, every call ends (ErrClosed once Close began), no connection back in the pool holds a lock, and the
+// server shows none of the keys held once the sessions Close destroyed have ended (a CI run read pg_locks the
+// moment Close returned and saw one key still held by such a session).
 func TestGateCloseRace(t *testing.T) {
 	url := pgtest.URL(t)
 	pool := pgtest.Pool(t, url, nil)
@@ -159,20 +160,12 @@ func TestGateCloseRace(t *testing.T) {
 			t.Fatalf("round %d: Close did not return within 15 s: %+v", round, l.Stats())
 		}
 		wg.Wait()
+		// A session Close destroyed (a wait it cut, an unlock in doubt) ends on the server a moment after its
+		// socket closes: each key is free within 10 s, and no connection back in the pool holds a lock.
+		pgtest.NoIdleLocks(t, pool, obs)
 		for _, k := range keys {
 			v, _ := k.Int64()
-			if pids := holdersOf(t, obs, v); len(pids) != 0 {
-				t.Fatalf("round %d: after Close, pg_locks shows %s held by %v", round, k, pids)
-			}
+			pgtest.WaitFree(t, obs, v, 10*time.Second)
 		}
 	}
-}
-
-func holdersOf(t *testing.T, c *pgx.Conn, v int64) []uint32 {
-	t.Helper()
-	pids, err := pgtest.Holders(context.Background(), c, v)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pids
 }

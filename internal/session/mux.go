@@ -32,9 +32,10 @@ import (
 // server sends rows as it produces them), a row that failed for lack of lock-table space (53200) fails that caller
 // alone with ErrLockTableFull, rows after it go out again; with fencing, a round trip that ended with an error
 // (that one, or one after its last row) aborted its tokens' transaction, so its granted tries are undone and sent
-// again, and the refused try is undone (an unlock of its key in its mode, first in the next round trip); any
-// other error before a row's answer leaves the session in doubt, so it is destroyed and its locks are reported
-// lost.
+// again, and the refused try is undone (an unlock of its key in its mode, first in the next round trip), as is a
+// gated try refused after its key was granted; a refused try that is undone is answered with its undo (or by die),
+// so that it holds nothing when its caller returns; any other error before a row's answer leaves the session in
+// doubt, so it is destroyed and its locks are reported lost.
 type Mux struct {
 	conn      Conn
 	pid       uint32 // the server session's
@@ -151,8 +152,9 @@ func (m *Mux) kill(cause error) {
 }
 
 // die settles a dead Mux; only the one reading (or kill, when nobody was) calls it. Requests on the wire fail
-// (their effect ended with the session), queued ones fail with ErrMuxGone (never sent), every lock held on it is
-// lost, and the connection is given up.
+// (their effect ended with the session), queued ones fail with ErrMuxGone (never sent), a refused try whose undo
+// is among them is answered (its key ends with the session), every lock held on it is lost, and the connection is
+// given up.
 func (m *Mux) die(cause error) {
 	_ = m.nc.Close()
 	if m.gone != nil {

@@ -283,10 +283,11 @@ func TestMuxFencedTryUndone(t *testing.T) {
 // A try refused for lack of lock-table space after its key was granted returns only once its undo has landed: the
 // moment it returns, pg_locks shows nothing of its key, though the undo's round trip is held up for 300 ms before
 // it is written. Three kinds: a shared and an exclusive try of a plain shared session (granted, then their gate,
-// the key's intent or its line's flag, found no space) and an exclusive try of a fenced one (granted, then its
-// token's transaction id found none). Before, the caller was told as the undo went out, and pg_locks showed its key
-// held for those 300 ms. A try whose session is killed while its undo is held up is answered by the Mux's death (its
-// key ends with the session) rather than left waiting for an undo that never comes.
+// the key's intent or its line's flag, found no space) and an exclusive try of a fenced one (granted, then refused
+// at its line's flag, in a round trip whose abort undoes it). Before, the caller was told as the undo went out, and
+// pg_locks showed its key held for those 300 ms. A try whose caller waits while the background reader reads, and
+// whose session is killed while its undo is held up, is answered by the Mux's death (its key ends with the
+// session) rather than left waiting for an undo that never comes (it hung without that).
 func TestMuxRefusedTryHoldsNothing(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a private cluster")
@@ -325,6 +326,22 @@ func TestMuxRefusedTryHoldsNothing(t *testing.T) {
 			}
 		})
 		filler := fillLockTable(t, ctx, c.URL, obs, 1) // room for the advisory lock alone
+		if kind.kill {
+			// The background reader reads the quiet socket, so the try's caller waits to be woken (a caller that
+			// reads its own answer returns once the Mux has died, answered or not).
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(WatchDelay) {
+				m.mu.Lock()
+				bg := m.token == tokenBG
+				m.mu.Unlock()
+				if bg {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the background reader never took the quiet socket")
+				}
+			}
+			time.Sleep(2 * WatchDelay)
+		}
 		_, err := m.Try(ctx, Target{ID: ID{V: key}, Shared: kind.shared}, nil)
 		res, qerr := obs.Exec(ctx, fmt.Sprintf("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "+
 			"((classid::int8 << 32) | objid::int8) = %d", key)).ReadAll()
