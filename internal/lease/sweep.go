@@ -19,7 +19,7 @@ import (
 // The Clients that hold a turn (two at a time, see turn.go) sweep, every Sweep or less (jittered between half of it
 // and all of it): each reads the rows of other Clients, all of them (its own only once they look dead on the server's clock: its own live
 // ones it renews, and those it lost or gave back it deletes itself, see retire), sightPage of each table a read, on
-// from where the last read stopped. It deletes each row once it has seen it unchanged for its holder's lease length
+// from where the last read stopped, read after read until the end of the tables (sweepPages reads at most). It deletes each row once it has seen it unchanged for its holder's lease length
 // on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
 // read), provided a later read saw it unchanged too (so that the live rows of a holder whose lease is shorter than
 // the time between two reads, renewed in between, cost no delete). That is the takeover's rule (Client.matured):
@@ -29,10 +29,11 @@ import (
 // expiry later), so a lease granted or renewed since is not deleted. A dead holder's row is read within a Sweep of
 // its last write, again within another, and deleted its lease length after the first read: a lease length and a
 // Sweep after its holder's last renewal when its length is a Sweep or more (two Sweeps when it is shorter), while
-// the tables hold at most sightPage rows of other Clients and a sweeper that has held its turn since before the
-// holder's last renewal lives (when both die at once, the turns are taken within four Sweeps of the takers, and a
-// row goes a lease length and a Sweep after that). With k pages, a row is read every k reads: a length and k
-// Sweeps, or 2k Sweeps when that is longer. No clock but the sweeper's own counts: a server clock that steps
+// the tables hold at most sweepPages*sightPage rows of other Clients (50,000) and a sweeper that has held its turn
+// since before the holder's last renewal lives (when both die at once, the turns are taken within four Sweeps of the takers, and a
+// row goes a lease length and a Sweep after that), plus the time the reads of a period take. With more than
+// sweepPages pages, a row is read every k periods (k = pages/sweepPages, rounded up): a length and k Sweeps, or 2k
+// Sweeps when that is longer. No clock but the sweeper's own counts: a server clock that steps
 // changes nothing. A crash may bring an older record back (it took back the renewals after it), one the sweep may
 // have seen before them and so delete a lease length after that sighting, while its holder may still trust a
 // renewal the crash took back: the key then goes to nobody before the quiet period after the crash has passed (see
@@ -47,10 +48,12 @@ import (
 // The cost, for each of the two sweepers: a read of the other Clients' rows every Sweep or less, and a sighting kept
 // for each (no bound: what the tables hold); the other Clients read the turns' beats and keep nothing.
 
-// sightPage bounds the rows of each table one read reads; sweepMax, those one statement deletes.
+// sightPage bounds the rows of each table one read reads; sweepPages, the reads of a sweep period (one after the
+// other, each on from where the last stopped); sweepMax, the rows one statement deletes.
 const (
-	sightPage = 2000
-	sweepMax  = 1000
+	sightPage  = 2000
+	sweepPages = 25
+	sweepMax   = 1000
 )
 
 // sweepReadSQL reads rows of the tables, as one text: the leases ("space key term expiry_us length_ms" each, the
@@ -155,8 +158,12 @@ func (c *Client) sweep(ctx context.Context) {
 		failing = false
 		if !time.Now().Before(nextRead) {
 			sweeps, err := c.sweepTurn(ctx, s)
-			if err == nil && sweeps {
-				err = c.sweepRead(ctx, s)
+			for page := 0; err == nil && sweeps && page < sweepPages; page++ {
+				// Every page of the tables, one read after the other, up to sweepPages of them: each row read
+				// every period, however many the tables hold (up to sweepPages*sightPage rows of each).
+				if err = c.sweepRead(ctx, s); s.leaseFrom == nil && s.waitFrom == nil {
+					break
+				}
 			}
 			nextRead = time.Now().Add(c.cfg.Sweep/2 + rand.N(c.cfg.Sweep/2+1))
 			if err != nil {
