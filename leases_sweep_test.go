@@ -207,14 +207,7 @@ func TestLeaseSweepReadsEveryRow(t *testing.T) {
 		"'sweep-dead' FROM generate_series(0, $1 - 1) AS k", dead); err != nil {
 		t.Fatal(err)
 	}
-	left := func() (leases, waits int) {
-		t.Helper()
-		if err := obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+lease.Table+" WHERE holder = 'sweep-dead'), "+
-			"(SELECT count(*) FROM "+lease.Waits+" WHERE holder = 'sweep-dead')").Scan(&leases, &waits); err != nil {
-			t.Fatal(err)
-		}
-		return leases, waits
-	}
+	left := deadLeft(t, ctx, obs)
 	leasesGone, waitsGone := untilGone(t, left, 90*time.Second, "after the rows were written")
 	t.Logf("%d dead leases (owner's length 1 s, expiry an hour away) gone in %v, %d dead waits in %v (lease length %v)",
 		dead-4, leasesGone.Round(10*time.Millisecond), dead, waitsGone.Round(10*time.Millisecond), length)
@@ -436,7 +429,15 @@ func deadRowsGone(t *testing.T, ctx context.Context, obs *pgx.Conn, what string)
 		"'sweep-dead' FROM generate_series(1, 20) AS k"); err != nil {
 		t.Fatal(err)
 	}
-	left := func() (leases, waits int) {
+	left := deadLeft(t, ctx, obs)
+	leasesGone, waitsGone := untilGone(t, left, 60*time.Second, "after the rows were written")
+	t.Logf("%s, the gone holder's 50 leases went in %v, its 20 waits in %v", what,
+		leasesGone.Round(10*time.Millisecond), waitsGone.Round(10*time.Millisecond))
+}
+
+// deadLeft counts the rows written for a holder that is gone ("sweep-dead") still in the tables.
+func deadLeft(t *testing.T, ctx context.Context, obs *pgx.Conn) func() (leases, waits int) {
+	return func() (leases, waits int) {
 		t.Helper()
 		if err := obs.QueryRow(ctx, "SELECT (SELECT count(*) FROM "+lease.Table+" WHERE holder = 'sweep-dead'), "+
 			"(SELECT count(*) FROM "+lease.Waits+" WHERE holder = 'sweep-dead')").Scan(&leases, &waits); err != nil {
@@ -444,9 +445,6 @@ func deadRowsGone(t *testing.T, ctx context.Context, obs *pgx.Conn, what string)
 		}
 		return leases, waits
 	}
-	leasesGone, waitsGone := untilGone(t, left, 60*time.Second, "after the rows were written")
-	t.Logf("%s, the gone holder's 50 leases went in %v, its 20 waits in %v", what,
-		leasesGone.Round(10*time.Millisecond), waitsGone.Round(10*time.Millisecond))
 }
 
 // liveKept checks that the leases of the Lockers alive are held, their rows there with their terms.

@@ -271,16 +271,7 @@ func TestMuxFencedBatchTokensSurviveCrash(t *testing.T) {
 	}
 	c := pgtest.StartCluster(t, "max_locks_per_transaction = 10", "autovacuum = off", "wal_level = minimal",
 		"max_wal_senders = 0", "wal_writer_delay = 10s")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	obs, err := pgconn.Connect(ctx, c.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer obs.Close(context.Background())
-	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	ctx, obs := sequenced(t, c.URL)
 	m, _ := openMuxAt(t, c.URL, true)
 	a, b := time.Now().UnixNano(), time.Now().UnixNano()+1
 	if _, err := m.Try(ctx, Target{ID: ID{V: a}, Shared: true}, nil); err != nil { // A held: trying it again needs no space

@@ -67,6 +67,24 @@ func setHookSettle(t *testing.T, f func(m *Mux, at string)) {
 
 var errKilled = errors.New("killed by the test")
 
+// awaitReader waits until m's background reader reads its quiet socket (on a loaded machine, late), then for twice
+// WatchDelay more: the next caller's round trip is answered by it.
+func awaitReader(t *testing.T, m *Mux) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(WatchDelay) {
+		m.mu.Lock()
+		bg := m.token == tokenBG
+		m.mu.Unlock()
+		if bg {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the background reader never took the quiet socket")
+		}
+	}
+	time.Sleep(2 * WatchDelay)
+}
+
 // A kill from another goroutine (an unlock answered false, a failed write) closes the socket and counts on whoever
 // reads it to settle the Mux. When the kill lands just as the background reader hands the socket to a caller, or
 // just as a caller finishes reading its own answer, the locks on the Mux must still be reported lost and the Mux
@@ -82,20 +100,7 @@ func TestMuxKillAtHandOff(t *testing.T) {
 					t.Fatal(err)
 				}
 				if at == "hand-back" { // the background reader reads the quiet socket (on a loaded machine, late)
-					deadline := time.Now().Add(5 * time.Second)
-					for {
-						m.mu.Lock()
-						bg := m.token == tokenBG
-						m.mu.Unlock()
-						if bg {
-							break
-						}
-						if time.Now().After(deadline) {
-							t.Fatal("the background reader never took the quiet socket")
-						}
-						time.Sleep(WatchDelay)
-					}
-					time.Sleep(2 * WatchDelay) // quiet for WatchDelay: a caller's answer is read by it, which then hands back
+					awaitReader(t, m) // quiet for WatchDelay: a caller's answer is read by it, which then hands back
 				}
 				var once sync.Once
 				killed := false
@@ -235,16 +240,7 @@ func TestMuxFencedTryUndone(t *testing.T) {
 		t.Skip("starts a private cluster")
 	}
 	c := pgtest.StartCluster(t, "max_locks_per_transaction = 10")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	obs, err := pgconn.Connect(ctx, c.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer obs.Close(context.Background())
-	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	ctx, obs := sequenced(t, c.URL)
 	m, _ := openMuxAt(t, c.URL, true)
 	b := time.Now().UnixNano()
 	for round := range 3 {
@@ -293,16 +289,7 @@ func TestMuxRefusedTryHoldsNothing(t *testing.T) {
 		t.Skip("starts a private cluster")
 	}
 	c := pgtest.StartCluster(t, "max_locks_per_transaction = 10")
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	obs, err := pgconn.Connect(ctx, c.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer obs.Close(context.Background())
-	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	ctx, obs := sequenced(t, c.URL)
 	b := time.Now().UnixNano()
 	for i, kind := range []struct {
 		name                 string
@@ -329,18 +316,7 @@ func TestMuxRefusedTryHoldsNothing(t *testing.T) {
 		if kind.kill {
 			// The background reader reads the quiet socket, so the try's caller waits to be woken (a caller that
 			// reads its own answer returns once the Mux has died, answered or not).
-			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(WatchDelay) {
-				m.mu.Lock()
-				bg := m.token == tokenBG
-				m.mu.Unlock()
-				if bg {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatal("the background reader never took the quiet socket")
-				}
-			}
-			time.Sleep(2 * WatchDelay)
+			awaitReader(t, m)
 		}
 		_, err := m.Try(ctx, Target{ID: ID{V: key}, Shared: kind.shared}, nil)
 		res, qerr := obs.Exec(ctx, fmt.Sprintf("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND "+
@@ -369,6 +345,23 @@ func TestMuxRefusedTryHoldsNothing(t *testing.T) {
 		}
 		_ = filler.Close(ctx)
 	}
+}
+
+// sequenced connects an observer to the private cluster at url and creates the fencing sequence there; the context
+// ends after 60 s, the connection with the test.
+func sequenced(t *testing.T, url string) (context.Context, *pgconn.PgConn) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	obs, err := pgconn.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = obs.Close(context.Background()) })
+	if _, err := obs.Exec(ctx, "CREATE SEQUENCE "+FenceSeq).ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	return ctx, obs
 }
 
 // fillLockTable fills the server's lock table from a connection of its own, then gives room slots back, and
