@@ -91,11 +91,17 @@ func (r *rawLease) close() { r.c.Close(context.Background()) }
 // leaseTables are the tables the lease contenders write: advlock's and the raw loop's.
 var leaseTables = []string{"advlock_lease", "advlock_lease_wait", "bench_lease", "bench_lease_wait"}
 
-// vacuumLeases vacuums the lease tables before the lease workloads, so that every run starts from what autovacuum
+// vacuumLeases vacuums the lease tables at url before the lease workloads (when a lease contender runs), so that every run starts from what autovacuum
 // leaves: a server run with autovacuum off (as this project's test server is) keeps every dead row version of earlier
 // runs and tests, which each grant of a key walks past (docs/performance.md: a cycle a quarter slower on 268,592 of
 // them). It logs what it found; a role that may not vacuum them leaves them as they are.
-func vacuumLeases(ctx context.Context, c *pgx.Conn) {
+func vacuumLeases(ctx context.Context, url string) {
+	c, err := pgx.Connect(ctx, url)
+	if err != nil {
+		log.Printf("leases: %v", err)
+		return
+	}
+	defer c.Close(ctx)
 	var dead int64
 	var autovacuum string
 	if err := c.QueryRow(ctx, "SELECT coalesce(sum(n_dead_tup), 0)::int8, current_setting('autovacuum') FROM pg_stat_user_tables "+
@@ -121,7 +127,6 @@ func startBouncer(ctx context.Context, url string) (string, func()) {
 	if _, err := c.Exec(ctx, advlock.LeaseTableSQL+rawLeaseDDL); err != nil {
 		log.Printf("leases: %v", err)
 	}
-	vacuumLeases(ctx, c)
 	b, err := pgcluster.StartBouncer(url, "transaction")
 	if err != nil {
 		log.Printf("leases through PgBouncer: skipped (%v)", err)

@@ -76,6 +76,9 @@ func main() {
 	cs = slices.DeleteFunc(cs, func(c contender) bool {
 		return c.name != rawName && (*flagOnly != "" || c.optIn) && !re.MatchString(c.name)
 	})
+	if slices.ContainsFunc(cs, func(c contender) bool { return c.polls }) {
+		vacuumLeases(ctx, e.pgURL)
+	}
 	res := run(ctx, e, cs)
 	res.print(os.Stdout)
 	if err := res.write(*flagOut); err != nil {
