@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Callers of one key whose contexts end at every moment of their wait in the gate (before their turn, as it is
@@ -107,12 +108,14 @@ func TestGateCancelRace(t *testing.T) {
 }
 
 // Close while callers of a few keys queue in their gates, are handed the slot, give it back and start new calls:
-// Close returns, every call ends (ErrClosed once Close began), no connection back in the pool holds a lock, and the
-// server shows none of the keys held once the sessions Close destroyed have ended (a CI run read pg_locks the
-// moment Close returned and saw one key still held by such a session).
+// Close returns with no connection taken from the pool (it waited for every release), every call ends (ErrClosed
+// once Close began), no connection back in the pool holds a lock, and the server shows none of the keys held once
+// the sessions Close destroyed have ended (a CI run read pg_locks the moment Close returned and saw one key still
+// held by such a session).
 func TestGateCloseRace(t *testing.T) {
 	url := pgtest.URL(t)
-	pool := pgtest.Pool(t, url, nil)
+	// No health check takes the pool's idle connections while the test counts those taken.
+	pool := pgtest.Pool(t, url, func(c *pgxpool.Config) { c.HealthCheckPeriod = time.Hour })
 	obs := pgtest.Conn(t, url)
 	ctx := ctxT(t, 90*time.Second)
 	keys := []Key{key(t), key(t)}
@@ -158,6 +161,9 @@ func TestGateCloseRace(t *testing.T) {
 		case <-closed:
 		case <-time.After(15 * time.Second):
 			t.Fatalf("round %d: Close did not return within 15 s: %+v", round, l.Stats())
+		}
+		if n := pool.Stat().AcquiredConns(); n != 0 { // Close waited for every release
+			t.Fatalf("round %d: Close returned with %d connections still taken from the pool", round, n)
 		}
 		wg.Wait()
 		// A session Close destroyed (a wait it cut, an unlock in doubt) ends on the server a moment after its

@@ -62,9 +62,15 @@ const (
 // its cursor (nil: at the start) and holds at most sightPage rows: those of other Clients than the one whose id is
 // own, and its own that look dead on the server's clock. A waiter that is not a hex id (not one of ours) is left out,
 // and so is a row whose time is one no Locker writes (farExp: infinity, a year past 9999, written by hand), which
-// holds its key until someone deletes it.
-func sweepReadSQL(own string, leaseFrom *session.ID, waitFrom *waitRow) string {
-	page := strconv.Itoa(sightPage)
+// holds its key until someone deletes it. A table not to be read (leases or waits false) gives an empty list.
+func sweepReadSQL(own string, leaseFrom *session.ID, waitFrom *waitRow, leases, waits bool) string {
+	page, leasePage, waitPage := strconv.Itoa(sightPage), "0", "0"
+	if leases {
+		leasePage = page
+	}
+	if waits {
+		waitPage = page
+	}
 	var b strings.Builder
 	b.WriteString("SELECT concat((SELECT string_agg(concat_ws(' ', l.space, l.key, l.term, (extract(epoch FROM l.expires) * 1000000)::int8, " +
 		"CASE WHEN l.owner ~ '/[0-9]{1,12}$' THEN substring(l.owner FROM '/([0-9]+)$')::int8 ELSE 0 END), ',' ORDER BY l.space, l.key) FROM (SELECT * FROM " +
@@ -72,14 +78,14 @@ func sweepReadSQL(own string, leaseFrom *session.ID, waitFrom *waitRow) string {
 	if leaseFrom != nil {
 		b.WriteString(" AND (l.space, l.key) > (" + space(*leaseFrom) + ", " + strconv.FormatInt(leaseFrom.V, 10) + ")")
 	}
-	b.WriteString(" ORDER BY l.space, l.key LIMIT " + page + ") AS l), ';', (SELECT string_agg(concat_ws(' ', w.space, w.key, w.waiter, " +
+	b.WriteString(" ORDER BY l.space, l.key LIMIT " + leasePage + ") AS l), ';', (SELECT string_agg(concat_ws(' ', w.space, w.key, w.waiter, " +
 		"(extract(epoch FROM w.seen) * 1000000)::int8), ',' ORDER BY w.space, w.key, w.waiter COLLATE \"C\") FROM (SELECT * FROM " + Waits +
 		" AS w WHERE w.space IN (1, 2) AND NOT (" + far("w.seen") + ") AND w.waiter ~ '^[0-9a-f]{1,64}$' AND (left(w.waiter, 16) <> '" + own + "' OR NOT (" + LiveWait + "))")
 	if waitFrom != nil {
 		b.WriteString(" AND (w.space, w.key, w.waiter COLLATE \"C\") > (" + space(waitFrom.id) + ", " +
 			strconv.FormatInt(waitFrom.id.V, 10) + ", '" + waitFrom.waiter + "')")
 	}
-	b.WriteString(" ORDER BY w.space, w.key, w.waiter COLLATE \"C\" LIMIT " + page + ") AS w), ';', " +
+	b.WriteString(" ORDER BY w.space, w.key, w.waiter COLLATE \"C\" LIMIT " + waitPage + ") AS w), ';', " +
 		"(extract(epoch FROM clock_timestamp()) * 1000000)::int8)")
 	return b.String()
 }
@@ -158,12 +164,15 @@ func (c *Client) sweep(ctx context.Context) {
 		failing = false
 		if !time.Now().Before(nextRead) {
 			sweeps, err := c.sweepTurn(ctx, s)
-			for page := 0; err == nil && sweeps && page < sweepPages; page++ {
-				// Every page of the tables, one read after the other, up to sweepPages of them: each row read
-				// every period, however many the tables hold (up to sweepPages*sightPage rows of each).
-				if err = c.sweepRead(ctx, s); s.leaseFrom == nil && s.waitFrom == nil {
-					break
-				}
+			if err == nil && sweeps {
+				beatAt := time.Now()
+				err = pageTables(func(leases, waits bool) (bool, bool, error) {
+					err := c.sweepRead(ctx, s, leases, waits)
+					return s.leaseFrom != nil, s.waitFrom != nil, err
+				}, func() bool { return time.Since(beatAt) >= c.cfg.Sweep/2 }, func() (bool, error) {
+					beatAt = time.Now()
+					return c.sweepTurn(ctx, s)
+				})
 			}
 			nextRead = time.Now().Add(c.cfg.Sweep/2 + rand.N(c.cfg.Sweep/2+1))
 			if err != nil {
@@ -178,9 +187,34 @@ func (c *Client) sweep(ctx context.Context) {
 	}
 }
 
-// sweepRead reads the next page of each table and records what it saw. A read that fails changes nothing.
-func (c *Client) sweepRead(ctx context.Context, s *sweeper) error {
-	txt, _, err := exec(ctx, c.pool, c.cfg.Bound, sweepReadSQL(c.id, s.leaseFrom, s.waitFrom), false)
+// pageTables runs a sweep period's reads: each table from where its last read stopped to its end, a page a read
+// (read: of the tables asked for; it reports which it left mid-table), at most sweepPages reads, so that each row is
+// read once a period however many the tables hold (up to sweepPages*sightPage rows of each), and a table of fewer
+// pages than the other is not read again meanwhile. A long period beats its turn between pages once beatDue (every
+// half Sweep), so that it does not look dead, and stops when the turn was taken (beat false: the sweeper has
+// forgotten what it saw).
+func pageTables(read func(leases, waits bool) (moreLeases, moreWaits bool, err error), beatDue func() bool,
+	beat func() (bool, error)) error {
+	leasesLeft, waitsLeft := true, true
+	for page := 0; page < sweepPages && (leasesLeft || waitsLeft); page++ {
+		if page > 0 && beatDue() {
+			if ok, err := beat(); err != nil || !ok {
+				return err
+			}
+		}
+		moreLeases, moreWaits, err := read(leasesLeft, waitsLeft)
+		if err != nil {
+			return err
+		}
+		leasesLeft, waitsLeft = leasesLeft && moreLeases, waitsLeft && moreWaits
+	}
+	return nil
+}
+
+// sweepRead reads the next page of the leases and of the waits (of those it is asked to read) and records what it
+// saw. A read that fails changes nothing.
+func (c *Client) sweepRead(ctx context.Context, s *sweeper, readLeases, readWaits bool) error {
+	txt, _, err := exec(ctx, c.pool, c.cfg.Bound, sweepReadSQL(c.id, s.leaseFrom, s.waitFrom, readLeases, readWaits), false)
 	recv := time.Now()
 	if err != nil {
 		return err
@@ -209,7 +243,9 @@ func (c *Client) sweepRead(ctx context.Context, s *sweeper) error {
 		}
 		leases = append(leases, x)
 	}
-	watch(s.leases, &s.leaseFrom, idLess, leases, len(rows) >= sightPage, recv)
+	if readLeases {
+		watch(s.leases, &s.leaseFrom, idLess, leases, len(rows) >= sightPage, recv)
+	}
 
 	rows = splitRows(waitsTxt, 4)
 	waits := make([]sight[waitRow], 0, len(rows))
@@ -221,7 +257,9 @@ func (c *Client) sweepRead(ctx context.Context, s *sweeper) error {
 		}
 		waits = append(waits, sight[waitRow]{waitRow{id, f[2]}, record{exp: seenUs}, max(c.cfg.Length, 2*WaitStale)})
 	}
-	watch(s.waits, &s.waitFrom, waitLess, waits, len(rows) >= sightPage, recv)
+	if readWaits {
+		watch(s.waits, &s.waitFrom, waitLess, waits, len(rows) >= sightPage, recv)
+	}
 	return nil
 }
 

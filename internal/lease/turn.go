@@ -9,7 +9,8 @@ import (
 
 // Of the Clients that share the tables, Turns sweep at once; the others only look, once a Sweep or less, whether a
 // turn is free. A turn is a row of Timelines (timeline -1 for the first, -2 for the second): its beat (since), which
-// its sweeper moves on at each of its reads (beatMoved: its value says only that it changed). A Client that sees a
+// its sweeper moves on at the start of each sweep period, and every half Sweep between the pages of a long one
+// (beatMoved: its value says only that it changed). A Client that sees a
 // turn's beat unchanged for 2*Sweep on its own monotonic clock (read at the start and at the end of that time), or
 // no row for it, takes the turn: it writes the beat only if the beat is still the one it saw, so that of the
 // Clients that try at once, one has it. A sweeper whose beat is no longer the one it wrote (another took its turn)
@@ -128,8 +129,13 @@ func (c *Client) sweepTurn(ctx context.Context, s *sweeper) (bool, error) {
 			continue
 		}
 		ok, got, err := c.takeTurn(ctx, i+1, t.seen[i])
+		if err != nil && !rolledBack(err) {
+			return false, err // it may have taken this turn: no other
+		}
 		if err != nil {
-			failed = err // the next turn is tried all the same (a row locked for ever, say)
+			if failed == nil {
+				failed = err // refused (a row locked for ever, say): the next turn is tried all the same
+			}
 			continue
 		}
 		if ok {
@@ -190,7 +196,7 @@ func (c *Client) takeTurn(ctx context.Context, i int, want string) (bool, string
 }
 
 // SweepStats is what a Client's sweep has done so far (for tests): the turn it holds (0: none), the reads of the
-// rows it has made, and the turns it has taken from another sweeper (whose beat it saw unchanged; a turn without a
+// rows it has made (a page of the tables each), and the turns it has taken from another sweeper (whose beat it saw unchanged; a turn without a
 // row is not counted).
 type SweepStats struct {
 	Turn         int
