@@ -200,7 +200,8 @@ func freshDatabase(t TB, admin string) string {
 const leftHeldGrace = 3 * time.Second
 
 // checkLeftHeld fails t if a session named tag still holds an advisory lock, or a lease whose holder names tag is
-// still held, after leftHeldGrace, and ends those sessions and breaks those leases.
+// still held, after leftHeldGrace, and ends those sessions (waiting, leftHeldGrace at most, until they are gone) and
+// breaks those leases.
 func checkLeftHeld(t TB, admin, db, tag string) {
 	t.Helper()
 	if stopped(admin) {
@@ -244,6 +245,21 @@ func checkLeftHeld(t TB, admin, db, tag string) {
 			countOf(len(held), "advisory lock"), strings.Join(held, "; "))
 		for _, pid := range pids {
 			_, _ = conn.Exec(ctx, "SELECT pg_terminate_backend($1)", pid)
+		}
+		// A terminated backend exits, and lets its locks go, a moment after it is signalled: the check returns once
+		// those sessions are gone (within its bound), so that what follows the test finds their keys free.
+		ended := make([]int64, len(pids))
+		for i, pid := range pids {
+			ended[i] = int64(pid)
+		}
+		for deadline := time.Now().Add(leftHeldGrace); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			var left int
+			if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1::int8[])", ended).Scan(&left); err != nil {
+				t.Errorf("advlocktest: wait for the sessions left holding locks to end: %v", err)
+				break
+			} else if left == 0 {
+				break
+			}
 		}
 	}
 	if len(leases) > 0 {
