@@ -151,8 +151,9 @@ func (c *Client) sweepTurn(ctx context.Context, s *sweeper) (bool, error) {
 	return false, failed
 }
 
-// giveTurnBack deletes the row of the turn t holds, if any, where its beat is still the one the Client wrote: one
-// attempt, run as Close's last attempts are (Close waits for it within CloseGrace, then cuts it).
+// giveTurnBack deletes the row of the turn t holds, if any, where its beat is the last the Client wrote or later
+// (turnGiveBackSQL): one attempt, run as Close's last attempts are (Close waits for it within CloseGrace, then cuts
+// it).
 func (c *Client) giveTurnBack(t *turns) {
 	if t.mine == 0 {
 		return
