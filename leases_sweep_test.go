@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	neturl "net/url"
 	"os"
 	"os/exec"
 	"strconv"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/lease"
+	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
@@ -492,4 +494,60 @@ func TestLeaseSweepTurnGivenBack(t *testing.T) {
 	if err := obs.QueryRow(ctx, "SELECT count(*) FROM "+lease.Timelines+" WHERE timeline < 0").Scan(&rows); err != nil || rows != 0 {
 		t.Fatalf("turns' rows once the sweeper is closed: %d (%v), want 0", rows, err)
 	}
+}
+
+// A sweeper whose answers come late loses its turn and stops sweeping, and nothing live is deleted: Locker A (behind
+// a proxy) takes the first turn alone in a fresh database, then B and C start beside it; A's link then answers 3 s
+// late (its beats stop moving for more than two periods), so C or B takes its turn; A's late beat, once answered,
+// finds the turn another's and A stops sweeping (it holds no turn once the link is fast again). The leases B and C
+// hold throughout keep their rows and terms on the server.
+func TestLeaseSweepTurnLateBeat(t *testing.T) {
+	t.Parallel()
+	url := pgtest.FreshDB(t, pgtest.URL(t))
+	obs := pgtest.Conn(t, url)
+	ctx := ctxT(t, 2*time.Minute)
+	const length = 1500 * time.Millisecond
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := faults.Start(t, u.Host)
+	u.Host = p.Addr()
+	slow := New(pgtest.Pool(t, u.String(), nil), WithLeases(), WithLeaseLength(length))
+	defer slow.Close()
+	lk, err := slow.TryLock(ctx, Int64Key(1)) // starts its sweep; it holds nothing after
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lk.Unlock(ctx); err != nil {
+		t.Fatal(err)
+	}
+	until := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("30 s on, %s", what)
+			}
+		}
+	}
+	until("the Locker alone holds no turn", func() bool { return slow.leases.SweepStats().Turn != 0 })
+	ls := []*Locker{slow}
+	for range 2 {
+		l := New(pgtest.Pool(t, url, nil), WithLeases(), WithLeaseLength(length))
+		defer l.Close()
+		ls = append(ls, l)
+	}
+	locks, terms := lockEach(t, ctx, ls[1:], 1000)
+	alive := map[int]bool{0: true, 1: true}
+	p.AnswerLatency(3 * time.Second)
+	until("no Locker took the late sweeper's turn", func() bool {
+		return ls[1].leases.SweepStats().Taken+ls[2].leases.SweepStats().Taken > 0
+	})
+	p.AnswerLatency(0)
+	until("the late sweeper still holds its turn", func() bool { return slow.leases.SweepStats().Turn == 0 })
+	turnsWindow(t, ctx, obs, "the late sweeper's turn taken", ls[1:], alive, lease.Turns, length)
+	if st := slow.leases.SweepStats(); st.Turn != 0 {
+		t.Fatalf("the late sweeper took a turn again: %+v", st)
+	}
+	liveKept(t, ctx, obs, terms, locks, alive)
 }

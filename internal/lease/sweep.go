@@ -17,10 +17,11 @@ import (
 // takes again (a per-tick or per-job key) is never; the row of a waiter that died stays for ever.
 //
 // The Clients that hold a turn (two at a time, see turn.go) sweep, every Sweep or less (jittered between half of it
-// and all of it): each reads the rows of other Clients, all of them (its own only once they look dead on the server's clock: its own live
-// ones it renews, and those it lost or gave back it deletes itself, see retire), sightPage of each table a read, on
-// from where the last read stopped, read after read until the end of the tables (sweepPages reads at most). It deletes each row once it has seen it unchanged for its holder's lease length
-// on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
+// and all of it): each reads the rows of other Clients, all of them (its own only once they look dead on the
+// server's clock: its own live ones it renews, and those it lost or gave back it deletes itself, see retire),
+// sightPage of each table a read, each table once a period from where its last read stopped to its end
+// (pageTables, sweepPages reads at most). It deletes each row once it has seen it unchanged for its holder's lease
+// length on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
 // read), provided a later read saw it unchanged too (so that the live rows of a holder whose lease is shorter than
 // the time between two reads, renewed in between, cost no delete). That is the takeover's rule (Client.matured):
 // the holder trusts its lease for less than its length from the send of the statement that made the record, which
@@ -30,8 +31,8 @@ import (
 // its last write, again within another, and deleted its lease length after the first read: a lease length and a
 // Sweep after its holder's last renewal when its length is a Sweep or more (two Sweeps when it is shorter), while
 // the tables hold at most sweepPages*sightPage rows of other Clients (50,000) and a sweeper that has held its turn
-// since before the holder's last renewal lives (when both die at once, the turns are taken within four Sweeps of the takers, and a
-// row goes a lease length and a Sweep after that), plus the time the reads of a period take. With more than
+// since before the holder's last renewal lives (when both die at once, the turns are taken within four Sweeps of
+// the takers, and a row goes a lease length and a Sweep after that), plus the time the reads of a period take. With more than
 // sweepPages pages, a row is read every k periods (k = pages/sweepPages, rounded up): a length and k Sweeps, or 2k
 // Sweeps when that is longer. No clock but the sweeper's own counts: a server clock that steps
 // changes nothing. A crash may bring an older record back (it took back the renewals after it), one the sweep may
