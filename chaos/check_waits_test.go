@@ -155,9 +155,10 @@ func starvedWriter() *History {
 		queueSpec{"w", 0, "x", [2]int{100, 8100}, "not_acquired", [2]int{}})...)
 }
 
-// crowdHistory is queueHistory whose waits are a crowd's writers.
+// crowdHistory is queueHistory whose waits are a crowd's writers, each statement of a wait 300 ms.
 func crowdHistory(specs ...queueSpec) *History {
 	h := queueHistory(specs...)
+	h.WaitSlice = 300 * time.Millisecond
 	for _, w := range h.Waits {
 		w.Op = "crowd"
 	}
@@ -167,32 +168,40 @@ func crowdHistory(specs ...queueSpec) *History {
 	return h
 }
 
-// The order rule: a crowd's writer granted after one that began later.
+// The order rule: a crowd's writer granted after one that began later; and the chances a campaign gave a line that
+// lets a later wait pass (a later wait queued behind an earlier one for a whole slice of the earlier one's).
 func TestCheckerOvertaken(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		h    *History
-		want map[string]int
+		name    string
+		h       *History
+		want    map[string]int
+		chances int
 	}{
 		{"overtaken by a writer that began 1.6 s later", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
-			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{VOvertaken: 1}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{VOvertaken: 1}, 1},
 		{"granted in the order they came", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 1000}, "ok", [2]int{1000, 1100}},
-			queueSpec{"w2", 1, "x", [2]int{600, 1100}, "ok", [2]int{1100, 1200}}), map[string]int{}},
+			queueSpec{"w2", 1, "x", [2]int{600, 1100}, "ok", [2]int{1100, 1200}}), map[string]int{}, 0},
+		{"granted in the order they came, the later one queued behind for a slice", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 2200}, "ok", [2]int{2200, 2300}}), map[string]int{}, 1},
+		{"the later one queued behind for less than a slice", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 1800}, "ok", [2]int{1800, 1900}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 1950}, "ok", [2]int{1950, 2000}}), map[string]int{}, 0},
 		{"the later one began within the slack", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
-			queueSpec{"w2", 1, "x", [2]int{1400, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{}},
+			queueSpec{"w2", 1, "x", [2]int{1400, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{}, 0},
 		{"the earlier one had given up when the later one was granted", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 1400}, "not_acquired", [2]int{}},
-			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
+			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}, 0},
 		{"overtaken, a fault near the later one", evidence(crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
 			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}),
-			Evidence{Kind: "cut", At: at(1800), Worker: 1}), map[string]int{}},
+			Evidence{Kind: "cut", At: at(1800), Worker: 1}), map[string]int{}, 0},
 		{"writers of the writer operation are not judged (they may share a Locker)", queueHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},
-			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}},
+			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got := map[string]int{}
@@ -202,6 +211,9 @@ func TestCheckerOvertaken(t *testing.T) {
 			}
 			if fmt.Sprint(got) != fmt.Sprint(tc.want) {
 				t.Errorf("violations %v, want %v", got, tc.want)
+			}
+			if tc.h.OvertakeChances != tc.chances {
+				t.Errorf("%d chances to overtake counted, want %d", tc.h.OvertakeChances, tc.chances)
 			}
 		})
 	}

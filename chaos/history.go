@@ -124,6 +124,7 @@ type History struct {
 	Waits         []*Wait
 	DeadlockBound time.Duration
 	StarveBound   time.Duration
+	WaitSlice     time.Duration // how long each statement of a wait lasts in the server (0: the library's default)
 	// A lease campaign: the lease table's log by term (nil otherwise), and the leases' length and renewal period.
 	Leases      map[int64]*LeaseLife
 	LeaseLog    []time.Time // when each entry of the lease table's log was written, in order (real clock)
@@ -139,6 +140,7 @@ type History struct {
 	Notices         []Notice        // losses inside sections, judged against the bound
 	Cycles          []*Cycle        // cycles of waits among the pair operations
 	WaitsJudged     int             // readers' and writers' waits judged by their queue (no fault near them)
+	OvertakeChances int             // crowd waits that a later one could have overtaken (see queue)
 	FreeToGrant     []time.Duration // of those granted: from the moment their key was free to them to the grant
 }
 

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"sort"
 	"time"
+
+	"github.com/advlock/advlock/internal/session"
 )
 
 // Queue violations.
@@ -75,6 +78,7 @@ func (h *History) queue() []Violation {
 			if w.Op != "crowd" || w.End.IsZero() {
 				continue
 			}
+			h.countChance(w, list[i+1:], sections[key], list)
 			for _, o := range list[i+1:] {
 				c := got[o.ID]
 				if o.Op != "crowd" || o.Start.Sub(w.Start) < OvertakeSlack || c == nil || c.begin().IsZero() ||
@@ -119,6 +123,21 @@ func (h *History) queue() []Violation {
 		}
 	}
 	return out
+}
+
+// countChance counts w, a crowd's wait, in OvertakeChances when a wait of another crowd that began OvertakeSlack or
+// more after it (one of later) was queued behind it for a whole slice of w's: w's slice ended while it still
+// waited, which is the moment a line that sends a wait to the back of the server's queue at each slice's end lets
+// the later one pass it. A campaign with no chance cannot show that bug.
+func (h *History) countChance(w *Wait, later []*Wait, sections []*CS, list []*Wait) {
+	slice := cmp.Or(h.WaitSlice, session.DefaultWaitSlice)
+	for _, o := range later {
+		if o.Op == "crowd" && o.Start.Sub(w.Start) >= OvertakeSlack && w.End.Sub(o.Start) > slice &&
+			conflicts(w.Mode, o.Mode) && !h.queueDisturbed(w, sections, list) && !h.queueDisturbed(o, sections, list) {
+			h.OvertakeChances++
+			return
+		}
+	}
 }
 
 // freeTo returns when w's key became free to it in PostgreSQL's queue order (see queue), with how many sections and

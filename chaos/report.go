@@ -60,6 +60,7 @@ type Report struct {
 	// The readers' and writers' waits for the queue key judged by their queue (no fault near them), and how long
 	// after their key was free to them the granted ones were granted.
 	WaitsJudged      int         `json:"waits_judged"`
+	OvertakeChances  int         `json:"overtake_chances,omitempty"`
 	FreeToGrantMS    Percentiles `json:"free_to_grant_ms"`
 	FreeToGrantMaxMS float64     `json:"free_to_grant_max_ms"`
 	StarveBoundMS    float64     `json:"starve_bound_ms"`
@@ -117,7 +118,7 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 	}
 	h := &History{CS: css, Writes: writes, Samples: c.samples, Pauses: c.pauses, Leaked: leaked, Problems: probs,
 		Evidence: append(ev, ends...), Bound: 2*c.opt.Keepalive + time.Second, SemSlots: semSlots,
-		Waits: c.waits, DeadlockBound: cmp.Or(c.opt.DeadlockBound, DeadlockBound), StarveBound: StarveBound, Unreachable: c.unreachable,
+		Waits: c.waits, DeadlockBound: cmp.Or(c.opt.DeadlockBound, DeadlockBound), StarveBound: StarveBound, WaitSlice: c.opt.WaitSlice, Unreachable: c.unreachable,
 		SemN: semN, RunEnd: c.runEnd,
 		AppName: func(w int) string { return fmt.Sprintf("chaos-w%d", w) },
 		WorkerOf: func(app string) (int, bool) {
@@ -137,7 +138,7 @@ func (c *campaign) report(ctx context.Context, leaked []Leftover) (*Report, erro
 		Examples: map[string][]string{}, Writes: len(writes), Samples: len(h.Samples), Errors: c.errors,
 		Confirmed: h.Confirmed, ExcusedOverlaps: h.ExcusedOverlaps, SessionEnds: len(ends),
 		BoundMS: float64(h.Bound.Milliseconds()), CyclesBroken: map[string]int{},
-		DeadlockBoundMS: float64(h.DeadlockBound.Milliseconds()), WaitsJudged: h.WaitsJudged,
+		DeadlockBoundMS: float64(h.DeadlockBound.Milliseconds()), WaitsJudged: h.WaitsJudged, OvertakeChances: h.OvertakeChances,
 		StarveBoundMS: float64(h.StarveBound.Milliseconds())}
 	if len(h.FreeToGrant) > 0 {
 		ms := make([]float64, len(h.FreeToGrant))
@@ -357,6 +358,9 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(w, "readers' and writers' waits judged by their queue: %d; the granted ones granted after their key was free to them: p50 %.0f ms, p99 %.0f ms, max %.0f ms (of %d; bound %v)\n\n",
 			r.WaitsJudged, r.FreeToGrantMS.P50, r.FreeToGrantMS.P99, r.FreeToGrantMaxMS, r.FreeToGrantMS.N,
 			time.Duration(r.StarveBoundMS)*time.Millisecond)
+	}
+	if r.OvertakeChances > 0 {
+		fmt.Fprintf(w, "crowd waits a later one could have overtaken (queued behind them for a whole slice): %d\n\n", r.OvertakeChances)
 	}
 
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
