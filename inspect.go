@@ -116,7 +116,8 @@ ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST
 // (pg_read_all_stats).
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
-// waiting (its wait ended between the two reads) or a session is gone, Inspect reads both again (up to 10 times),
+// waiting or runs a statement begun after its wait began (its wait ended between the two reads), or a session is
+// gone, Inspect reads both again (up to 10 times),
 // so that what it returns is one consistent picture; so it does when a wait in its key's line is between two of
 // its statements (a wait in a line is listed as a wait for its key; the locks that hold its place are not listed).
 func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
@@ -285,6 +286,9 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		// A wait of advlock is sent again every slice (pg_locks.waitstart is the current slice's start); each of
 		// its statements says how long the wait has waited, so it began that long before the statement started
 		// (on the server's clock).
+		if !waitShown(li.Granted, li.WaitStart, queryStart) {
+			consistent = false // the statement that waited had ended when pg_stat_activity was read
+		}
 		if !li.Granted && li.WaitStart == nil {
 			// pg_locks.waitstart is null for a moment after a wait begins: the statement began it.
 			li.WaitStart = queryStart
@@ -322,6 +326,16 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 	markCycles(out)
 	countClients(out)
 	return out, consistent, err
+}
+
+// waitShown reports whether pg_stat_activity's statement of a waiting session (begun at queryStart) can be the one
+// that waits in pg_locks (since waitstart): a statement begins before it waits. pg_locks is read first (the join
+// hashes it, then reads pg_stat_activity), so a wait that ended between the two reads shows the session's next
+// statement, begun after the wait: a wait of advlock that ended at its slice's end and the statement sent next
+// (a try, which publishes no start) would list the slice's start as the wait's. Granted rows, and waits not yet
+// stamped with their start, pass.
+func waitShown(granted bool, waitstart, queryStart *time.Time) bool {
+	return granted || waitstart == nil || queryStart == nil || !queryStart.After(*waitstart)
 }
 
 // pidLock is a lock of one session, as the folds below match them.

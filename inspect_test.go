@@ -4,13 +4,17 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/url"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/advlock/advlock/internal/testkit/pgtest"
+	"github.com/jackc/pgx/v5"
 )
 
 // Inspect reports holders and waiters as the server sees them, with who they are.
@@ -180,6 +184,70 @@ func TestInspectConsistent(t *testing.T) {
 		t.Error("no waiter seen: the test did not exercise the race")
 	}
 	t.Logf("%d waiting rows checked", waiting)
+}
+
+// What waitShown relies on, read from the server: a statement's query_start is never after its pg_locks.waitstart,
+// and a session's next statement begins after the wait of the one before began. Inspect reads pg_locks, then
+// pg_stat_activity: a wait of advlock that ended at its slice's end between the two reads, its session already in
+// the untagged try that follows, once listed the slice's start as the wait's (2.2 s after the calls began, in 1 of
+// 54 readings of TestInspectWaitStartAcrossYields in a CI run); such a reading is now read again.
+func TestInspectWaitShown(t *testing.T) {
+	url := pgtest.URL(t)
+	ctx := ctxT(t, 20*time.Second)
+	obs, holder, waiter := pgtest.Conn(t, url), pgtest.Conn(t, url), pgtest.Conn(t, url)
+	k := key(t)
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.id.V); err != nil {
+		t.Fatal(err)
+	}
+	var pid int32
+	if err := waiter.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	ended := make(chan error, 1)
+	go func() {
+		_, err := waiter.Exec(ctx, "SET lock_timeout = '1500ms'; SELECT pg_sleep(0.2), pg_advisory_lock("+strconv.FormatInt(k.id.V, 10)+")")
+		if err == nil || !strings.Contains(err.Error(), "55P03") {
+			ended <- fmt.Errorf("the wait ended with %v, want 55P03", err)
+			return
+		}
+		_, err = waiter.Exec(ctx, "SELECT pg_sleep(1)") // the session's next statement
+		ended <- err
+	}()
+	var waitstart, during *time.Time
+	for deadline := time.Now().Add(5 * time.Second); waitstart == nil; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the waiter never waited in pg_locks with its waitstart")
+		}
+		if err := obs.QueryRow(ctx, "SELECT l.waitstart, a.query_start FROM pg_locks l JOIN pg_stat_activity a USING (pid) "+
+			"WHERE l.pid = $1 AND l.locktype = 'advisory' AND NOT l.granted", pid).Scan(&waitstart, &during); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+	}
+	if !during.Before(*waitstart) || !waitShown(false, waitstart, during) {
+		t.Errorf("the waiting statement began at %v, its wait at %v: shown as not the waiting statement", during, waitstart)
+	}
+	var next *time.Time
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var query string
+		if err := obs.QueryRow(ctx, "SELECT query, query_start FROM pg_stat_activity WHERE pid = $1", pid).Scan(&query, &next); err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(query, "pg_sleep(1)") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the waiter's next statement never showed: %q", query)
+		}
+	}
+	if waitShown(false, waitstart, next) {
+		t.Errorf("the statement after the wait (begun %v) is shown as the one that waited since %v", next, waitstart)
+	}
+	if !waitShown(true, waitstart, next) || !waitShown(false, nil, next) {
+		t.Error("a granted row, or a wait not yet stamped, is not shown")
+	}
+	if err := <-ended; err != nil {
+		t.Fatal(err)
+	}
 }
 
 // The Locker's Inspect, Leader and LockTable read through its own pool (over a pool given to New, and Open's) and
