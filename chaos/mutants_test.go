@@ -20,6 +20,10 @@ import (
 // (with the renewal loop as it was before a lease waited for it, and as it is), all 5 in a CI run. So eight.
 const metTries = 8
 
+// minChances is how many chances to overtake (Report.OvertakeChances) a crowd campaign needs to have met
+// wait_requeue_back's moment.
+const minChances = 20
+
 // TestMutants is the mutation suite: the library built with one deliberate bug at a time (the tag advlock_mutants;
 // never in a normal build), each run as a short campaign, which must end with a violation of the class that bug
 // breaks. A mutant the checker misses fails the test. The seed changes from run to run (it is logged): the checker
@@ -101,9 +105,12 @@ func TestMutants(t *testing.T) {
 	// campaign that showed neither runs again with the next seed, at most metTries; its control shows neither comes of
 	// the steps themselves.
 	sweptLive := func(r *Report) bool { return r.ViolationsByKind[VOverlap]+r.ViolationsByKind[VLateNotice] > 0 }
-	// A crowd's wait that a later one was queued behind for a whole slice: the moment wait_requeue_back lets the
-	// later one pass (a suite run's 10 s campaign under CI's load had none: its waits were too short).
-	queuedBehind := func(r *Report) bool { return r.OvertakeChances > 0 }
+	// Crowd waits that later ones were queued behind for a whole slice: the moment wait_requeue_back lets the later
+	// one pass, which a fraction of them show (a suite run's 10 s campaign under CI's load showed none). A campaign
+	// that caught the mutant met it, whatever its count; one with fewer than minChances and no catch runs again.
+	queuedBehind := func(r *Report) bool {
+		return r.OvertakeChances >= minChances || r.ViolationsByKind[VOvertaken] > 0
+	}
 	met := map[string]func(*Report) bool{mutant.LeaseLateGrantKept: grantedLate, mutant.LeaseRenewNoDeadline: renewedLate,
 		mutant.LeaseSweepServerExpiry: sweptLive, mutant.WaitRequeueBack: queuedBehind}
 	cases := []struct {
