@@ -105,7 +105,8 @@ SELECT l.classid::text::int8, l.objid::text::int8, l.objsubid, l.mode = 'ShareLo
        coalesce(a.state, ''), a.pid IS NOT NULL,
        coalesce(substring(a.query from '^/\*advlock ([^*]*)\*/'), ''),
        coalesce(a.query = '<insufficient privilege>', false),
-       CASE WHEN NOT l.granted THEN a.query_start END
+       CASE WHEN NOT l.granted THEN a.query_start END,
+       coalesce(a.wait_event_type = 'Lock' AND a.wait_event = 'advisory', false)
 FROM l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
 ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST, l.pid`
 
@@ -117,14 +118,20 @@ ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
 // waiting or runs a statement begun after its wait began (its wait ended between the two reads), or a session is
-// gone, Inspect reads both again (up to 10 times),
+// gone, Inspect reads both again (up to 10 times; within a transaction, q's, pg_stat_activity afresh each time),
 // so that what it returns is one consistent picture; so it does when a wait in its key's line is between two of
 // its statements (a wait in a line is listed as a wait for its key; the locks that hold its place are not listed).
 func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 	var out []LockInfo
-	for range 10 {
+	for i := range 10 {
 		var consistent bool
 		var err error
+		if i > 0 {
+			// Inside a transaction, pg_stat_activity is what its first read saw: read it afresh.
+			if err := clearStatsSnapshot(ctx, q); err != nil {
+				return nil, fmt.Errorf("advlock: inspect: %w", err)
+			}
+		}
 		out, consistent, err = inspectOnce(ctx, q)
 		if err != nil {
 			return nil, fmt.Errorf("advlock: inspect: %w", err)
@@ -138,6 +145,17 @@ func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 		return nil, fmt.Errorf("advlock: inspect the leases: %w", err)
 	}
 	return append(out, leases...), nil
+}
+
+// clearStatsSnapshot discards what the session's transaction has read of pg_stat_activity, so that its next read
+// is of now (pg_stat_clear_snapshot; outside a transaction each statement reads afresh anyway).
+func clearStatsSnapshot(ctx context.Context, q Querier) error {
+	rows, err := q.Query(ctx, "SELECT pg_catalog.pg_stat_clear_snapshot()")
+	if err != nil {
+		return err
+	}
+	rows.Close()
+	return rows.Err()
 }
 
 // inspectLeases lists the live leases, then the live waits for them, none where the tables do not exist or the role
@@ -279,14 +297,15 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 		var live bool
 		var comment string
 		var queryStart *time.Time
+		var advisoryWait bool
 		if err := r.Scan(&cls, &obj, &sub, &li.Shared, &li.Granted, &li.WaitStart, &li.BlockedBy, &li.PID,
-			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment, &li.queryHidden, &queryStart); err != nil {
+			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment, &li.queryHidden, &queryStart, &advisoryWait); err != nil {
 			return li, err
 		}
 		// A wait of advlock is sent again every slice (pg_locks.waitstart is the current slice's start); each of
 		// its statements says how long the wait has waited, so it began that long before the statement started
 		// (on the server's clock).
-		if !waitShown(li.Granted, li.WaitStart, queryStart) {
+		if !waitShown(li.Granted, li.WaitStart, queryStart, advisoryWait && comment == "") {
 			consistent = false // the statement that waited had ended when pg_stat_activity was read
 		}
 		if !li.Granted && li.WaitStart == nil {
@@ -330,12 +349,15 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 
 // waitShown reports whether pg_stat_activity's statement of a waiting session (begun at queryStart) can be the one
 // that waits in pg_locks (since waitstart): a statement begins before it waits. pg_locks is read first (the join
-// hashes it, then reads pg_stat_activity), so a wait that ended between the two reads shows the session's next
-// statement, begun after the wait: a wait of advlock that ended at its slice's end and the statement sent next
-// (a try, which publishes no start) would list the slice's start as the wait's. Granted rows, and waits not yet
-// stamped with their start, pass.
-func waitShown(granted bool, waitstart, queryStart *time.Time) bool {
-	return granted || waitstart == nil || queryStart == nil || !queryStart.After(*waitstart)
+// reads it before pg_stat_activity, whichever way it joins them), so a wait that ended between the two reads shows
+// the session's next statement, begun after the wait: a wait of advlock that ended at its slice's end and the
+// statement sent next (a try, which publishes no start) would list the slice's start as the wait's, and a wait's
+// next statement for another key would list that wait's start. Granted rows, waits not yet stamped with their
+// start, and sessions shown waiting for an advisory lock in a statement not of advlock (untaggedWait) pass: a
+// server clock stepped back during such a wait, which may last for ever, must not make every reading of it fail (a
+// statement of advlock waits a slice at most).
+func waitShown(granted bool, waitstart, queryStart *time.Time, untaggedWait bool) bool {
+	return granted || untaggedWait || waitstart == nil || queryStart == nil || !queryStart.After(*waitstart)
 }
 
 // pidLock is a lock of one session, as the folds below match them.

@@ -186,11 +186,12 @@ func TestInspectConsistent(t *testing.T) {
 	t.Logf("%d waiting rows checked", waiting)
 }
 
-// What waitShown relies on, read from the server: a statement's query_start is never after its pg_locks.waitstart,
-// and a session's next statement begins after the wait of the one before began. Inspect reads pg_locks, then
-// pg_stat_activity: a wait of advlock that ended at its slice's end between the two reads, its session already in
-// the untagged try that follows, once listed the slice's start as the wait's (2.2 s after the calls began, in 1 of
-// 54 readings of TestInspectWaitStartAcrossYields in a CI run); such a reading is now read again.
+// A reading of pg_locks taken while a wait of advlock waited, paired with pg_stat_activity once its statement has
+// ended at its slice's end and the session runs its next, untagged statement, is read again: Inspect once listed
+// the slice's start as the wait's (2.2 s after the calls began, in 1 of 54 readings of
+// TestInspectWaitStartAcrossYields in a CI run). The moment is made by serving Inspect's first read of pg_locks from
+// a copy taken during the wait. Also read from the server: a waiting statement's query_start comes before its
+// pg_locks.waitstart, the next statement's after it (what the rule relies on).
 func TestInspectWaitShown(t *testing.T) {
 	url := pgtest.URL(t)
 	ctx := ctxT(t, 20*time.Second)
@@ -203,14 +204,18 @@ func TestInspectWaitShown(t *testing.T) {
 	if err := waiter.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := waiter.Exec(ctx, "SET lock_timeout = '1500ms'"); err != nil {
+		t.Fatal(err)
+	}
 	ended := make(chan error, 1)
 	go func() {
-		_, err := waiter.Exec(ctx, "SET lock_timeout = '1500ms'; SELECT pg_sleep(0.2), pg_advisory_lock("+strconv.FormatInt(k.id.V, 10)+")")
+		// A wait of advlock's shape: its statement says it has waited 5 s.
+		_, err := waiter.Exec(ctx, "/*advlock q=5000*/ SELECT pg_sleep(0.2), pg_advisory_lock("+strconv.FormatInt(k.id.V, 10)+")")
 		if err == nil || !strings.Contains(err.Error(), "55P03") {
 			ended <- fmt.Errorf("the wait ended with %v, want 55P03", err)
 			return
 		}
-		_, err = waiter.Exec(ctx, "SELECT pg_sleep(1)") // the session's next statement
+		_, err = waiter.Exec(ctx, "SELECT pg_sleep(1)") // the session's next statement, untagged
 		ended <- err
 	}()
 	var waitstart, during *time.Time
@@ -223,8 +228,14 @@ func TestInspectWaitShown(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if !during.Before(*waitstart) || !waitShown(false, waitstart, during) {
-		t.Errorf("the waiting statement began at %v, its wait at %v: shown as not the waiting statement", during, waitstart)
+	// The waiter's and the holder's locks alone: other tests' sessions come and go meanwhile, and a reading with one
+	// gone is read again anyway.
+	if _, err := obs.Exec(ctx, "CREATE TEMP TABLE locks_then AS SELECT * FROM pg_catalog.pg_locks WHERE pid IN ($1, $2)",
+		pid, holder.PgConn().PID()); err != nil {
+		t.Fatal(err)
+	}
+	if !during.Before(*waitstart) {
+		t.Errorf("the waiting statement began at %v, after its wait (%v)", during, waitstart)
 	}
 	var next *time.Time
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
@@ -239,15 +250,93 @@ func TestInspectWaitShown(t *testing.T) {
 			t.Fatalf("the waiter's next statement never showed: %q", query)
 		}
 	}
-	if waitShown(false, waitstart, next) {
-		t.Errorf("the statement after the wait (begun %v) is shown as the one that waited since %v", next, waitstart)
+	if !next.After(*waitstart) {
+		t.Errorf("the statement after the wait began at %v, not after the wait (%v)", next, waitstart)
 	}
-	if !waitShown(true, waitstart, next) || !waitShown(false, nil, next) {
-		t.Error("a granted row, or a wait not yet stamped, is not shown")
+	q := &locksThen{Querier: obs}
+	rows, err := Inspect(ctx, q)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows {
+		if r.Key.Equal(k) && !r.Granted {
+			t.Errorf("a wait that had ended listed, waiting since %v (its slice began at %v)", r.WaitStart, waitstart)
+		}
+	}
+	if q.reads < 2 {
+		t.Errorf("pg_locks read %d times: the reading of a wait that had ended was not read again", q.reads)
 	}
 	if err := <-ended; err != nil {
 		t.Fatal(err)
 	}
+
+	// Within a transaction that read pg_stat_activity before the wait began (the waiter idle then): a reading
+	// is read again with pg_stat_activity read afresh, not as the transaction's first read saw it.
+	k2 := key(t)
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k2.id.V); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := obs.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	var n int
+	if err := tx.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'idle'", pid).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("the waiter not idle before its wait (%d rows): %v", n, err)
+	}
+	go func() {
+		_, err := waiter.Exec(ctx, "/*advlock q=5000*/ SELECT pg_advisory_lock("+strconv.FormatInt(k2.id.V, 10)+")")
+		ended <- err
+	}()
+	var since time.Time
+	for deadline := time.Now().Add(5 * time.Second); since.IsZero(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the second wait never showed in pg_locks")
+		}
+		if err := holder.QueryRow(ctx, "SELECT a.query_start FROM pg_locks l JOIN pg_stat_activity a USING (pid) "+
+			"WHERE l.pid = $1 AND l.locktype = 'advisory' AND NOT l.granted AND l.waitstart IS NOT NULL", pid).Scan(&since); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+	}
+	rows, err = Inspect(ctx, tx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed := false
+	for _, r := range rows {
+		if r.Key.Equal(k2) && !r.Granted {
+			listed = true
+			if want := since.Add(-5 * time.Second); r.State != "active" || r.WaitStart == nil || !r.WaitStart.Equal(want) {
+				t.Errorf("the wait listed %q, waiting since %v, want active since %v (5 s before its statement began)", r.State, r.WaitStart, want)
+			}
+		}
+	}
+	if !listed {
+		t.Error("the second wait not listed")
+	}
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock($1)", k2.id.V); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-ended; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// locksThen serves Inspect's first read of pg_locks from locks_then, a copy taken earlier on the same connection.
+type locksThen struct {
+	Querier
+	reads int
+}
+
+func (q *locksThen) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if strings.Contains(sql, "FROM pg_locks") {
+		q.reads++
+		if q.reads == 1 {
+			sql = strings.Replace(sql, "FROM pg_locks", "FROM pg_temp.locks_then", 1)
+		}
+	}
+	return q.Querier.Query(ctx, sql, args...)
 }
 
 // The Locker's Inspect, Leader and LockTable read through its own pool (over a pool given to New, and Open's) and
