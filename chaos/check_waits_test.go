@@ -169,8 +169,7 @@ func crowdHistory(specs ...queueSpec) *History {
 }
 
 // The order rule: a crowd's writer granted after one that began later; and the chances a campaign gave a line that
-// lets a later wait pass (a later wait queued behind an earlier one for a whole slice of the earlier one's, and the
-// lag of a wait's record behind its queueing: 300 + 700 ms here).
+// lets a later wait pass (a later wait recorded a whole slice, 300 ms here, before an earlier one returned).
 func TestCheckerOvertaken(t *testing.T) {
 	defaultSlice := func(h *History) *History { h.WaitSlice = 0; return h } // the library's, 900 ms
 	for _, tc := range []struct {
@@ -179,36 +178,36 @@ func TestCheckerOvertaken(t *testing.T) {
 		want    map[string]int
 		chances int
 	}{
-		{"overtaken by a writer that began 1.6 s later (its try between two slices: no chance counted)", crowdHistory(
+		{"overtaken by a writer that began 1.6 s later", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
-			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{VOvertaken: 1}, 0},
-		{"overtaken after a chance", crowdHistory(
-			queueSpec{"w1", 0, "x", [2]int{0, 2900}, "ok", [2]int{2900, 3000}},
-			queueSpec{"w2", 1, "x", [2]int{1600, 2700}, "ok", [2]int{2700, 2750}}), map[string]int{VOvertaken: 1}, 1},
+			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{VOvertaken: 1}, 1},
+		{"overtaken with no chance counted (the later wait's try between two slices)", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 1900}, "ok", [2]int{1900, 2000}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 1700}, "ok", [2]int{1700, 1750}}), map[string]int{VOvertaken: 1}, 0},
 		{"granted in the order they came", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 1000}, "ok", [2]int{1000, 1100}},
 			queueSpec{"w2", 1, "x", [2]int{600, 1100}, "ok", [2]int{1100, 1200}}), map[string]int{}, 0},
-		{"granted in the order they came, the later one queued behind for a slice", crowdHistory(
+		{"granted in the order they came, the later one recorded a slice before", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2700}, "ok", [2]int{2700, 2800}},
 			queueSpec{"w2", 1, "x", [2]int{1600, 2900}, "ok", [2]int{2900, 3000}}), map[string]int{}, 1},
-		{"the later one queued behind for exactly a slice and the lag", crowdHistory(
-			queueSpec{"w1", 0, "x", [2]int{0, 2600}, "ok", [2]int{2600, 2700}},
-			queueSpec{"w2", 1, "x", [2]int{1600, 2800}, "ok", [2]int{2800, 2900}}), map[string]int{}, 0},
-		{"the later one queued behind for less than a slice", crowdHistory(
+		{"the later one recorded exactly a slice before", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 1900}, "ok", [2]int{1900, 2000}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 2100}, "ok", [2]int{2100, 2200}}), map[string]int{}, 0},
+		{"the later one recorded less than a slice before", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 1800}, "ok", [2]int{1800, 1900}},
 			queueSpec{"w2", 1, "x", [2]int{1600, 1950}, "ok", [2]int{1950, 2000}}), map[string]int{}, 0},
-		{"the library's slice: queued behind for 1.7 s", defaultSlice(crowdHistory(
-			queueSpec{"h", 2, "x", [2]int{0, 1}, "ok", [2]int{1, 3300}},
-			queueSpec{"w1", 0, "x", [2]int{100, 3400}, "ok", [2]int{3400, 3500}},
-			queueSpec{"w2", 1, "x", [2]int{1700, 3500}, "ok", [2]int{3500, 3600}})), map[string]int{}, 1},
-		{"the library's slice: queued behind for 1.5 s", defaultSlice(crowdHistory(
-			queueSpec{"h", 2, "x", [2]int{0, 1}, "ok", [2]int{1, 3100}},
-			queueSpec{"w1", 0, "x", [2]int{100, 3200}, "ok", [2]int{3200, 3300}},
-			queueSpec{"w2", 1, "x", [2]int{1700, 3400}, "ok", [2]int{3400, 3500}})), map[string]int{}, 0},
-		{"two later waits queued behind one: one chance", crowdHistory(
-			queueSpec{"w1", 0, "x", [2]int{0, 3000}, "ok", [2]int{3000, 3100}},
-			queueSpec{"w2", 1, "x", [2]int{1600, 3200}, "ok", [2]int{3200, 3300}},
-			queueSpec{"w3", 1, "x", [2]int{1700, 3400}, "ok", [2]int{3400, 3500}}), map[string]int{}, 1},
+		{"the library's slice: recorded 1.1 s before", defaultSlice(crowdHistory(
+			queueSpec{"h", 2, "x", [2]int{0, 1}, "ok", [2]int{1, 2700}},
+			queueSpec{"w1", 0, "x", [2]int{100, 2800}, "ok", [2]int{2800, 2900}},
+			queueSpec{"w2", 1, "x", [2]int{1700, 2900}, "ok", [2]int{2900, 3000}})), map[string]int{}, 1},
+		{"the library's slice: recorded 0.8 s before", defaultSlice(crowdHistory(
+			queueSpec{"h", 2, "x", [2]int{0, 1}, "ok", [2]int{1, 2400}},
+			queueSpec{"w1", 0, "x", [2]int{100, 2500}, "ok", [2]int{2500, 2600}},
+			queueSpec{"w2", 1, "x", [2]int{1700, 2600}, "ok", [2]int{2600, 2700}})), map[string]int{}, 0},
+		{"two later waits recorded before one returned: one chance", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2900}, "ok", [2]int{2900, 3000}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 3100}, "ok", [2]int{3100, 3200}},
+			queueSpec{"w3", 1, "x", [2]int{1700, 3300}, "ok", [2]int{3300, 3400}}), map[string]int{}, 1},
 		{"the later one began within the slack", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
 			queueSpec{"w2", 1, "x", [2]int{1400, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{}, 0},
@@ -216,8 +215,8 @@ func TestCheckerOvertaken(t *testing.T) {
 			queueSpec{"w1", 0, "x", [2]int{0, 1400}, "not_acquired", [2]int{}},
 			queueSpec{"w2", 1, "x", [2]int{1100, 1500}, "ok", [2]int{1500, 1600}}), map[string]int{}, 0},
 		{"overtaken, a fault near the later one", evidence(crowdHistory(
-			queueSpec{"w1", 0, "x", [2]int{0, 2900}, "ok", [2]int{2900, 3000}},
-			queueSpec{"w2", 1, "x", [2]int{1600, 2700}, "ok", [2]int{2700, 2750}}),
+			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
+			queueSpec{"w2", 1, "x", [2]int{1600, 2000}, "ok", [2]int{2000, 2100}}),
 			Evidence{Kind: "cut", At: at(1800), Worker: 1}), map[string]int{}, 0},
 		{"writers of the writer operation are not judged (they may share a Locker)", queueHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2000}, "ok", [2]int{2000, 2100}},

@@ -24,10 +24,6 @@ const (
 // later granted first (3 of 3 such runs in one CI run, none in most).
 const OvertakeSlack = 1500 * time.Millisecond
 
-// chanceLag is how much later than its record a wait may join its key's queue in the server: a Locker's first wait
-// makes a connection of its own first, which took up to 670 ms on a loaded machine (see OvertakeSlack).
-const chanceLag = 700 * time.Millisecond
-
 // StarveBound is the campaign's History.StarveBound: how long a wait may go ungranted once its key is free to it.
 // The library may let a reader in between two slices of a writer's wait (a newcomer, which PostgreSQL would have
 // queued behind the writer), and the writer then waits for it: one slice (0.9 s) and one reader's hold (at most
@@ -130,15 +126,15 @@ func (h *History) queue() []Violation {
 }
 
 // countChance counts w, a crowd's wait, in OvertakeChances when a wait of another crowd that began OvertakeSlack or
-// more after it (one of later) was queued behind it for a whole slice of w's: w's slice ended while it still
-// waited, which is the moment a line that sends a wait to the back of the server's queue at each slice's end lets
-// the later one pass it. A wait is recorded before its call, which may make a connection first (chanceLag), and
-// its end once its answer is back: w must have waited a slice and that lag past o's record. A campaign with few
-// chances cannot show that bug; one that shows it may have had none (o's try came between two of w's slices).
+// more after it (one of later) was recorded a whole slice of w's before w's call returned. It measures whether a
+// campaign's waits were long enough for a line that sends a wait to the back of the server's queue at each slice's
+// end to let a later one pass, not that one could: a wait is recorded before its call, which may make a connection
+// first, and its end once its answer is back. So a campaign needs several (see the mutation test's minChances),
+// and one that shows the bug may have had none (the later wait's try came between two of w's slices).
 func (h *History) countChance(w *Wait, later []*Wait, sections []*CS, list []*Wait) {
 	slice := cmp.Or(h.WaitSlice, session.DefaultWaitSlice)
 	for _, o := range later {
-		if o.Op == "crowd" && o.Start.Sub(w.Start) >= OvertakeSlack && w.End.Sub(o.Start) > slice+chanceLag &&
+		if o.Op == "crowd" && o.Start.Sub(w.Start) >= OvertakeSlack && w.End.Sub(o.Start) > slice &&
 			conflicts(w.Mode, o.Mode) && !h.queueDisturbed(w, sections, list) && !h.queueDisturbed(o, sections, list) {
 			h.OvertakeChances++
 			return
