@@ -169,11 +169,16 @@ func (r *renewers) fire() {
 // startLocked starts the loop now (r.mu held, the loop not running).
 func (r *renewers) startLocked() {
 	r.running = true
+	r.unsetLaterLocked()
+	go r.c.renewLoop()
+}
+
+// unsetLaterLocked stops the loop's later start, if one is set (r.mu held).
+func (r *renewers) unsetLaterLocked() {
 	if !r.laterAt.IsZero() {
 		r.later.Stop()
 		r.laterAt = time.Time{}
 	}
-	go r.c.renewLoop()
 }
 
 // halt tells the loop that l's renewals are to stop (l.stopping is set). A lease the loop has not taken yet is taken
@@ -190,9 +195,8 @@ func (r *renewers) halt(l *Lease) {
 		r.adds[last] = nil
 		r.adds = r.adds[:last]
 		l.addAt = -1
-		if len(r.adds) == 0 && !r.laterAt.IsZero() {
-			r.later.Stop()
-			r.laterAt = time.Time{}
+		if len(r.adds) == 0 {
+			r.unsetLaterLocked()
 		}
 		r.mu.Unlock()
 		l.renewalsEnded()
