@@ -118,16 +118,19 @@ ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.waitstart NULLS FIRST
 //
 // pg_locks and pg_stat_activity cannot be read at one instant: when the activity read says a waiter is not
 // waiting or runs a statement begun after its wait began (its wait ended between the two reads), or a session is
-// gone, Inspect reads both again (up to 10 times; within a transaction, q's, pg_stat_activity afresh each time),
-// so that what it returns is one consistent picture; so it does when a wait in its key's line is between two of
-// its statements (a wait in a line is listed as a wait for its key; the locks that hold its place are not listed).
+// gone, Inspect reads both again (up to 10 times), so that what it returns is one consistent picture; so it does
+// when a wait in its key's line is between two of its statements (a wait in a line is listed as a wait for its
+// key; the locks that hold its place are not listed). Each read after the first, and every read through a pgx.Tx,
+// reads pg_stat_activity afresh: within a transaction it is otherwise what the transaction's first read of it saw
+// (so this discards the transaction's snapshot of the statistics too).
 func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 	var out []LockInfo
 	for i := range 10 {
 		var consistent bool
 		var err error
-		if i > 0 {
-			// Inside a transaction, pg_stat_activity is what its first read saw: read it afresh.
+		if _, tx := q.(pgx.Tx); tx || i > 0 {
+			// Inside a transaction, pg_stat_activity is what its first read saw (an earlier Inspect's, or the
+			// caller's): read it afresh.
 			if err := clearStatsSnapshot(ctx, q); err != nil {
 				return nil, fmt.Errorf("advlock: inspect: %w", err)
 			}
@@ -147,8 +150,9 @@ func Inspect(ctx context.Context, q Querier) ([]LockInfo, error) {
 	return append(out, leases...), nil
 }
 
-// clearStatsSnapshot discards what the session's transaction has read of pg_stat_activity, so that its next read
-// is of now (pg_stat_clear_snapshot; outside a transaction each statement reads afresh anyway).
+// clearStatsSnapshot discards what the session's transaction has read of pg_stat_activity (and of the cumulative
+// statistics), so that its next read is of now (pg_stat_clear_snapshot; outside a transaction each statement reads
+// afresh anyway).
 func clearStatsSnapshot(ctx context.Context, q Querier) error {
 	rows, err := q.Query(ctx, "SELECT pg_catalog.pg_stat_clear_snapshot()")
 	if err != nil {
@@ -354,8 +358,8 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 // statement sent next (a try, which publishes no start) would list the slice's start as the wait's, and a wait's
 // next statement for another key would list that wait's start. Granted rows, waits not yet stamped with their
 // start, and sessions shown waiting for an advisory lock in a statement not of advlock (untaggedWait) pass: a
-// server clock stepped back during such a wait, which may last for ever, must not make every reading of it fail (a
-// statement of advlock waits a slice at most).
+// server clock stepped back between such a statement's start and its wait's must not make every reading fail for
+// as long as the wait lasts, which may be for ever (a statement of advlock waits a slice at most).
 func waitShown(granted bool, waitstart, queryStart *time.Time, untaggedWait bool) bool {
 	return granted || untaggedWait || waitstart == nil || queryStart == nil || !queryStart.After(*waitstart)
 }

@@ -191,10 +191,11 @@ func TestInspectConsistent(t *testing.T) {
 // the slice's start as the wait's (2.2 s after the calls began, in 1 of 54 readings of
 // TestInspectWaitStartAcrossYields in a CI run). The moment is made by serving Inspect's first read of pg_locks from
 // a copy taken during the wait. Also read from the server: a waiting statement's query_start comes before its
-// pg_locks.waitstart, the next statement's after it (what the rule relies on).
+// pg_locks.waitstart, the next statement's after it (what the rule relies on). And through a transaction whose
+// pg_stat_activity was read during an earlier wait of the session, a wait is listed from what it runs now.
 func TestInspectWaitShown(t *testing.T) {
 	url := pgtest.URL(t)
-	ctx := ctxT(t, 20*time.Second)
+	ctx := ctxT(t, 30*time.Second)
 	obs, holder, waiter := pgtest.Conn(t, url), pgtest.Conn(t, url), pgtest.Conn(t, url)
 	k := key(t)
 	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k.id.V); err != nil {
@@ -215,8 +216,12 @@ func TestInspectWaitShown(t *testing.T) {
 			ended <- fmt.Errorf("the wait ended with %v, want 55P03", err)
 			return
 		}
-		_, err = waiter.Exec(ctx, "SELECT pg_sleep(1)") // the session's next statement, untagged
-		ended <- err
+		// The session's next statement, untagged, running until the test cancels it.
+		if _, err = waiter.Exec(ctx, "SELECT pg_sleep(30)"); err == nil || !strings.Contains(err.Error(), "57014") {
+			ended <- fmt.Errorf("the next statement ended with %v, want 57014 (cancelled)", err)
+			return
+		}
+		ended <- nil
 	}()
 	var waitstart, during *time.Time
 	for deadline := time.Now().Add(5 * time.Second); waitstart == nil; time.Sleep(10 * time.Millisecond) {
@@ -230,9 +235,17 @@ func TestInspectWaitShown(t *testing.T) {
 	}
 	// The waiter's and the holder's locks alone: other tests' sessions come and go meanwhile, and a reading with one
 	// gone is read again anyway.
-	if _, err := obs.Exec(ctx, "CREATE TEMP TABLE locks_then AS SELECT * FROM pg_catalog.pg_locks WHERE pid IN ($1, $2)",
-		pid, holder.PgConn().PID()); err != nil {
+	tag, err := obs.Exec(ctx, "CREATE TEMP TABLE locks_then AS SELECT * FROM pg_catalog.pg_locks WHERE pid IN ($1, $2) "+
+		"AND locktype = 'advisory'", pid, holder.PgConn().PID())
+	if err != nil {
 		t.Fatal(err)
+	}
+	var copied int
+	if err := obs.QueryRow(ctx, "SELECT count(*) FROM locks_then WHERE pid = $1 AND NOT granted", pid).Scan(&copied); err != nil {
+		t.Fatal(err)
+	}
+	if tag.RowsAffected() != 2 || copied != 1 {
+		t.Fatalf("the copy of pg_locks holds %d rows, %d of them the wait: the wait ended before the copy", tag.RowsAffected(), copied)
 	}
 	if !during.Before(*waitstart) {
 		t.Errorf("the waiting statement began at %v, after its wait (%v)", during, waitstart)
@@ -243,7 +256,7 @@ func TestInspectWaitShown(t *testing.T) {
 		if err := obs.QueryRow(ctx, "SELECT query, query_start FROM pg_stat_activity WHERE pid = $1", pid).Scan(&query, &next); err != nil {
 			t.Fatal(err)
 		}
-		if strings.Contains(query, "pg_sleep(1)") {
+		if strings.Contains(query, "pg_sleep(30)") {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -266,27 +279,54 @@ func TestInspectWaitShown(t *testing.T) {
 	if q.reads < 2 {
 		t.Errorf("pg_locks read %d times: the reading of a wait that had ended was not read again", q.reads)
 	}
+	var still int
+	if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active' AND query_start = $2",
+		pid, next).Scan(&still); err != nil || still != 1 {
+		t.Fatalf("the waiter no longer in its next statement after Inspect (%d, %v): the reading proves nothing", still, err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT pg_cancel_backend($1)", pid); err != nil {
+		t.Fatal(err)
+	}
 	if err := <-ended; err != nil {
 		t.Fatal(err)
 	}
 
-	// Within a transaction that read pg_stat_activity before the wait began (the waiter idle then): a reading
-	// is read again with pg_stat_activity read afresh, not as the transaction's first read saw it.
-	k2 := key(t)
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k2.id.V); err != nil {
-		t.Fatal(err)
-	}
+	// Through a transaction that read pg_stat_activity while the waiter waited for k in a statement that said it had
+	// waited a minute: its next wait, for k2, which says 100 ms, is listed as waiting since 100 ms before its
+	// statement began, not a minute before the first one did.
 	tx, err := obs.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	var n int
-	if err := tx.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'idle'", pid).Scan(&n); err != nil || n != 1 {
-		t.Fatalf("the waiter not idle before its wait (%d rows): %v", n, err)
+	go func() {
+		_, err := waiter.Exec(ctx, "/*advlock q=60000*/ SELECT pg_advisory_lock("+strconv.FormatInt(k.id.V, 10)+")")
+		ended <- err
+	}()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var n int
+		if err := tx.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND query LIKE '/*advlock q=60000*/%'", pid).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 1 {
+			break // the transaction's view of pg_stat_activity, from now on
+		}
+		if err := tx.QueryRow(ctx, "SELECT pg_stat_clear_snapshot()::text").Scan(new(string)); err != nil {
+			t.Fatal(err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first wait never showed")
+		}
+	}
+	if err := <-ended; err == nil || !strings.Contains(err.Error(), "55P03") {
+		t.Fatalf("the first wait ended with %v, want 55P03", err)
+	}
+	k2 := key(t)
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock($1)", k2.id.V); err != nil {
+		t.Fatal(err)
 	}
 	go func() {
-		_, err := waiter.Exec(ctx, "/*advlock q=5000*/ SELECT pg_advisory_lock("+strconv.FormatInt(k2.id.V, 10)+")")
+		_, err := waiter.Exec(ctx, "/*advlock q=100*/ SET lock_timeout = 0; SELECT pg_advisory_lock("+strconv.FormatInt(k2.id.V, 10)+")")
 		ended <- err
 	}()
 	var since time.Time
@@ -307,8 +347,8 @@ func TestInspectWaitShown(t *testing.T) {
 	for _, r := range rows {
 		if r.Key.Equal(k2) && !r.Granted {
 			listed = true
-			if want := since.Add(-5 * time.Second); r.State != "active" || r.WaitStart == nil || !r.WaitStart.Equal(want) {
-				t.Errorf("the wait listed %q, waiting since %v, want active since %v (5 s before its statement began)", r.State, r.WaitStart, want)
+			if want := since.Add(-100 * time.Millisecond); r.State != "active" || r.WaitStart == nil || !r.WaitStart.Equal(want) {
+				t.Errorf("the wait listed %q, waiting since %v, want active since %v (100 ms before its statement began)", r.State, r.WaitStart, want)
 			}
 		}
 	}

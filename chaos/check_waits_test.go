@@ -208,6 +208,9 @@ func TestCheckerOvertaken(t *testing.T) {
 			queueSpec{"w1", 0, "x", [2]int{0, 2900}, "ok", [2]int{2900, 3000}},
 			queueSpec{"w2", 1, "x", [2]int{1600, 3100}, "ok", [2]int{3100, 3200}},
 			queueSpec{"w3", 1, "x", [2]int{1700, 3300}, "ok", [2]int{3300, 3400}}), map[string]int{}, 1},
+		{"overtaken by a writer that began exactly the slack later", crowdHistory(
+			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
+			queueSpec{"w2", 1, "x", [2]int{1500, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{VOvertaken: 1}, 1},
 		{"the later one began within the slack", crowdHistory(
 			queueSpec{"w1", 0, "x", [2]int{0, 2500}, "ok", [2]int{2500, 2600}},
 			queueSpec{"w2", 1, "x", [2]int{1400, 2000}, "ok", [2]int{2000, 2100}}), map[string]int{}, 0},

@@ -20,10 +20,6 @@ import (
 // (with the renewal loop as it was before a lease waited for it, and as it is), all 5 in a CI run. So eight.
 const metTries = 8
 
-// minChances is how many chances to overtake (Report.OvertakeChances) a crowd campaign needs to have met
-// wait_requeue_back's moment: campaigns by hand had 32 to 67 (33 to 51 with the mutant, each caught).
-const minChances = 20
-
 // TestMutants is the mutation suite: the library built with one deliberate bug at a time (the tag advlock_mutants;
 // never in a normal build), each run as a short campaign, which must end with a violation of the class that bug
 // breaks. A mutant the checker misses fails the test. The seed changes from run to run (it is logged): the checker
@@ -105,12 +101,12 @@ func TestMutants(t *testing.T) {
 	// campaign that showed neither runs again with the next seed, at most metTries; its control shows neither comes of
 	// the steps themselves.
 	sweptLive := func(r *Report) bool { return r.ViolationsByKind[VOverlap]+r.ViolationsByKind[VLateNotice] > 0 }
-	// Crowd waits long enough for wait_requeue_back to let later ones pass (a suite run's 10 s campaign under CI's
-	// load showed no overtaken wait): a campaign that caught the mutant met its moment, whatever its count; one with
-	// fewer than minChances and no catch runs again.
-	queuedBehind := func(r *Report) bool {
-		return r.OvertakeChances >= minChances || r.ViolationsByKind[VOvertaken] > 0
-	}
+	// A later crowd wait let past an earlier one (a suite run's 10 s campaign under CI's load showed none). Nothing in
+	// the records tells a campaign whose waits gave the mutant its moment from one whose did not: the chances to
+	// overtake it counts (Report.OvertakeChances, logged) were as many in the controls (32 to 83 by hand) as with the
+	// mutant (33 to 51, each caught). So a campaign that did not catch it runs again with the next seed, and the case
+	// fails when none of metTries did.
+	queuedBehind := func(r *Report) bool { return r.ViolationsByKind[VOvertaken] > 0 }
 	met := map[string]func(*Report) bool{mutant.LeaseLateGrantKept: grantedLate, mutant.LeaseRenewNoDeadline: renewedLate,
 		mutant.LeaseSweepServerExpiry: sweptLive, mutant.WaitRequeueBack: queuedBehind}
 	cases := []struct {
@@ -275,7 +271,8 @@ func TestMutants(t *testing.T) {
 			r, err := Run(context.Background(), opt)
 			metMoment := met[c.mutant] // none for a control (no mutant)
 			for try := 1; err == nil && metMoment != nil && !metMoment(r) && try < metTries; try++ {
-				t.Logf("seed %d: the campaign did not meet mutant %s's moment; again with seed %d", opt.Seed, c.mutant, opt.Seed+1)
+				t.Logf("seed %d: the campaign did not meet mutant %s's moment (%d chances to overtake); again with seed %d",
+					opt.Seed, c.mutant, r.OvertakeChances, opt.Seed+1)
 				os.RemoveAll(r.Dir)
 				opt.Seed++
 				r, err = Run(context.Background(), opt)

@@ -129,8 +129,8 @@ func (h *History) queue() []Violation {
 // more after it (one of later) was recorded a whole slice of w's before w's call returned. It measures whether a
 // campaign's waits were long enough for a line that sends a wait to the back of the server's queue at each slice's
 // end to let a later one pass, not that one could: a wait is recorded before its call, which may make a connection
-// first, and its end once its answer is back. So a campaign needs several (see the mutation test's minChances),
-// and one that shows the bug may have had none (the later wait's try came between two of w's slices).
+// first, and its end once its answer is back; and one that shows the bug may have had none (the later wait's try
+// came between two of w's slices). The report shows the count, which explains a campaign that showed nothing.
 func (h *History) countChance(w *Wait, later []*Wait, sections []*CS, list []*Wait) {
 	slice := cmp.Or(h.WaitSlice, session.DefaultWaitSlice)
 	for _, o := range later {
