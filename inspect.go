@@ -306,12 +306,12 @@ func inspectOnce(ctx context.Context, q Querier) ([]LockInfo, bool, error) {
 			&li.ApplicationName, &li.ClientAddr, &start, &li.State, &live, &comment, &li.queryHidden, &queryStart, &advisoryWait); err != nil {
 			return li, err
 		}
-		// A wait of advlock is sent again every slice (pg_locks.waitstart is the current slice's start); each of
-		// its statements says how long the wait has waited, so it began that long before the statement started
-		// (on the server's clock).
 		if !waitShown(li.Granted, li.WaitStart, queryStart, advisoryWait && comment == "") {
 			consistent = false // the statement that waited had ended when pg_stat_activity was read
 		}
+		// A wait of advlock is sent again every slice (pg_locks.waitstart is the current slice's start); each of
+		// its statements says how long the wait has waited, so it began that long before the statement started
+		// (on the server's clock).
 		if !li.Granted && li.WaitStart == nil {
 			// pg_locks.waitstart is null for a moment after a wait begins: the statement began it.
 			li.WaitStart = queryStart

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	neturl "net/url"
 	"os"
 	"os/exec"
 	"strconv"
@@ -13,7 +12,6 @@ import (
 	"time"
 
 	"github.com/advlock/advlock/internal/lease"
-	"github.com/advlock/advlock/internal/testkit/faults"
 	"github.com/advlock/advlock/internal/testkit/pgtest"
 	"github.com/jackc/pgx/v5"
 )
@@ -327,8 +325,8 @@ func TestLeaseSweepTurns(t *testing.T) {
 // Locker of 1.5 s leases holding 20, take both turns in a fresh database; three Lockers of this process start
 // beside them, and over 8 periods take no turn and read no row (unless a sweeper was held up: at most the turns
 // taken); both processes are SIGKILLed; two of the three take the turns, each turn the dead held from a sweeper
-// (not a turn given back), and delete the 40 dead leases, while their own leases keep their rows and terms. Before the turns
-// are taken, nothing sweeps.
+// (not a turn given back), and delete the 40 dead leases, while their own leases keep their rows and terms. Before
+// the turns are taken, nothing sweeps.
 func TestLeaseSweepTurnsOfTheDead(t *testing.T) {
 	t.Parallel()
 	url := pgtest.FreshDB(t, pgtest.URL(t))
@@ -507,13 +505,8 @@ func TestLeaseSweepTurnLateBeat(t *testing.T) {
 	obs := pgtest.Conn(t, url)
 	ctx := ctxT(t, 2*time.Minute)
 	const length = 1500 * time.Millisecond
-	u, err := neturl.Parse(url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := faults.Start(t, u.Host)
-	u.Host = p.Addr()
-	slow := New(pgtest.Pool(t, u.String(), nil), WithLeases(), WithLeaseLength(length))
+	p, pool := proxiedPool(t, url, 32) // as pgtest.Pool makes them
+	slow := New(pool, WithLeases(), WithLeaseLength(length))
 	defer slow.Close()
 	lk, err := slow.TryLock(ctx, Int64Key(1)) // starts its sweep; it holds nothing after
 	if err != nil {

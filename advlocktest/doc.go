@@ -25,8 +25,8 @@
 //
 // Checks: the DSN of a test gives its sessions an application_name of their own, and when the test ends, a lock
 // still held by a session of that DSN fails it (server truth, from pg_locks), and that session is ended (the check
-// returns once the server has let it go, 3 s at most), as a lease left held is broken. [VerifyNoGoroutines] fails a test that
-// leaves advlock's goroutines, or a pgx pool's, running (a Locker not closed).
+// returns once the server has let it go, 3 s at most), as a lease left held is broken. [VerifyNoGoroutines] fails a
+// test that leaves advlock's goroutines, or a pgx pool's, running (a Locker not closed).
 //
 // The package is for tests: it imports package testing, starts nothing when imported, and depends only on the
 // standard library, pgx and advlock. Functions take a [TB], which *testing.T, *testing.B and *testing.F satisfy.

@@ -91,10 +91,11 @@ func (r *rawLease) close() { r.c.Close(context.Background()) }
 // leaseTables are the tables the lease contenders write: advlock's and the raw loop's.
 var leaseTables = []string{"advlock_lease", "advlock_lease_wait", "bench_lease", "bench_lease_wait"}
 
-// vacuumLeases vacuums the lease tables at url before the lease workloads (when a lease contender runs), so that every run starts from what autovacuum
-// leaves: a server run with autovacuum off (as this project's test server is) keeps every dead row version of earlier
-// runs and tests, which each grant of a key walks past (docs/performance.md: a cycle a quarter slower on 268,592 of
-// them). It logs what it found; a role that may not vacuum them leaves them as they are.
+// vacuumLeases vacuums the lease tables at url before the lease workloads (when a lease contender runs), so that
+// every run starts from what autovacuum leaves: a server run with autovacuum off (as this project's test server is)
+// keeps every dead row version of earlier runs and tests, which each grant of a key walks past (docs/performance.md:
+// a cycle a quarter slower on 268,592 of them). It logs what it found; a role that may not vacuum them leaves them
+// as they are.
 func vacuumLeases(ctx context.Context, url string) {
 	c, err := pgx.Connect(ctx, url)
 	if err != nil {

@@ -132,10 +132,13 @@ func (h *History) queue() []Violation {
 // first, and its end once its answer is back; and one that shows the bug may have had none (the later wait's try
 // came between two of w's slices). The report shows the count, which explains a campaign that showed nothing.
 func (h *History) countChance(w *Wait, later []*Wait, sections []*CS, list []*Wait) {
+	if h.queueDisturbed(w, sections, list) {
+		return
+	}
 	slice := cmp.Or(h.WaitSlice, session.DefaultWaitSlice)
 	for _, o := range later {
 		if o.Op == "crowd" && o.Start.Sub(w.Start) >= OvertakeSlack && w.End.Sub(o.Start) > slice &&
-			conflicts(w.Mode, o.Mode) && !h.queueDisturbed(w, sections, list) && !h.queueDisturbed(o, sections, list) {
+			conflicts(w.Mode, o.Mode) && !h.queueDisturbed(o, sections, list) {
 			h.OvertakeChances++
 			return
 		}

@@ -360,7 +360,8 @@ func (r *Report) Print(w io.Writer) {
 			time.Duration(r.StarveBoundMS)*time.Millisecond)
 	}
 	if r.OvertakeChances > 0 {
-		fmt.Fprintf(w, "crowd waits that returned a whole slice or more after a wait begun 1.5 s or more after them was recorded (chances to overtake): %d\n\n", r.OvertakeChances)
+		fmt.Fprintf(w, "crowd waits that returned a whole slice or more after a wait begun %v or more after them was recorded (chances to overtake): %d\n\n",
+			OvertakeSlack, r.OvertakeChances)
 	}
 
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)

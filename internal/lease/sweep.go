@@ -21,8 +21,8 @@ import (
 // server's clock: its own live ones it renews, and those it lost or gave back it deletes itself, see retire),
 // sightPage of each table a read, each table once a period from where its last read stopped to its end
 // (pageTables, sweepPages reads at most). It deletes each row once it has seen it unchanged for its holder's lease
-// length on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its next
-// read), provided a later read saw it unchanged too (so that the live rows of a holder whose lease is shorter than
+// length on its own monotonic clock, keyed on the record it saw, at the moment that length has passed (not at its
+// next read), provided a later read saw it unchanged too (so that the live rows of a holder whose lease is shorter than
 // the time between two reads, renewed in between, cost no delete). That is the takeover's rule (Client.matured):
 // the holder trusts its lease for less than its length from the send of the statement that made the record, which
 // ran before the read, so a record unchanged for that length after it was read belongs to a holder that has
@@ -32,8 +32,8 @@ import (
 // Sweep after its holder's last renewal when its length is a Sweep or more (two Sweeps when it is shorter), while
 // the tables hold at most sweepPages*sightPage rows of other Clients (50,000) and a sweeper that has held its turn
 // since before the holder's last renewal lives (when both die at once, the turns are taken within four Sweeps of
-// the takers, and a row goes a lease length and a Sweep after that), plus the time the reads of a period take. With more than
-// sweepPages pages, a row is read every k periods (k = pages/sweepPages, rounded up): a length and k Sweeps, or 2k
+// the takers, and a row goes a lease length and a Sweep after that), plus the time the reads of a period take. With
+// more than sweepPages pages, a row is read every k periods (k = pages/sweepPages, rounded up): a length and k Sweeps, or 2k
 // Sweeps when that is longer. No clock but the sweeper's own counts: a server clock that steps
 // changes nothing. A crash may bring an older record back (it took back the renewals after it), one the sweep may
 // have seen before them and so delete a lease length after that sighting, while its holder may still trust a

@@ -7,15 +7,14 @@ import (
 	"time"
 )
 
-// Of the Clients that share the tables, Turns sweep at once; the others only look, once a Sweep or less, whether a
-// turn is free. A turn is a row of Timelines (timeline -1 for the first, -2 for the second): its beat (since), which
-// its sweeper moves on at the start of each sweep period, and every half Sweep between the pages of a long one
-// (beatMoved: its value says only that it changed). A Client that sees a
-// turn's beat unchanged for 2*Sweep on its own monotonic clock (read at the start and at the end of that time), or
-// no row for it, takes the turn: it writes the beat only if the beat is still the one it saw, so that of the
-// Clients that try at once, one has it. A sweeper whose beat is no longer the one it wrote (another took its turn)
-// stops sweeping and forgets what it saw. A Client holds at most one turn; a process of several Clients (Lockers)
-// may hold both.
+// Of the Clients that share the tables, Turns sweep at once; the others only look, once a Sweep or less, whether a turn
+// is free. A turn is a row of Timelines (timeline -1 for the first, -2 for the second): its beat (since), which its
+// sweeper moves on at the start of each sweep period, and every half Sweep between the pages of a long one (beatMoved:
+// its value says only that it changed). A Client that sees a turn's beat unchanged for 2*Sweep on its own monotonic
+// clock (read at the start and at the end of that time), or no row for it, takes the turn: it writes the beat only if
+// the beat is still the one it saw, so that of the Clients that try at once, one has it. A sweeper whose beat is no
+// longer the one it wrote (another took its turn) stops sweeping and forgets what it saw. A Client holds at most one
+// turn; a process of several Clients (Lockers) may hold both.
 //
 // Nothing here decides whether a row is deleted: the sweep's rule (a row unchanged for its holder's lease length on
 // the sweeper's own clock) holds whoever sweeps, and for any number of sweepers at once. So a beat that came late
@@ -197,8 +196,8 @@ func (c *Client) takeTurn(ctx context.Context, i int, want string) (bool, string
 }
 
 // SweepStats is what a Client's sweep has done so far (for tests): the turn it holds (0: none), the reads of the
-// rows it has made (a page of the tables each), and the turns it has taken from another sweeper (whose beat it saw unchanged; a turn without a
-// row is not counted).
+// rows it has made (a page of the tables each), and the turns it has taken from another sweeper (whose beat it saw
+// unchanged; a turn without a row is not counted).
 type SweepStats struct {
 	Turn         int
 	Reads, Taken int64
