@@ -238,7 +238,10 @@ func victimGrantedRace(t *testing.T) string {
 		}
 		if victim == nil {
 			if c1.pid, c2.pid = waiter(vb), waiter(va); c1.pid == 0 || c2.pid == 0 {
-				return false
+				// A wait between two of its statements (a loaded machine): this reading is dropped, so that no
+				// Locker counts a sighting of the cycle that the test did not (a CI run's victim ended its wait on
+				// its second sighting with one of them uncounted here, and the test saw one reading).
+				return true
 			}
 			victim, other = c1, c2 // the least pid gives up
 			if c2.pid < c1.pid {
